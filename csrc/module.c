@@ -1,0 +1,209 @@
+/* hotloop._C: multi-phase module init, per-module state, exception types and build_info(). */
+#include "module.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef HOTLOOP_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+hl_state *hl_state_of(PyObject *module) { return (hl_state *)PyModule_GetState(module); }
+
+/* "cudaMemcpyAsync(dst, ...)" -> "cudaMemcpyAsync": the message names the call, not its arguments */
+static PyObject *call_name(const char *call) {
+    return PyUnicode_FromStringAndSize(call, (Py_ssize_t)strcspn(call, "( "));
+}
+
+/* Build exc_type(message) with the failure's details as attributes, and raise it. */
+static int raise_with_details(PyObject *exc_type, PyObject *message, int code, const char *error_name,
+                              PyObject *call, const char *file, int line) {
+    PyObject *exc = NULL, *value = NULL;
+    exc = PyObject_CallFunctionObjArgs(exc_type, message, NULL);
+    if (exc == NULL)
+        goto error;
+    value = PyLong_FromLong(code);
+    if (value == NULL || PyObject_SetAttrString(exc, "code", value) < 0)
+        goto error;
+    Py_CLEAR(value);
+    value = PyUnicode_FromString(error_name);
+    if (value == NULL || PyObject_SetAttrString(exc, "error_name", value) < 0)
+        goto error;
+    Py_CLEAR(value);
+    if (PyObject_SetAttrString(exc, "call", call) < 0)
+        goto error;
+    value = PyUnicode_FromString(file);
+    if (value == NULL || PyObject_SetAttrString(exc, "file", value) < 0)
+        goto error;
+    Py_CLEAR(value);
+    value = PyLong_FromLong(line);
+    if (value == NULL || PyObject_SetAttrString(exc, "line", value) < 0)
+        goto error;
+    Py_CLEAR(value);
+    PyErr_SetObject(exc_type, exc);
+error:
+    Py_XDECREF(value);
+    Py_XDECREF(exc);
+    return -1;
+}
+
+int hl_raise_cuda(PyObject *module, const hl_cuda_status *status) {
+    const char *name = "cudaErrorUnknown", *text = "unknown error";
+#ifdef HOTLOOP_WITH_CUDA
+    name = cudaGetErrorName((cudaError_t)status->code);
+    text = cudaGetErrorString((cudaError_t)status->code);
+#endif
+    PyObject *call = call_name(status->call), *message = NULL;
+    if (call == NULL)
+        return -1;
+    message = PyUnicode_FromFormat("%U failed with %s (%d): %s [%s:%d]", call, name, status->code, text,
+                                   status->file, status->line);
+    if (message != NULL)
+        raise_with_details(hl_state_of(module)->cuda_error, message, status->code, name, call,
+                           status->file, status->line);
+    Py_XDECREF(message);
+    Py_DECREF(call);
+    return -1;
+}
+
+int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call, const char *file,
+                  int line) {
+    PyObject *name = call_name(call), *message = NULL;
+    if (name == NULL)
+        return -1;
+    message = PyUnicode_FromFormat("%U failed with NVML error %d: %s [%s:%d]", name, code, text, file, line);
+    if (message != NULL)
+        raise_with_details(hl_state_of(module)->nvml_error, message, code, text, name, file, line);
+    Py_XDECREF(message);
+    Py_DECREF(name);
+    return -1;
+}
+
+/* "75,80,90" -> [75, 80, 90]; "address,undefined" -> ["address", "undefined"] */
+static PyObject *split_commas(const char *text, int as_int) {
+    PyObject *list = PyList_New(0);
+    const char *p = text;
+    while (list != NULL && *p) {
+        size_t len = strcspn(p, ",");
+        PyObject *item = as_int ? PyLong_FromLong(strtol(p, NULL, 10))
+                                : PyUnicode_FromStringAndSize(p, (Py_ssize_t)len);
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(list);
+            break;
+        }
+        Py_DECREF(item);
+        p += len + (p[len] == ',');
+    }
+    return list;
+}
+
+PyDoc_STRVAR(build_info_doc, "build_info() -> dict\n\n"
+             "What this _C was built with: version, cuda (runtime version or None), cuda_archs,\n"
+             "ptx_arch, abi3, sanitizers.");
+
+static PyObject *build_info(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+    PyObject *cuda = Py_None, *archs = NULL, *ptx = Py_None, *sanitizers = NULL, *info = NULL;
+#ifdef HOTLOOP_WITH_CUDA
+    cuda = PyUnicode_FromFormat("%d.%d", CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10);
+    if (cuda == NULL)
+        return NULL;
+#else
+    Py_INCREF(cuda);
+#endif
+    archs = split_commas(HOTLOOP_CUDA_ARCHS, 1);
+    sanitizers = split_commas(HOTLOOP_SANITIZERS, 0);
+    if (archs == NULL || sanitizers == NULL)
+        goto error;
+    if (PyList_Size(archs) > 0) {
+        /* setup.py embeds PTX of the newest architecture it built for */
+        long newest = 0;
+        for (Py_ssize_t i = 0; i < PyList_Size(archs); i++) {
+            long a = PyLong_AsLong(PyList_GetItem(archs, i));
+            newest = a > newest ? a : newest;
+        }
+        ptx = PyLong_FromLong(newest);
+        if (ptx == NULL)
+            goto error;
+    } else {
+        Py_INCREF(ptx);
+    }
+    info = Py_BuildValue("{s:s, s:O, s:O, s:O, s:O, s:O}", "version", HOTLOOP_VERSION, "cuda", cuda,
+                         "cuda_archs", archs, "ptx_arch", ptx, "abi3", Py_True, "sanitizers",
+                         sanitizers);
+error:
+    Py_XDECREF(cuda);
+    Py_XDECREF(archs);
+    Py_XDECREF(ptx);
+    Py_XDECREF(sanitizers);
+    return info;
+}
+
+static PyMethodDef module_methods[] = {
+    {"build_info", build_info, METH_NOARGS, build_info_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int add_exception(PyObject *module, const char *name, const char *doc, PyObject **slot) {
+    *slot = PyErr_NewExceptionWithDoc(name, doc, PyExc_RuntimeError, NULL);
+    if (*slot == NULL)
+        return -1;
+    return PyModule_AddObjectRef(module, strrchr(name, '.') + 1, *slot);
+}
+
+static int exec_module(PyObject *module) {
+    hl_state *state = hl_state_of(module);
+    if (add_exception(module, "hotloop.CudaError",
+                      "A CUDA call failed; the message names the call, the error and where it happened.\n"
+                      "Attributes: code, error_name, call, file, line.",
+                      &state->cuda_error) < 0)
+        return -1;
+    if (add_exception(module, "hotloop.NvmlError",
+                      "An NVML call failed; the message names the call and NVML's error.\n"
+                      "Attributes: code, error_name, call, file, line.",
+                      &state->nvml_error) < 0)
+        return -1;
+    if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0)
+        return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+    hl_state *state = hl_state_of(module);
+    Py_VISIT(state->cuda_error);
+    Py_VISIT(state->nvml_error);
+    Py_VISIT(state->ring_type);
+    Py_VISIT(state->monitor_type);
+    return 0;
+}
+
+static int module_clear(PyObject *module) {
+    hl_state *state = hl_state_of(module);
+    Py_CLEAR(state->cuda_error);
+    Py_CLEAR(state->nvml_error);
+    Py_CLEAR(state->ring_type);
+    Py_CLEAR(state->monitor_type);
+    return 0;
+}
+
+static void module_free(void *module) { module_clear((PyObject *)module); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, exec_module},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "hotloop._C",
+    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels, pinned ring, NVML sampler.",
+    .m_size = sizeof(hl_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

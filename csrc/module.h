@@ -1,0 +1,54 @@
+/* What the C files of hotloop._C share: the module state, the error helpers and each part's entry point. */
+#ifndef HOTLOOP_MODULE_H
+#define HOTLOOP_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Per-module state: everything a function needs that is not an argument. No static PyObject*. */
+typedef struct {
+    PyObject *cuda_error; /* hotloop.CudaError, a RuntimeError */
+    PyObject *nvml_error; /* hotloop.NvmlError, a RuntimeError */
+    PyObject *ring_type;    /* set by ring.c, when it adds its type */
+    PyObject *monitor_type; /* set by monitor.c, when it adds its type */
+} hl_state;
+
+hl_state *hl_state_of(PyObject *module);
+
+/* Where a failing CUDA call happened; filled without the GIL, raised once the GIL is back. */
+typedef struct {
+    int code; /* cudaError_t; 0 while nothing failed */
+    const char *call;
+    const char *file;
+    int line;
+} hl_cuda_status;
+
+/* Run `expr` (a CUDA call returning cudaError_t) unless an earlier call already failed, and
+   remember the first failure. Safe without the GIL. */
+#define HL_CUDA(status, expr)                                                                      \
+    do {                                                                                           \
+        if ((status)->code == 0) {                                                                 \
+            int hl_err_ = (int)(expr);                                                             \
+            if (hl_err_ != 0) {                                                                    \
+                (status)->code = hl_err_;                                                          \
+                (status)->call = #expr;                                                            \
+                (status)->file = __FILE__;                                                         \
+                (status)->line = __LINE__;                                                         \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+/* Raise hotloop.CudaError for a failed status (naming call, error name and text, file and line).
+   Returns -1, for `return hl_raise_cuda(...)`. */
+int hl_raise_cuda(PyObject *module, const hl_cuda_status *status);
+
+/* Raise hotloop.NvmlError: `code` is NVML's return code, `text` what nvmlErrorString said. */
+int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call, const char *file,
+                  int line);
+
+/* Each part adds its functions (and types) to the module: 0 on success, -1 with an exception set. */
+int hl_tensor_exec(PyObject *module);
+int hl_cuda_exec(PyObject *module);
+int hl_amp_exec(PyObject *module);
+
+#endif

@@ -1,0 +1,31 @@
+"""hotloop keeps a PyTorch GPU busy: C and CUDA C under thin wrappers that slot into a training loop.
+
+`import hotloop` needs neither a GPU nor torch; the parts that work on tensors import torch when used.
+"""
+import importlib
+
+from . import _C
+from ._C import CudaError, NvmlError
+from ._version import __version__
+
+__all__ = ["CudaError", "NvmlError", "__version__", "build_info", "cuda_available", "ops"]
+
+
+_LAZY_SUBMODULES = ("ops",)
+
+
+def build_info() -> dict:
+    """What hotloop._C was built with: version, CUDA runtime (or None), architectures, abi3, sanitizers."""
+    return _C.build_info()
+
+
+def cuda_available() -> bool:
+    """True when hotloop was built with CUDA and a driver and a device are present."""
+    return _C.cuda_unavailable_reason() is None
+
+
+def __getattr__(name):
+    # submodules that need torch load on first use, so that `import hotloop` stays light
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'hotloop' has no attribute {name!r}")

@@ -1,0 +1,2 @@
+"""The package version: setup.py reads it and compiles it into hotloop._C."""
+__version__ = "0.1.0"
