@@ -356,10 +356,12 @@ static void cpu_amp_update(float *scale, int32_t *growth_tracker, int64_t *state
     }
 }
 
+#ifdef HOTLOOP_WITH_CUDA
 /* raise the failed status once the GIL is back; 0 when nothing failed */
 static int finish_cuda(PyObject *module, const hl_cuda_status *status) {
     return status->code != 0 ? hl_raise_cuda(module, status) : 0;
 }
+#endif
 
 PyDoc_STRVAR(amp_table_upload_doc,
              "amp_table_upload(packed_table, param_index, dst, stream) -> (count, total_chunks, total_numel, device)\n\n"
