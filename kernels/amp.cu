@@ -49,11 +49,23 @@ __device__ bool chunk_has_non_finite(const hl_table_entry &e, int64_t begin, int
     bool bad = false;
     int64_t i = begin;
     if (((uintptr_t)base & 15) == 0) {
-        /* chunks start at multiples of HL_CHUNK_ELEMS, so an aligned tensor gives aligned chunks */
+        /* chunks start at multiples of HL_CHUNK_ELEMS, so an aligned tensor gives aligned chunks;
+           four independent 16-byte loads in flight per thread keep the memory system busy */
         const uint4 *vec = (const uint4 *)(base + begin * elem);
-        int64_t nvec = (end - begin) / per_vec;
-        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x)
-            bad |= non_finite_vec(__ldg(vec + v), e.dtype);
+        const int64_t nvec = (end - begin) / per_vec;
+        for (int64_t v0 = threadIdx.x; v0 < nvec; v0 += 4 * (int64_t)blockDim.x) {
+            uint4 raw[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                int64_t v = v0 + (int64_t)k * blockDim.x;
+                if (v < nvec)
+                    raw[k] = __ldcs(vec + v);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (v0 + (int64_t)k * blockDim.x < nvec)
+                    bad |= non_finite_vec(raw[k], e.dtype);
+        }
         i = begin + nvec * per_vec;
     }
     for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x)
@@ -173,8 +185,11 @@ __device__ void check_chunk(const hl_table_entry &e, int64_t begin, int64_t end,
         }
         i = begin + nvec * PER;
     }
-    for (int64_t j = i + threadIdx.x; j < end; j += AMP_THREADS) /* unaligned tensors and tails */
-        base[j] = check_value<T, MODE, WRITE>(base[j], inv, p, acc, bad);
+    for (int64_t j = i + threadIdx.x; j < end; j += AMP_THREADS) { /* unaligned tensors and tails */
+        T y = check_value<T, MODE, WRITE>(base[j], inv, p, acc, bad);
+        if (WRITE)
+            base[j] = y;
+    }
 }
 
 /* the block's partial for one chunk, reduced in a fixed tree, written by thread 0 */
@@ -198,7 +213,7 @@ template <int MODE> __device__ void finish_chunk(double acc, bool bad, float2 *o
         for (int o = 16; o > 0; o >>= 1)
             acc = combine<MODE>(acc, __shfl_xor_sync(0xffffffffu, acc, o));
         any = __any_sync(0xffffffffu, any);
-        if (lane == 0)
+        if (lane == 0 && out != NULL)
             *out = make_float2((float)acc, any ? 1.0f : 0.0f);
     }
     __syncthreads(); /* the shared slots are reused by the next chunk */
