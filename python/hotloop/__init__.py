@@ -8,10 +8,13 @@ from . import _C
 from ._C import CudaError, NvmlError
 from ._version import __version__
 
-__all__ = ["CudaError", "NvmlError", "__version__", "build_info", "cuda_available", "ops"]
+__all__ = ["CudaError", "MemoryMonitor", "MemoryReport", "NvmlError", "__version__", "build_info",
+           "cuda_available", "memory_monitor", "ops"]
 
 
-_LAZY_SUBMODULES = ("ops",)
+_LAZY_SUBMODULES = ("ops", "monitor", "doctor")
+# names offered at the top level, defined in a submodule that loads on first use
+_LAZY_ATTRIBUTES = {"memory_monitor": "monitor", "MemoryMonitor": "monitor", "MemoryReport": "monitor"}
 
 
 def build_info() -> dict:
@@ -28,4 +31,6 @@ def __getattr__(name):
     # submodules that need torch load on first use, so that `import hotloop` stays light
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_ATTRIBUTES:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY_ATTRIBUTES[name]}"), name)
     raise AttributeError(f"module 'hotloop' has no attribute {name!r}")
