@@ -100,7 +100,7 @@ class Doctor:
             tag = f"gpu {i}"
             mem = info["memory"] or {}
             name = f"{info['name']}, {mem.get('total', 0) / 2**30:.0f} GiB"
-            tindex = _torch_index(torch, info["uuid"]) if torch_cuda else None
+            tindex = _torch_index(torch, info["uuid"], i) if torch_cuda else None
             if tindex is not None:
                 major, minor = torch.cuda.get_device_capability(tindex)
                 name += f", compute capability {major}.{minor} (torch cuda:{tindex})"
@@ -280,15 +280,19 @@ def _cuda_text(version):
     return "unknown" if not version else f"{version // 1000}.{version % 1000 // 10}"
 
 
-def _torch_index(torch, uuid):
+def _torch_index(torch, uuid, nvml_index=None):
     """the torch device index of the NVML device with this UUID (CUDA_VISIBLE_DEVICES may reorder)"""
     for i in range(torch.cuda.device_count()):
         try:
             u = str(torch.cuda.get_device_properties(i).uuid)
         except Exception:
-            return None
-        if uuid and uuid.endswith(u):
+            break
+        if uuid and u and uuid.endswith(u):
             return i
+    # no UUIDs to match: the indices agree when nothing reorders or hides devices
+    if nvml_index is not None and "CUDA_VISIBLE_DEVICES" not in os.environ \
+            and nvml_index < torch.cuda.device_count():
+        return nvml_index
     return None
 
 
