@@ -461,3 +461,51 @@ def test_sampler_keeps_the_rate_without_the_gil(fake):
         t.join()
     s = m.snapshot()
     assert s["memory_samples"] + s["ticks_missed"] >= 200  # ~300 ticks in 0.3 s; lenient on a busy CI box
+
+
+class ScriptedAllocator:
+    """torch.cuda's allocator queries answering scripted figures, so the CUDA code path runs on a CPU."""
+
+    def __init__(self, reserved0, peak_allocated, peak_reserved):
+        self.reserved0, self.peak_allocated, self.peak_reserved = reserved0, peak_allocated, peak_reserved
+        self.synced = 0
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        props = types.SimpleNamespace(uuid="fake-0")
+        for name, fn in {
+            "is_available": lambda: True, "current_device": lambda: 0, "get_device_properties": lambda d: props,
+            "synchronize": lambda d=None: setattr(self, "synced", self.synced + 1),
+            "reset_peak_memory_stats": lambda d=None: None, "memory_reserved": lambda d=None: self.reserved0,
+            "memory_allocated": lambda d=None: self.peak_allocated // 2,
+            "max_memory_allocated": lambda d=None: self.peak_allocated,
+            "max_memory_reserved": lambda d=None: self.peak_reserved, "get_device_name": lambda d=None: "Scripted",
+            "memory_stats": lambda d=None: {"num_alloc_retries": 2, "num_ooms": 0,
+                                            "inactive_split_bytes.all.peak": 123 * MiB},
+        }.items():
+            monkeypatch.setattr(cuda, name, fn)
+
+
+def test_torch_and_nvml_figures_add_up(fake, monkeypatch):
+    context = 500 * MiB + 4096 * int(np.random.randint(1, 100))
+    reserved0 = 2 * GiB
+    alloc = ScriptedAllocator(reserved0, peak_allocated=10 * GiB, peak_reserved=14 * GiB)
+    alloc.install(monkeypatch)
+    fake.set("used", context + reserved0)  # what the device shows at start
+    with hotloop.MemoryMonitor(interval_ms=0.5) as mon:
+        peak = context + 14 * GiB + 300 * MiB  # torch's peak plus a workspace outside torch
+        fake.set("spike_value", peak)
+        fake.set("spike_call", fake.get("memory_calls") + 2)
+        wait_for(lambda: fake.get("memory_calls") > fake.get("spike_call") + 2)
+    r = mon.report()
+    assert alloc.synced == 1  # once, at start (the context must exist for the baseline)
+    assert r.torch_cuda and r.device == "cuda:0" and r.device_name == "Scripted"
+    assert r.context_baseline == context
+    assert r.peak_device_used == peak
+    assert r.non_torch_at_peak == 300 * MiB
+    assert r.context_baseline + r.peak_reserved + r.non_torch_at_peak == r.peak_device_used
+    assert r.fragmentation_at_peak == 4 * GiB and r.inactive_split_peak == 123 * MiB
+    assert r.alloc_retries == 0  # counted from the start: the scripted count does not move
+    text = str(r)
+    assert "= context" in text and "torch reserved 14.00 GiB" in text and "other 300.0 MiB" in text
+    assert any("expandable_segments" in a for a in r.advice)  # 4 of 14 GiB reserved unused at the peak
