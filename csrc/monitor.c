@@ -376,7 +376,9 @@ static void sample_slow(hl_monitor *m) {
 
 static void *sampler_main(void *arg) {
     hl_monitor *m = arg;
-    int64_t next = now_ns(), next_slow = next;
+    /* start() took the first readings itself */
+    int64_t next = now_ns() + m->interval_ns, next_slow = now_ns() + m->slow_interval_ns;
+    sleep_until(m, next);
     while (!atomic_load(&m->stop_requested)) {
         sample_memory(m);
         if (now_ns() >= next_slow) {
@@ -485,6 +487,9 @@ static PyObject *monitor_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     pthread_mutex_unlock(&m->lock);
     atomic_store(&m->stop_requested, 0);
     m->started = seconds(now_ns());
+    /* a first reading now, and a last one in stop(): a run shorter than a tick still has both */
+    sample_memory(m);
+    sample_slow(m);
     err = pthread_create(&m->thread, NULL, sampler_main, m);
     m->running = err == 0;
     if (err == 0 && m->pcie_interval_ns > 0 && m->nvml->pcie_throughput != NULL) {
@@ -508,6 +513,7 @@ static PyObject *monitor_stop(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     if (m->running || m->pcie_running) {
         Py_BEGIN_ALLOW_THREADS
         join_threads(m);
+        sample_memory(m);
         Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
