@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 /* ---------------------------------------------------------------------------------------------
@@ -376,6 +377,9 @@ static void sample_slow(hl_monitor *m) {
 
 static void *sampler_main(void *arg) {
     hl_monitor *m = arg;
+    /* Linux lets a sleeping thread wake up to 50 us late by default: too coarse below 1 ms */
+    if (m->interval_ns < 1000000)
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     /* start() took the first readings itself */
     int64_t next = now_ns() + m->interval_ns, next_slow = now_ns() + m->slow_interval_ns;
     sleep_until(m, next);
@@ -650,11 +654,11 @@ static PyObject *monitor_read_memory(PyObject *self, PyObject *Py_UNUSED(ignored
     Py_BEGIN_ALLOW_THREADS
     rc = read_memory(m, &s);
     Py_END_ALLOW_THREADS
-    if (rc != NVML_SUCCESS)
-        return hl_raise_nvml(module_of(self), rc, m->nvml->error_string(rc),
-                             m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo", __FILE__,
-                             __LINE__),
-               NULL;
+    if (rc != NVML_SUCCESS) {
+        hl_raise_nvml(module_of(self), rc, m->nvml->error_string(rc),
+                      m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo", __FILE__, __LINE__);
+        return NULL;
+    }
     total = s.used + s.reserved + s.free;
     return Py_BuildValue("(KKKK)", (unsigned long long)s.used, (unsigned long long)s.reserved,
                          (unsigned long long)s.free, total);
@@ -909,8 +913,10 @@ static PyObject *nvml_system(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     int cuda = 0;
     unsigned int count = 0;
     nvmlReturn_t rc = n->device_count(&count);
-    if (rc != NVML_SUCCESS)
-        return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetCount_v2", __FILE__, __LINE__), NULL;
+    if (rc != NVML_SUCCESS) {
+        hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetCount_v2", __FILE__, __LINE__);
+        return NULL;
+    }
     int have_driver = n->driver_version && n->driver_version(driver, sizeof(driver)) == NVML_SUCCESS;
     int have_cuda = n->cuda_driver_version && n->cuda_driver_version(&cuda) == NVML_SUCCESS;
     PyObject *driver_obj = have_driver ? PyUnicode_FromString(driver) : Py_NewRef(Py_None);

@@ -509,3 +509,25 @@ def test_torch_and_nvml_figures_add_up(fake, monkeypatch):
     text = str(r)
     assert "= context" in text and "torch reserved 14.00 GiB" in text and "other 300.0 MiB" in text
     assert any("expandable_segments" in a for a in r.advice)  # 4 of 14 GiB reserved unused at the peak
+
+
+def test_a_failing_report_never_hides_the_result_or_the_error(fake, monkeypatch, caplog):
+    def broken(self):
+        raise RuntimeError("report failed")
+
+    monkeypatch.setattr(monitor.MemoryMonitor, "_build_report", broken)
+    before = thread_count()
+
+    @hotloop.memory_monitor
+    def ok():
+        return 42
+
+    @hotloop.memory_monitor
+    def bad():
+        raise ValueError("the user's error")
+
+    assert ok() == 42
+    with pytest.raises(ValueError, match="the user's error"):
+        bad()
+    assert thread_count() == before  # the samplers were stopped anyway
+    assert "no report for this run" in caplog.text

@@ -653,6 +653,15 @@ class MemoryMonitor:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb):
+        # the block's result or exception comes out unchanged, whatever happens to the report
+        try:
+            self._exit_with(exc)
+        except Exception:
+            _logger.warning("hotloop.MemoryMonitor: no report for this run", exc_info=True)
+            self._abandon()
+        return False
+
+    def _exit_with(self, exc):
         if exc is not None and isinstance(exc, _oom_types(self.torch)):
             self.note_oom(exc)
         report = self.stop()
@@ -664,7 +673,14 @@ class MemoryMonitor:
             self._emit(report, force=True)
         else:
             self._emit(report)
-        return False  # exceptions propagate unchanged
+
+    def _abandon(self):
+        """stop sampling and unhook without a report"""
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._running = False
 
     def note_oom(self, exc):
         """Record what memory looked like when `exc` (torch.OutOfMemoryError) was raised."""
