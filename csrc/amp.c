@@ -60,6 +60,8 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         return NULL;
     if (hl_table_parse(packed, "tensors", HL_FLOATING_MASK, &table) < 0)
         return NULL;
+    if (table.device >= 0 && hl_cuda_require(module, table.device) < 0)
+        goto error;
     if (hl_tensor_from_object(found_obj, "found", HL_DTYPE_BIT(HL_FLOAT32), table.device, 1, &found) < 0)
         goto error;
     if (found.numel < 1) {
@@ -75,7 +77,7 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         if (bad)
             *(float *)found.data = 1.0f;
     } else {
-        if (hl_cuda_require(module, table.device) < 0 || take_table_scratch(scratch_obj, &table, &scratch) < 0)
+        if (take_table_scratch(scratch_obj, &table, &scratch) < 0)
             goto error;
 #ifdef HOTLOOP_WITH_CUDA
         hl_cuda_status status = {0};
