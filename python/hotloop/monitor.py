@@ -200,7 +200,9 @@ def _size(n):
         return "-"
     sign = "-" if n < 0 else ""
     n = abs(n)
-    return f"{sign}{n / GiB:.2f} GiB" if n >= 0.5 * GiB else f"{sign}{n / MiB:.1f} MiB"
+    if n >= 0.5 * GiB:
+        return f"{sign}{n / GiB:.2f} GiB"
+    return f"{sign}{n / MiB:.1f} MiB" if n >= 0.1 * MiB else f"{sign}{n / 1024:.1f} KiB"
 
 
 def top_level_modules(report):
@@ -266,7 +268,7 @@ def format_report(r: MemoryReport) -> str:
         w = max(len(m.name) for m in top)
         for m in top:
             lines.append(f"    {m.name:<{w}}  {_size(m.activation_bytes):>10}  (output {_size(m.output_bytes)}, "
-                         f"{m.calls} calls)")
+                         f"{m.calls} call{'s' if m.calls != 1 else ''})")
     if r.advice:
         lines.append("advice:")
         lines += [f"  - {a}" for a in r.advice]
