@@ -166,6 +166,8 @@ static int exec_module(PyObject *module) {
         return -1;
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0)
         return -1;
+    if (hl_monitor_exec(module) < 0)
+        return -1;
     return 0;
 }
 

@@ -14,6 +14,7 @@ import time
 COMPONENTS = {
     "ops": "hotloop.bench_ops",
     "scaler": "hotloop.bench_scaler",
+    "monitor": "hotloop.bench_monitor",
 }
 
 
