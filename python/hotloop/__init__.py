@@ -11,7 +11,9 @@ from ._version import __version__
 __all__ = ["CudaError", "NvmlError", "__version__", "build_info", "cuda_available", "ops"]
 
 
-_LAZY_SUBMODULES = ("ops",)
+_LAZY_SUBMODULES = ("ops", "loader")
+# names that live in a submodule needing torch: name -> submodule
+_LAZY_ATTRIBUTES = {"DataLoader": "loader", "Normalize": "loader"}
 
 
 def build_info() -> dict:
@@ -28,4 +30,6 @@ def __getattr__(name):
     # submodules that need torch load on first use, so that `import hotloop` stays light
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_ATTRIBUTES:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY_ATTRIBUTES[name]}"), name)
     raise AttributeError(f"module 'hotloop' has no attribute {name!r}")
