@@ -742,7 +742,7 @@ class _Pool:
                     self.send(wid, None)
                 except (OSError, ValueError):
                     pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 2.0  # then SIGTERM, as torch does after its 5 s
         for wid, proc in enumerate(self.procs):
             if proc is None:
                 continue
@@ -898,21 +898,24 @@ class _MultiIter(_BaseDataLoaderIter):
                 if pool.ring is None and not pool.ring_unused:
                     pool.make_ring(batch)
                 self._fill()
-                samples = len(task.index) if self._dataset_kind == _DatasetKind.Map and task.index is not None \
-                    else _batch_samples(batch, 1)
+                samples = self._samples_of(task, lambda: _batch_samples(batch, 1))
                 out = _host_batch_out(self._loader, batch, self._pin_memory)
                 return out, samples
             _, spec, leaves, _busy = outcome
-            if self._dataset_kind == _DatasetKind.Map and task.index is not None:
-                samples = len(task.index)
-            else:
-                samples = int(leaves[0][2][0]) if leaves and leaves[0][2] else 1
+            samples = self._samples_of(task, lambda: int(leaves[0][2][0]) if leaves and leaves[0][2] else 1)
             if pool.device is None:
                 out = pool.copy_out(task.slot, spec, leaves, self._pin_memory)
             else:
                 out = pool.copy_to_device(task.slot, spec, leaves)
             self._fill()
             return out, samples
+
+    def _samples_of(self, task, from_batch):
+        if not self._auto_collation:
+            return 1
+        if self._dataset_kind == _DatasetKind.Map:
+            return len(task.index)
+        return from_batch()  # an iterable's last batch may be short
 
     def _next_data(self):
         t0 = time.perf_counter()

@@ -205,7 +205,7 @@ def write_fast(samples, writer):
             k = writer.put(out) if is_ring_tensor(out) else None
             return (_TENSOR, k) if k is not None else (_SIDE, out)
         if kind == "list":
-            return (_SIDE, list(values))
+            return (_SIDE, values)  # collate_str_fn returns its input: a list, or a tuple from zip
         if kind == "dict":
             if any(type(v) is not dict for v in values):
                 raise _Abort
@@ -216,7 +216,7 @@ def write_fast(samples, writer):
         t, subs = p[1], p[2]
         if any(type(v) is not t or len(v) != len(subs) for v in values):
             raise _Abort
-        children = [build(sub, [v[i] for v in values]) for i, sub in enumerate(subs)]
+        children = [build(sub, tuple(v[i] for v in values)) for i, sub in enumerate(subs)]  # as zip(*batch)
         if kind == "namedtuple":
             return (_NAMEDTUPLE, t, children)
         return (_LIST, children)  # default_collate turns tuples and lists of samples into lists
