@@ -13,6 +13,7 @@ import time
 # component name -> module with rows(ctx); each component issue adds its line
 COMPONENTS = {
     "ops": "hotloop.bench_ops",
+    "loader": "hotloop.bench_loader",
 }
 
 
