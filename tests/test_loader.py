@@ -200,9 +200,10 @@ def test_persistent_workers_abandoned_epoch_then_full_epoch():
     assert len(ours) == 20
 
 
-def test_resume_mid_epoch():
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch(num_workers):
     ds = Mixed(n=41, kind="tuple")
-    kwargs = dict(batch_size=4, shuffle=True, num_workers=2)
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
     full = list(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs))
     first = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs)
     it = iter(first)
@@ -508,3 +509,59 @@ def test_stats_and_process_snapshot():
     assert 0 < st.wait_seconds <= st.elapsed_seconds + 1e-6
     assert 0 <= st.stall_fraction <= 1
     assert st.ring_bytes >= 4 * 8 * 8 * 3 and st.worker_busy_seconds > 0
+
+
+_EXIT_SCRIPT = r"""
+import gc, os, signal, sys, threading, time, warnings
+warnings.simplefilter("ignore")
+import torch
+import hotloop
+
+class Sleepy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        if i >= 8:
+            time.sleep(0.1)
+        return torch.full((4,), i)
+
+loader = hotloop.DataLoader(Sleepy(), batch_size=4, num_workers=2)
+fds = sorted(os.listdir("/proc/self/fd"))
+it = iter(loader)
+next(it)
+print("pids", " ".join(str(p.pid) for p in it._pool.procs), flush=True)
+if sys.argv[1] == "interrupt":
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        for _ in it:
+            pass
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    time.sleep(0.1)  # let the timer thread end
+    del it
+    gc.collect()
+    print("fds", "same" if sorted(os.listdir("/proc/self/fd")) == fds else "differ", flush=True)
+# "exit": leave with the iterator alive and workers busy
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "interrupt"])
+def test_interpreter_exit_and_ctrl_c_reap_workers(tmp_path, how):
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_EXIT_SCRIPT)
+    shm = _shm_files()
+    out = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    pids = [int(p) for p in lines["pids"].split()]
+    assert len(pids) == 2
+    if how == "interrupt":
+        assert "interrupted" in out.stdout and lines["fds"] == "same"
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    assert _shm_files() <= shm
