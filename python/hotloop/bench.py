@@ -15,6 +15,7 @@ COMPONENTS = {
     "ops": "hotloop.bench_ops",
     "scaler": "hotloop.bench_scaler",
     "monitor": "hotloop.bench_monitor",
+    "loader": "hotloop.bench_loader",
 }
 
 
