@@ -522,3 +522,29 @@ def test_autocast_fp16_training_matches_torch():
             scaler.update()
         assert sc_ours.get_scale() == sc_ref.get_scale()
     assert_params_close(ref, ours, rel=1e-5)
+
+
+def test_table_is_reused_while_gradients_stay_and_rebuilt_when_they_move():
+    model = make_model("cpu")
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = GradScaler("cpu")
+    tables = []
+    for step in range(4):
+        opt.zero_grad(set_to_none=step >= 2)  # steps 2, 3: fresh gradient tensors
+        backward(model, scaler, torch.randn(4, 16), torch.randn(4, 4))
+        if step == 3:
+            model[0].weight.grad = model[0].weight.grad.clone()  # one gradient moved
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        tables.append(scaler._caches[opt].table)
+    assert tables[1] is tables[0]
+    assert tables[3] is not tables[2]
+    # a new parameter group invalidates the parameter list too
+    extra = torch.nn.Parameter(torch.randn(3))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.full((3,), math.inf)
+    backward(model, scaler, torch.randn(4, 16), torch.randn(4, 4))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 1 and scaler.overflow_report().param_index == len(list(model.parameters()))
