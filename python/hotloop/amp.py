@@ -167,9 +167,12 @@ class GradScaler:
     ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits for the device.
 
     Differences from torch, all deliberate: gradients may be float32, float16 or bfloat16, mixed
-    (torch's unscale_ refuses float16 and cannot do bfloat16); a half gradient that becomes inf only
-    once unscaled (a scale below 1) counts as an overflow; all gradients of one optimizer must live
-    on the scaler's device; a scaler for "cuda" refuses CPU tensors and vice versa.
+    (torch's unscale_ refuses float16 and cannot do bfloat16); when unscale_ or clip_grad_norm_
+    unscale, a half gradient that would become inf only once unscaled (a scale below 1) counts as
+    an overflow (torch would write the inf and step); all gradients of one optimizer must live on
+    the scaler's device (torch also allows model-parallel layouts); a scaler for "cuda" refuses CPU
+    tensors and vice versa; clip_grad_norm_ returns float32 whatever the gradients' dtype, computed
+    in float64 per chunk (torch's float32 norm of a large tensor can be off by ~1e-5).
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
