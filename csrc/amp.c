@@ -110,7 +110,9 @@ error:
    GradScaler: the C reference of kernels/amp.cu for CPU tensors (same chunks, same maths, same
    rounding to the gradient's dtype), and the bindings python/hotloop/amp.py calls every step.
    Per-step calls take raw addresses of tensors amp.py allocated and keeps alive (the gradients'
-   addresses were checked once, when their table was built), so a step costs no DLPack round trip.
+   addresses were checked once, when their table was packed), so a step costs no DLPack round trip.
+   The table reaches the device through a pinned buffer and torch's own non-blocking copy, which
+   never waits for the device and keeps the buffer until the copy is done.
    --------------------------------------------------------------------------------------------- */
 
 static float bits_to_float(uint32_t b) {
@@ -363,20 +365,20 @@ static int finish_cuda(PyObject *module, const hl_cuda_status *status) {
 }
 #endif
 
-PyDoc_STRVAR(amp_table_upload_doc,
-             "amp_table_upload(packed_table, param_index, dst, stream) -> (count, total_chunks, total_numel, device)\n\n"
-             "Check a packed gradient table (float32, float16, bfloat16 on one device) and copy its entries,\n"
-             "followed by `param_index` (count int32 as bytes, or None), into `dst` (a uint8 tensor on the\n"
-             "table's device of at least count * (TABLE_ENTRY_BYTES + 4) bytes), on `stream` for CUDA.");
+PyDoc_STRVAR(amp_table_pack_doc,
+             "amp_table_pack(packed_table, param_index, dst) -> (count, total_chunks, total_numel, device)\n\n"
+             "Check a packed gradient table (float32, float16, bfloat16 on one device) and write its entries,\n"
+             "followed by `param_index` (count int32 as bytes, or None for 0, 1, ...), into `dst`: a host\n"
+             "uint8 tensor (pinned when the table is for CUDA; the caller copies it to the device) of at least\n"
+             "count * (TABLE_ENTRY_BYTES + 4) bytes. `device` is the gradients' device (-1: CPU).");
 
-static PyObject *amp_table_upload(PyObject *module, PyObject *args) {
+static PyObject *amp_table_pack(PyObject *module, PyObject *args) {
+    (void)module;
     PyObject *packed, *index_obj, *dst_obj, *result = NULL;
-    unsigned long long stream = 0;
     hl_table table = {0};
     hl_tensor dst = {0};
-    char *host = NULL;
 
-    if (!PyArg_ParseTuple(args, "OOOK:amp_table_upload", &packed, &index_obj, &dst_obj, &stream))
+    if (!PyArg_ParseTuple(args, "OOO:amp_table_pack", &packed, &index_obj, &dst_obj))
         return NULL;
     if (hl_table_parse(packed, "gradients", HL_FLOATING_MASK, &table) < 0)
         return NULL;
@@ -388,48 +390,24 @@ static PyObject *amp_table_upload(PyObject *module, PyObject *args) {
                      (long long)(table.count * sizeof(int32_t)));
         goto error;
     }
-    if (table.device >= 0 && hl_cuda_require(module, table.device) < 0)
-        goto error;
-    if (hl_tensor_from_object(dst_obj, "dst", HL_DTYPE_BIT(HL_UINT8), table.device, 1, &dst) < 0)
+    if (hl_tensor_from_object(dst_obj, "dst", HL_DTYPE_BIT(HL_UINT8), -1, 1, &dst) < 0)
         goto error;
     if ((size_t)dst.numel < total) {
         PyErr_Format(PyExc_ValueError, "dst: expected at least %zu bytes for %lld tensors, got %lld", total,
                      (long long)table.count, (long long)dst.numel);
         goto error;
     }
-    host = malloc(total);
-    if (host == NULL) {
-        PyErr_NoMemory();
-        goto error;
-    }
-    memcpy(host, table.entries, entry_bytes);
+    memcpy(dst.data, table.entries, entry_bytes);
     if (index_obj != Py_None)
-        memcpy(host + entry_bytes, PyBytes_AsString(index_obj), total - entry_bytes);
+        memcpy(dst.data + entry_bytes, PyBytes_AsString(index_obj), total - entry_bytes);
     else
         for (int64_t i = 0; i < table.count; i++) {
             int32_t v = (int32_t)i;
-            memcpy(host + entry_bytes + i * sizeof(int32_t), &v, sizeof(v));
+            memcpy(dst.data + entry_bytes + i * sizeof(int32_t), &v, sizeof(v));
         }
-    if (table.device < 0) {
-        memcpy(dst.data, host, total);
-    } else {
-#ifdef HOTLOOP_WITH_CUDA
-        hl_cuda_status status = {0};
-        Py_BEGIN_ALLOW_THREADS
-        hl_device_guard guard;
-        hl_device_enter(&guard, table.device, &status);
-        /* from pageable memory: staged before the call returns, so `host` may go right after */
-        HL_CUDA(&status, cudaMemcpyAsync(dst.data, host, total, cudaMemcpyHostToDevice, hl_stream(stream)));
-        hl_device_leave(&guard, &status);
-        Py_END_ALLOW_THREADS
-        if (finish_cuda(module, &status) < 0)
-            goto error;
-#endif
-    }
     result = Py_BuildValue("(LLLi)", (long long)table.count, (long long)table.total_chunks,
                            (long long)table.total_numel, table.device);
 error:
-    free(host);
     hl_tensor_release(&dst);
     hl_table_free(&table);
     return result;
@@ -440,7 +418,7 @@ static void *as_ptr(unsigned long long address) { return (void *)(uintptr_t)addr
 PyDoc_STRVAR(amp_check_doc,
              "amp_check(device, table, count, total_chunks, partials, scale, write, mode, p, max_norm, aux,\n"
              "          param_index, report, step, blocks, stream)\n\n"
-             "The GradScaler's check pass and epilogue over a table from amp_table_upload (addresses as ints;\n"
+             "The GradScaler's check pass and epilogue over a table from amp_table_pack (addresses as ints;\n"
              "0 for absent optional ones: scale, param_index, report). partials: 2 * total_chunks float32;\n"
              "aux: AMP_AUX_LEN float32. device -1 runs the C reference. Internal to hotloop.amp.");
 
@@ -581,7 +559,7 @@ static PyObject *amp_update(PyObject *module, PyObject *args) {
 
 static PyMethodDef amp_methods[] = {
     {"non_finite_check", non_finite_check, METH_VARARGS, non_finite_check_doc},
-    {"amp_table_upload", amp_table_upload, METH_VARARGS, amp_table_upload_doc},
+    {"amp_table_pack", amp_table_pack, METH_VARARGS, amp_table_pack_doc},
     {"amp_check", amp_check, METH_VARARGS, amp_check_doc},
     {"amp_apply", amp_apply, METH_VARARGS, amp_apply_doc},
     {"amp_update", amp_update, METH_VARARGS, amp_update_doc},

@@ -453,7 +453,8 @@ def test_clip_then_unscale_state(device):
 # ---- CUDA only ----
 
 @pytest.mark.gpu
-def test_zero_host_syncs_with_clip_and_fused_adamw():
+@pytest.mark.parametrize("moved", [False, True])
+def test_zero_host_syncs_with_clip_and_fused_adamw(moved):
     model = make_model("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = GradScaler("cuda")
@@ -466,6 +467,8 @@ def test_zero_host_syncs_with_clip_and_fused_adamw():
         scaler.update()
     opt.zero_grad(set_to_none=False)
     backward(model, scaler, x, y)
+    if moved:  # a gradient at a new address: the table is rebuilt and uploaded inside the step
+        model[2].weight.grad = model[2].weight.grad.clone()
     torch.cuda.synchronize()
     # a long kernel ahead of the step: if anything waited for the device, the stream would be idle after
     torch.cuda._sleep(200_000_000)

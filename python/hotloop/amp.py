@@ -114,9 +114,15 @@ class _Table:
             fields += (g.data_ptr(), g.numel(), DTYPE_CODES[g.dtype], g.get_device())
         packed = struct.pack(f"{len(fields)}q", *fields)
         index = struct.pack(f"{count}i", *param_index)
-        table = torch.empty(count * (_ENTRY_BYTES + 4), dtype=torch.uint8, device=device)
-        self.count, self.total_chunks, self.total_numel, self.device_index = _C.amp_table_upload(
-            packed, index, table, stream)
+        nbytes = count * (_ENTRY_BYTES + 4)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.count, self.total_chunks, self.total_numel, self.device_index = _C.amp_table_pack(packed, index, host)
+        if device.type == "cuda":
+            # a pinned source: the copy neither waits for the device nor lets the buffer go too early
+            table = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            table.copy_(host, non_blocking=True)
+        else:
+            table = host
         self.key = key
         self.device = device
         self.table = table
