@@ -5,6 +5,7 @@ Transformer-shaped float32 gradient sets (bench.transformer_shapes): 1.3 B param
 and max_norm too large to bite, so that repeated runs keep the same values (never time on zeros)
 while every pass still reads and writes what it would in training.
 """
+import statistics
 import warnings
 from collections import defaultdict
 
@@ -43,7 +44,18 @@ def _count_syncs(ctx, fn):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     ctx.sync()
-    return sum("synchroniz" in str(w.message) for w in caught)
+    # only torch's per-call warning counts (the first set_sync_debug_mode also warns that the mode is
+    # a prototype; that one is not a sync)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def _repeated(fn, times):
+    """fn run `times` times back to back: the host prepares call i+1 while the device runs call i,
+    as in a training loop, so the bandwidth rows measure the device and not the launch gap"""
+    def run():
+        for _ in range(times):
+            fn()
+    return run
 
 
 def _model(ctx, big):
@@ -91,11 +103,13 @@ def rows(ctx):
         def torch_scan():
             torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
 
-        ms, torch_ms = ctx.compare(hotloop_scan, torch_scan)
+        reps = 1 if ctx.quick or not ctx.is_cuda else 10
+        ms, torch_ms = ctx.compare(_repeated(hotloop_scan, reps), _repeated(torch_scan, reps))
+        ms, torch_ms = ms / reps, torch_ms / reps
         gb = numel * 4 / 1e9
         yield Row("scaler", f"scan (norm+inf/NaN) read GB/s, {label}", gb / (ms * 1e-3), gb / (torch_ms * 1e-3),
                   "GB/s", note=f"hotloop {gb / (ms * 1e-3) / COPY_CEILING_GBPS:.0%} of copy ceiling; "
-                               "torch: get_total_norm(foreach)")
+                               f"torch: get_total_norm(foreach); {reps} calls back to back per timing")
 
         ours.clip_grad_norm_(opt, MAX_NORM)
         state = ours._per_optimizer_states[id(opt)]
@@ -110,7 +124,8 @@ def rows(ctx):
         def torch_apply():
             torch._foreach_mul_(grads, coef)
 
-        ms, torch_ms = ctx.compare(hotloop_apply, torch_apply)
+        ms, torch_ms = ctx.compare(_repeated(hotloop_apply, reps), _repeated(torch_apply, reps))
+        ms, torch_ms = ms / reps, torch_ms / reps
         yield Row("scaler", f"apply (read+write) GB/s, {label}", 2 * gb / (ms * 1e-3), 2 * gb / (torch_ms * 1e-3),
                   "GB/s", note=f"hotloop {2 * gb / (ms * 1e-3) / COPY_CEILING_GBPS:.0%} of copy ceiling; "
                                "torch: _foreach_mul_")
@@ -149,6 +164,8 @@ def _full_step_rows(ctx, params, tag, GradScaler):
 
         hotloop_step()
         torch_step()  # optimizer state allocated outside the counted step
+        if kind == "fused":
+            yield from _fused_alone_row(ctx, opt_ours, opt_theirs, ours, tag)
         syncs = (_count_syncs(ctx, hotloop_step), _count_syncs(ctx, torch_step))
         ms, torch_ms = ctx.compare(hotloop_step, torch_step)
         sync_note = "n/a on CPU" if syncs[0] is None else f"host syncs per step: hotloop {syncs[0]}, torch {syncs[1]}"
@@ -156,6 +173,24 @@ def _full_step_rows(ctx, params, tag, GradScaler):
         del opt_ours, opt_theirs
         if ctx.is_cuda:
             torch.cuda.empty_cache()
+
+
+def _fused_alone_row(ctx, opt_ours, opt_theirs, ours, tag):
+    """What a fused AdamW step costs by itself with grad_scale/found_inf (what hotloop hands it) and
+    without (what torch's path runs after unscale_): torch's fused kernel writes the unscaled
+    gradients back when it gets a grad_scale, one more pass over the gradients."""
+    torch = ctx.torch
+    grad_scale = ours._scale.clone()
+    found_inf = torch.zeros((), device=ctx.device)
+
+    def with_scale():
+        opt_ours.grad_scale, opt_ours.found_inf = grad_scale, found_inf
+        opt_ours.step()
+        del opt_ours.grad_scale, opt_ours.found_inf
+
+    ms, torch_ms = ctx.compare(with_scale, opt_theirs.step)
+    yield Row("scaler", f"fused AdamW step alone: with grad_scale+found_inf vs without, {tag}", ms, torch_ms, "ms",
+              note="the floor under hotloop's full step (torch's kernel stores grads when given grad_scale)")
 
 
 def _host_rows(ctx, GradScaler):
@@ -198,8 +233,9 @@ def _host_rows(ctx, GradScaler):
         theirs.update()
 
     ms, torch_ms = ctx.compare(hotloop_step, torch_step, timer=ctx.host_time_ms)
+    alone = statistics.median(ctx.host_time_ms(opt_theirs.step) for _ in range(3 if ctx.quick else 10))
     yield Row("scaler", f"host time unscale+clip+fused AdamW+update, {tag}", ms, torch_ms, "ms",
-              note="CPU time per step, not waiting for the device")
+              note=f"CPU time per step; of which torch's fused AdamW.step alone: {alone:.3g} ms")
     del params, opt, opt_theirs
     if ctx.is_cuda:
         torch.cuda.empty_cache()
