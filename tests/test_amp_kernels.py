@@ -198,13 +198,17 @@ def run_update(device, scale, tracker, state, found, growth, backoff, interval, 
                   1, stream_of(device))
 
 
+def scale_state(dev, scale, hysteresis=1):
+    """a scale, torch's growth tracker and hotloop's state ([skipped, hysteresis left]) on `dev`"""
+    return (torch.full((), scale, device=dev), torch.zeros((), dtype=torch.int32, device=dev),
+            torch.tensor([0, hysteresis], dtype=torch.int64, device=dev))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_matches_torch_update_scale(device):
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(1)
-    ours_scale = torch.full((), 3.7e4, device=dev)
-    ours_tracker = torch.zeros((), dtype=torch.int32, device=dev)
-    state = torch.tensor([0, 1], dtype=torch.int64, device=dev)
+    ours_scale, ours_tracker, state = scale_state(dev, 3.7e4)
     their_scale, their_tracker = ours_scale.clone(), ours_tracker.clone()
     skipped = 0
     for i in range(300):
@@ -221,9 +225,7 @@ def test_update_matches_torch_update_scale(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_hysteresis_and_bounds(device):
     dev = torch.device(device)
-    scale = torch.full((), 1024.0, device=dev)
-    tracker = torch.zeros((), dtype=torch.int32, device=dev)
-    state = torch.tensor([0, 2], dtype=torch.int64, device=dev)
+    scale, tracker, state = scale_state(dev, 1024.0, hysteresis=2)
     one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
 
     def step(found):
@@ -246,9 +248,7 @@ def test_update_hysteresis_and_bounds(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_sums_several_found_tensors(device):
     dev = torch.device(device)
-    scale = torch.full((), 8.0, device=dev)
-    tracker = torch.zeros((), dtype=torch.int32, device=dev)
-    state = torch.tensor([0, 1], dtype=torch.int64, device=dev)
+    scale, tracker, state = scale_state(dev, 8.0)
     found = [torch.zeros((), device=dev) for _ in range(_C.AMP_MAX_FOUND)]
     found[-1].fill_(1.0)
     run_update(dev, scale, tracker, state, found, 2.0, 0.5, 100)

@@ -44,6 +44,31 @@ def inject(model, step):
     flat[[0, flat.numel() // 2, flat.numel() - 1][(step // 3) % 3]] = [math.inf, -math.inf, math.nan][step % 3]
 
 
+def after_one_backward(device):
+    """a model, its SGD and a fresh scaler, right after one scaled backward"""
+    model = make_model(device)
+    opt = make_optimizer("sgd", model.parameters())
+    scaler = GradScaler(device)
+    backward(model, scaler, torch.randn(4, 16, device=device), torch.randn(4, 4, device=device))
+    return model, opt, scaler
+
+
+def side_by_side(device, ref, ours, opts_ref, opts_ours, sc_ref, sc_ours, steps, after_backward):
+    """Train torch's copy and ours on the same batches, with the same inf/NaN injected;
+    after_backward(model, optimizers, scaler) does the part under test. Same scale every step."""
+    for step in range(steps):
+        x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
+        for model, opts, scaler in ((ref, opts_ref, sc_ref), (ours, opts_ours, sc_ours)):
+            for o in opts:
+                o.zero_grad()
+            backward(model, scaler, x, y)
+            inject(model, step)
+            after_backward(model, opts, scaler)
+            scaler.update()
+        assert sc_ours.get_scale() == sc_ref.get_scale()
+    assert_params_close(ref, ours)
+
+
 def assert_params_close(a, b, rel=1e-6):
     for pa, pb in zip(a.parameters(), b.parameters()):
         tol = rel * max(pa.abs().max().item(), 1e-30)
@@ -117,19 +142,14 @@ def test_unscale_then_torch_clip_then_step(device):
     ours = copy.deepcopy(ref)
     opt_ref, opt_ours = make_optimizer("adamw_foreach", ref.parameters()), make_optimizer("adamw_foreach",
                                                                                            ours.parameters())
-    sc_ref, sc_ours = torch.amp.GradScaler(device), GradScaler(device)
-    for step in range(20):
-        x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
-        for model, opt, scaler in ((ref, opt_ref, sc_ref), (ours, opt_ours, sc_ours)):
-            opt.zero_grad()
-            backward(model, scaler, x, y)
-            inject(model, step)
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            scaler.step(opt)
-            scaler.update()
-        assert sc_ours.get_scale() == sc_ref.get_scale()
-    assert_params_close(ref, ours)
+
+    def unscale_clip_step(model, opts, scaler):
+        scaler.unscale_(opts[0])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opts[0])
+
+    side_by_side(device, ref, ours, [opt_ref], [opt_ours], torch.amp.GradScaler(device), GradScaler(device), 20,
+                 unscale_clip_step)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,20 +161,12 @@ def test_two_optimizers_one_scaler(device):
         params = list(model.parameters())
         return (make_optimizer("sgd", params[:3]), make_optimizer("adamw_fused", params[3:]))
 
-    opts_ref, opts_ours = split(ref), split(ours)
-    sc_ref, sc_ours = torch.amp.GradScaler(device, growth_interval=3), GradScaler(device, growth_interval=3)
-    for step in range(30):
-        x, y = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
-        for model, opts, scaler in ((ref, opts_ref, sc_ref), (ours, opts_ours, sc_ours)):
-            for o in opts:
-                o.zero_grad()
-            backward(model, scaler, x, y)
-            inject(model, step)
-            for o in opts:
-                scaler.step(o)
-            scaler.update()
-        assert sc_ours.get_scale() == sc_ref.get_scale()
-    assert_params_close(ref, ours)
+    def step_both(model, opts, scaler):
+        for o in opts:
+            scaler.step(o)
+
+    side_by_side(device, ref, ours, split(ref), split(ours), torch.amp.GradScaler(device, growth_interval=3),
+                 GradScaler(device, growth_interval=3), 30, step_both)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -281,10 +293,7 @@ def test_nan_in_every_gradient(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_error_if_nonfinite_raises_as_torch(device):
-    model = make_model(device)
-    opt = make_optimizer("sgd", model.parameters())
-    scaler = GradScaler(device)
-    backward(model, scaler, torch.randn(4, 16, device=device), torch.randn(4, 4, device=device))
+    model, opt, scaler = after_one_backward(device)
     model[0].weight.grad[1, 1] = math.inf
     with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
         scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
@@ -434,10 +443,7 @@ def test_getters_setters_and_update_with_new_scale(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_clip_then_unscale_state(device):
-    model = make_model(device)
-    opt = make_optimizer("sgd", model.parameters())
-    scaler = GradScaler(device)
-    backward(model, scaler, torch.randn(4, 16, device=device), torch.randn(4, 4, device=device))
+    model, opt, scaler = after_one_backward(device)
     scaler.clip_grad_norm_(opt, 1.0)
     assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED
     with pytest.raises(RuntimeError, match="already been called"):

@@ -58,6 +58,48 @@ def _repeated(fn, times):
     return run
 
 
+def _scalers(ctx, GradScaler):
+    """(hotloop's, torch's) scaler at scale 1.0 that never grows, lazily initialised on the device"""
+    torch = ctx.torch
+    ours = GradScaler(ctx.device.type, init_scale=1.0, growth_interval=10**9)
+    theirs = torch.amp.GradScaler(ctx.device.type, init_scale=1.0, growth_interval=10**9)
+    for scaler in (ours, theirs):
+        scaler.scale(torch.ones((), device=ctx.device))
+    return ours, theirs
+
+
+def _clip_fns(torch, ours, theirs, opt, params):
+    """unscale + clip, each way: hotloop's clip_grad_norm_ plus the apply pass step() runs for a
+    non-fused optimizer; torch's unscale_ + clip_grad_norm_(foreach)"""
+    def hotloop_clip():
+        ours.clip_grad_norm_(opt, MAX_NORM)
+        ours._apply_pending(ours._per_optimizer_states[id(opt)])
+        _reset(ours)
+
+    def torch_clip():
+        theirs.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        _reset(theirs)
+
+    return hotloop_clip, torch_clip
+
+
+def _step_fns(torch, ours, theirs, opt_ours, opt_theirs, params):
+    """a whole scaler step, each way, as a training loop with clipping writes it"""
+    def hotloop_step():
+        ours.clip_grad_norm_(opt_ours, MAX_NORM)
+        ours.step(opt_ours)
+        ours.update()
+
+    def torch_step():
+        theirs.unscale_(opt_theirs)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        theirs.step(opt_theirs)
+        theirs.update()
+
+    return hotloop_step, torch_step
+
+
 def _model(ctx, big):
     if ctx.quick or not ctx.is_cuda:
         return MODEL_TINY, "tiny"
@@ -68,7 +110,6 @@ def rows(ctx):
     torch = ctx.torch
     from .amp import GradScaler
 
-    device = ctx.device.type
     sizes = [MODEL_1_3B, MODEL_353M] if not (ctx.quick or not ctx.is_cuda) else [MODEL_TINY]
     for size in sizes:
         (hidden, layers), label = _model(ctx, size)
@@ -77,21 +118,8 @@ def rows(ctx):
         numel = sum(g.numel() for g in grads)
         tag = f"{label} fp32 grads ({len(params)} tensors, {numel / 1e6:.0f} M)"
         opt = torch.optim.SGD(params, lr=0.0)
-        ours = GradScaler(device, init_scale=1.0, growth_interval=10**9)
-        theirs = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=10**9)
-        ours.scale(torch.ones((), device=ctx.device))
-        theirs.scale(torch.ones((), device=ctx.device))
-
-        def hotloop_clip():
-            ours.clip_grad_norm_(opt, MAX_NORM)
-            ours._apply_pending(ours._per_optimizer_states[id(opt)])  # what step() does for a non-fused optimizer
-            _reset(ours)
-
-        def torch_clip():
-            theirs.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-            _reset(theirs)
-
+        ours, theirs = _scalers(ctx, GradScaler)
+        hotloop_clip, torch_clip = _clip_fns(torch, ours, theirs, opt, params)
         ms, torch_ms = ctx.compare(hotloop_clip, torch_clip)
         yield Row("scaler", f"unscale+clip, {tag}", ms, torch_ms, "ms",
                   note="hotloop: clip_grad_norm_ + apply; torch: unscale_ + clip_grad_norm_(foreach)")
@@ -142,26 +170,11 @@ def rows(ctx):
 def _full_step_rows(ctx, params, tag, GradScaler):
     """unscale + clip + AdamW step + update: fused (no sync for either) and foreach (torch syncs once)."""
     torch = ctx.torch
-    device = ctx.device.type
     for kind in ("fused", "foreach"):
         opt_ours = torch.optim.AdamW(params, lr=1e-12, **{kind: True})
         opt_theirs = torch.optim.AdamW(params, lr=1e-12, **{kind: True})
-        ours = GradScaler(device, init_scale=1.0, growth_interval=10**9)
-        theirs = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=10**9)
-        ours.scale(torch.ones((), device=ctx.device))
-        theirs.scale(torch.ones((), device=ctx.device))
-
-        def hotloop_step():
-            ours.clip_grad_norm_(opt_ours, MAX_NORM)
-            ours.step(opt_ours)
-            ours.update()
-
-        def torch_step():
-            theirs.unscale_(opt_theirs)
-            torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-            theirs.step(opt_theirs)
-            theirs.update()
-
+        ours, theirs = _scalers(ctx, GradScaler)
+        hotloop_step, torch_step = _step_fns(torch, ours, theirs, opt_ours, opt_theirs, params)
         hotloop_step()
         torch_step()  # optimizer state allocated outside the counted step
         if kind == "fused":
@@ -196,42 +209,18 @@ def _fused_alone_row(ctx, opt_ours, opt_theirs, ours, tag):
 def _host_rows(ctx, GradScaler):
     """Host (CPU) time per step for many tensors: the Python and launch cost, not the GPU's."""
     torch = ctx.torch
-    device = ctx.device.type
     (hidden, layers), label = _model(ctx, MODEL_2000)
     params = _grads(torch, transformer_shapes(hidden, layers), ctx.device)
     tag = f"{label} model ({len(params)} tensors)"
     opt = torch.optim.AdamW(params, lr=1e-12, fused=True)
     opt_theirs = torch.optim.AdamW(params, lr=1e-12, fused=True)
-    ours = GradScaler(device, init_scale=1.0, growth_interval=10**9)
-    theirs = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=10**9)
-    ours.scale(torch.ones((), device=ctx.device))
-    theirs.scale(torch.ones((), device=ctx.device))
-
-    def hotloop_clip():
-        ours.clip_grad_norm_(opt, MAX_NORM)
-        ours._apply_pending(ours._per_optimizer_states[id(opt)])
-        _reset(ours)
-
-    def torch_clip():
-        theirs.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        _reset(theirs)
-
+    ours, theirs = _scalers(ctx, GradScaler)
+    hotloop_clip, torch_clip = _clip_fns(torch, ours, theirs, opt, params)
     ms, torch_ms = ctx.compare(hotloop_clip, torch_clip, timer=ctx.host_time_ms)
     yield Row("scaler", f"host time unscale+clip, {tag}", ms, torch_ms, "ms",
               note="CPU time per call, not waiting for the device")
 
-    def hotloop_step():
-        ours.clip_grad_norm_(opt, MAX_NORM)
-        ours.step(opt)
-        ours.update()
-
-    def torch_step():
-        theirs.unscale_(opt_theirs)
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        theirs.step(opt_theirs)
-        theirs.update()
-
+    hotloop_step, torch_step = _step_fns(torch, ours, theirs, opt, opt_theirs, params)
     ms, torch_ms = ctx.compare(hotloop_step, torch_step, timer=ctx.host_time_ms)
     alone = statistics.median(ctx.host_time_ms(opt_theirs.step) for _ in range(3 if ctx.quick else 10))
     yield Row("scaler", f"host time unscale+clip+fused AdamW+update, {tag}", ms, torch_ms, "ms",
