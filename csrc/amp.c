@@ -254,30 +254,33 @@ typedef struct {
 static void cpu_check(const void *args) {
     const check_args *a = args;
     const float inv = a->scale != NULL ? (float)(1.0 / (double)*a->scale) : 1.0f;
+    /* locals, so that the stores into gradients cannot make the compiler re-read them per element */
+    const int mode = a->mode, write = a->write;
+    const float p = a->p;
     int64_t t = 0, first_bad = -1;
     double total = 0.0;
     for (int64_t chunk = 0; chunk < a->total_chunks; chunk++) {
         while (t + 1 < a->count && a->table[t + 1].first_chunk <= chunk)
             t++;
-        const hl_table_entry *e = &a->table[t];
+        const hl_table_entry e = a->table[t];
         int64_t begin, end;
-        chunk_range(e, chunk, &begin, &end);
+        chunk_range(&e, chunk, &begin, &end);
         double acc = 0.0;
         int bad = 0;
         for (int64_t i = begin; i < end; i++) {
-            float u = round_elem(e->dtype, load_elem(e, i) * inv);
+            float u = round_elem(e.dtype, load_elem(&e, i) * inv);
             bad |= !finite_float(u);
-            acc = hl_norm_combine(a->mode, acc, hl_norm_term(a->mode, u, a->p));
-            if (a->write)
-                store_elem(e, i, u);
+            acc = hl_norm_combine(mode, acc, hl_norm_term(mode, u, p));
+            if (write)
+                store_elem(&e, i, u);
         }
         a->partials[2 * chunk] = (float)acc;
         a->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
-        total = hl_norm_combine(a->mode, total, (double)a->partials[2 * chunk]);
+        total = hl_norm_combine(mode, total, (double)a->partials[2 * chunk]);
         if (bad && first_bad < 0)
             first_bad = chunk;
     }
-    hl_amp_finish(total, first_bad >= 0, a->mode, a->p, a->max_norm, a->scale, a->aux);
+    hl_amp_finish(total, first_bad >= 0, mode, p, a->max_norm, a->scale, a->aux);
     if (first_bad >= 0 && a->report != NULL) {
         for (t = 0; t + 1 < a->count && a->table[t + 1].first_chunk <= first_bad; t++)
             ;
