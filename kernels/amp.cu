@@ -8,97 +8,8 @@
 #include <limits.h>
 #include <math.h>
 
-#define THREADS 256
-
-/* inf or NaN: every exponent bit set, read straight from the bits so any float width works */
-__device__ inline bool non_finite_bits(uint32_t bits, int dtype) {
-    switch (dtype) {
-    case HL_FLOAT32:
-        return (bits & 0x7f800000u) == 0x7f800000u;
-    case HL_FLOAT16:
-        return (bits & 0x7c00u) == 0x7c00u;
-    default: /* HL_BFLOAT16 */
-        return (bits & 0x7f80u) == 0x7f80u;
-    }
-}
-
-/* 16 bytes (4 float32 or 8 half-width values) at once */
-__device__ inline bool non_finite_vec(uint4 v, int dtype) {
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    bool bad = false;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        if (dtype == HL_FLOAT32)
-            bad |= non_finite_bits(w[k], dtype);
-        else
-            bad |= non_finite_bits(w[k] & 0xffffu, dtype) | non_finite_bits(w[k] >> 16, dtype);
-    }
-    return bad;
-}
-
-__device__ inline uint32_t element_bits(const char *base, int64_t i, int dtype) {
-    if (dtype == HL_FLOAT32)
-        return ((const uint32_t *)base)[i];
-    return ((const uint16_t *)base)[i];
-}
-
-/* does chunk [begin, end) of one tensor hold an inf or NaN? (this thread's share of it) */
-__device__ bool chunk_has_non_finite(const hl_table_entry &e, int64_t begin, int64_t end) {
-    const char *base = (const char *)e.data;
-    const int elem = e.dtype == HL_FLOAT32 ? 4 : 2;
-    const int per_vec = 16 / elem;
-    bool bad = false;
-    int64_t i = begin;
-    if (((uintptr_t)base & 15) == 0) {
-        /* chunks start at multiples of HL_CHUNK_ELEMS, so an aligned tensor gives aligned chunks;
-           four independent 16-byte loads in flight per thread keep the memory system busy */
-        const uint4 *vec = (const uint4 *)(base + begin * elem);
-        const int64_t nvec = (end - begin) / per_vec;
-        for (int64_t v0 = threadIdx.x; v0 < nvec; v0 += 4 * (int64_t)blockDim.x) {
-            uint4 raw[4];
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                int64_t v = v0 + (int64_t)k * blockDim.x;
-                if (v < nvec)
-                    raw[k] = __ldcs(vec + v);
-            }
-#pragma unroll
-            for (int k = 0; k < 4; k++)
-                if (v0 + (int64_t)k * blockDim.x < nvec)
-                    bad |= non_finite_vec(raw[k], e.dtype);
-        }
-        i = begin + nvec * per_vec;
-    }
-    for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x)
-        bad |= non_finite_bits(element_bits(base, j, e.dtype), e.dtype);
-    return bad;
-}
-
-__global__ void non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                        float *found) {
-    bool bad = false;
-    for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
-        hl_table_entry e = table[hl_entry_of_chunk(table, count, chunk)];
-        int64_t begin, end;
-        hl_chunk_range(e, chunk, &begin, &end);
-        bad |= chunk_has_non_finite(e, begin, end);
-    }
-    /* every writer writes the same 1.0, so a plain racing store is enough */
-    if (__syncthreads_or(bad) && threadIdx.x == 0)
-        *found = 1.0f;
-}
-
-extern "C" cudaError_t hl_launch_non_finite_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                                  float *found, int device, cudaStream_t stream) {
-    if (total_chunks == 0)
-        return cudaSuccess;
-    int grid = hl_grid_for_chunks(total_chunks, device, 8);
-    non_finite_check_kernel<<<grid, THREADS, 0, stream>>>(table, count, total_chunks, found);
-    return cudaGetLastError();
-}
-
 /* ---------------------------------------------------------------------------------------------
-   GradScaler kernels. A block of AMP_THREADS owns whole chunks (HL_CHUNK_ELEMS elements, a fixed
+   Kernels over a tensor table. A block of AMP_THREADS owns whole chunks (HL_CHUNK_ELEMS elements, a fixed
    cut of each tensor), so the partial result of a chunk does not depend on the grid: the check
    writes one partial per chunk and the epilogue adds them in chunk order. Same inputs, same bits.
    The scalar maths (norm terms, epilogue, scale update) is kernels/amp_math.h, shared with the C
@@ -143,44 +54,49 @@ template <typename F> __device__ __forceinline__ void with_dtype(int dtype, F f)
 }
 
 /* x = f(x) for this thread's share of chunk [begin, end) of one tensor: 16-byte vectors with
-   AMP_UNROLL loads in flight where the tensor is aligned (chunks start at multiples of
-   HL_CHUNK_ELEMS, so an aligned tensor gives aligned chunks), single elements for the rest. With
-   STORE the results are written back; without, the pass only reads (streaming loads). */
+   AMP_UNROLL loads in flight, and single elements before the first 16-byte boundary (a view at an
+   odd offset, such as a gradient inside a DDP bucket) and after the last. With STORE the results
+   are written back; without, the pass only reads (streaming loads). */
 template <typename T, bool STORE, typename F>
 __device__ __forceinline__ void map_chunk(const hl_table_entry &e, int64_t begin, int64_t end, F f) {
     constexpr int PER = 16 / sizeof(T);
-    T *base = (T *)e.data;
-    int64_t i = begin;
-    if (((uintptr_t)base & 15) == 0) {
-        uint4 *vec = (uint4 *)(base + begin);
-        const int64_t nvec = (end - begin) / PER;
-        for (int64_t v0 = threadIdx.x; v0 < nvec; v0 += (int64_t)AMP_UNROLL * AMP_THREADS) {
-            uint4 raw[AMP_UNROLL];
+    T *x = (T *)e.data + begin;
+    const int n = (int)(end - begin); /* at most HL_CHUNK_ELEMS: 32-bit offsets from here on */
+    /* [0, head): single elements up to the first 16-byte boundary; then nvec vectors; then the rest */
+    int head = n;
+    if (((uintptr_t)x % sizeof(T)) == 0) {
+        const int offset = (int)(((uintptr_t)x & 15) / sizeof(T));
+        head = offset == 0 ? 0 : min(PER - offset, n);
+    }
+    const int nvec = (n - head) / PER;
+    uint4 *vec = (uint4 *)(x + head);
+    for (int j = threadIdx.x; j < head; j += AMP_THREADS) {
+        T y = f(x[j]);
+        if (STORE)
+            x[j] = y;
+    }
+    for (int v0 = threadIdx.x; v0 < nvec; v0 += AMP_UNROLL * AMP_THREADS) {
+        uint4 raw[AMP_UNROLL];
 #pragma unroll
-            for (int k = 0; k < AMP_UNROLL; k++) {
-                int64_t v = v0 + (int64_t)k * AMP_THREADS;
-                if (v < nvec)
-                    raw[k] = STORE ? vec[v] : __ldcs(vec + v); /* read once: keep it out of the caches */
-            }
+        for (int k = 0; k < AMP_UNROLL; k++)
+            if (v0 + k * AMP_THREADS < nvec)
+                raw[k] = STORE ? vec[v0 + k * AMP_THREADS] : __ldcs(vec + v0 + k * AMP_THREADS);
 #pragma unroll
-            for (int k = 0; k < AMP_UNROLL; k++) {
-                int64_t v = v0 + (int64_t)k * AMP_THREADS;
-                if (v < nvec) {
-                    vec16<T> x = *reinterpret_cast<vec16<T> *>(&raw[k]);
+        for (int k = 0; k < AMP_UNROLL; k++) {
+            if (v0 + k * AMP_THREADS < nvec) {
+                vec16<T> w = *reinterpret_cast<vec16<T> *>(&raw[k]);
 #pragma unroll
-                    for (int j = 0; j < PER; j++)
-                        x.v[j] = f(x.v[j]);
-                    if (STORE)
-                        __stcs(vec + v, *reinterpret_cast<uint4 *>(&x));
-                }
+                for (int j = 0; j < PER; j++)
+                    w.v[j] = f(w.v[j]);
+                if (STORE)
+                    __stcs(vec + v0 + k * AMP_THREADS, *reinterpret_cast<uint4 *>(&w));
             }
         }
-        i = begin + nvec * PER;
     }
-    for (int64_t j = i + threadIdx.x; j < end; j += AMP_THREADS) { /* unaligned tensors and tails */
-        T y = f(base[j]);
+    for (int j = head + nvec * PER + threadIdx.x; j < n; j += AMP_THREADS) {
+        T y = f(x[j]);
         if (STORE)
-            base[j] = y;
+            x[j] = y;
     }
 }
 
@@ -203,6 +119,36 @@ __device__ __forceinline__ void for_each_chunk(const hl_table_entry *table, int6
         body(e, chunk, begin, end);
     }
 }
+
+/* ---- non_finite_check: one read-only pass, one racing flag ---- */
+
+__global__ void __launch_bounds__(AMP_THREADS, 2)
+    non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *found) {
+    bool bad = false;
+    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+        with_dtype(e.dtype, [&](auto zero) {
+            using T = decltype(zero);
+            map_chunk<T, false>(e, begin, end, [&](T x) {
+                bad |= !isfinite(to_float(x));
+                return x;
+            });
+        });
+    });
+    /* every writer writes the same 1.0, so a plain racing store is enough */
+    if (__syncthreads_or(bad) && threadIdx.x == 0)
+        *found = 1.0f;
+}
+
+extern "C" cudaError_t hl_launch_non_finite_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
+                                                  float *found, int device, cudaStream_t stream) {
+    if (total_chunks == 0)
+        return cudaSuccess;
+    int grid = hl_grid_for_chunks(total_chunks, device, 2);
+    non_finite_check_kernel<<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, found);
+    return cudaGetLastError();
+}
+
+/* ---- the GradScaler's check ---- */
 
 /* the value after unscaling, rounded to the gradient's dtype: checked and counted in the norm */
 template <typename T, int MODE>
