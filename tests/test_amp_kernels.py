@@ -307,3 +307,27 @@ def test_cuda_norm_is_bit_identical_whatever_the_grid():
                                       blocks=blocks)
             norms.add(aux[1].item())
     assert len(norms) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 7])
+def test_views_at_odd_offsets(device, dtype, offset):
+    """a gradient inside a larger buffer (a DDP bucket): scalar head, vectors, scalar tail"""
+    dev = torch.device(device)
+    buf = randn(offset + 65537 + 40, dtype, dev, 100.0)
+    view = buf[offset:offset + 65537]
+    scale = torch.full((), 64.0, device=dev)
+    aux, _, _ = run_check([view], scale=scale, mode=L2)
+    assert aux[0].item() == 0.0
+    assert aux[1].item() == pytest.approx(reference_norm([view], inv_of(scale), 2.0), rel=1e-6)
+    for where in (0, 5, 40000, 65536):
+        saved = view[where].clone()
+        view[where] = math.nan
+        aux, report, _ = run_check([randn(9, torch.float32, dev), view], scale=scale, mode=L2)
+        assert aux[0].item() == 1.0 and report[0].item() == 1
+        view[where] = saved
+    before, expect = buf.clone(), unscaled(view, inv_of(scale))
+    run_check([view], scale=scale, write=True, mode=0)
+    assert same_bits(view, expect)
+    assert same_bits(buf[:offset], before[:offset]) and same_bits(buf[offset + 65537:], before[offset + 65537:])
