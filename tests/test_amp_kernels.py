@@ -198,13 +198,17 @@ def run_update(device, scale, tracker, state, found, growth, backoff, interval, 
                   1, stream_of(device))
 
 
+def scale_state(dev, scale, hysteresis=1):
+    """a scale, torch's growth tracker and hotloop's state ([skipped, hysteresis left]) on `dev`"""
+    return (torch.full((), scale, device=dev), torch.zeros((), dtype=torch.int32, device=dev),
+            torch.tensor([0, hysteresis], dtype=torch.int64, device=dev))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_matches_torch_update_scale(device):
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(1)
-    ours_scale = torch.full((), 3.7e4, device=dev)
-    ours_tracker = torch.zeros((), dtype=torch.int32, device=dev)
-    state = torch.tensor([0, 1], dtype=torch.int64, device=dev)
+    ours_scale, ours_tracker, state = scale_state(dev, 3.7e4)
     their_scale, their_tracker = ours_scale.clone(), ours_tracker.clone()
     skipped = 0
     for i in range(300):
@@ -221,9 +225,7 @@ def test_update_matches_torch_update_scale(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_hysteresis_and_bounds(device):
     dev = torch.device(device)
-    scale = torch.full((), 1024.0, device=dev)
-    tracker = torch.zeros((), dtype=torch.int32, device=dev)
-    state = torch.tensor([0, 2], dtype=torch.int64, device=dev)
+    scale, tracker, state = scale_state(dev, 1024.0, hysteresis=2)
     one, zero = torch.ones((), device=dev), torch.zeros((), device=dev)
 
     def step(found):
@@ -246,9 +248,7 @@ def test_update_hysteresis_and_bounds(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_sums_several_found_tensors(device):
     dev = torch.device(device)
-    scale = torch.full((), 8.0, device=dev)
-    tracker = torch.zeros((), dtype=torch.int32, device=dev)
-    state = torch.tensor([0, 1], dtype=torch.int64, device=dev)
+    scale, tracker, state = scale_state(dev, 8.0)
     found = [torch.zeros((), device=dev) for _ in range(_C.AMP_MAX_FOUND)]
     found[-1].fill_(1.0)
     run_update(dev, scale, tracker, state, found, 2.0, 0.5, 100)
@@ -271,7 +271,7 @@ def test_cuda_kernels_match_c_reference(dtype, norm_type):
     """Same data through the CUDA kernels and the C reference: flags and factors equal, norm to 1e-6,
     unscale and apply bit for bit."""
     gpu = [randn(n, dtype, torch.device("cuda"), 1e3) for n in SIZES + [3, 1 << 16]]
-    gpu[3][777] = float("inf") if norm_type == 2.0 else 1.0
+    gpu[3][777] = float("inf") if norm_type == 1.5 else 1.0  # one case with a non-finite value
     cpu = [g.cpu() for g in gpu]
     mode = L2 if norm_type == 2.0 else INF if math.isinf(norm_type) else P
     results = []
@@ -307,3 +307,27 @@ def test_cuda_norm_is_bit_identical_whatever_the_grid():
                                       blocks=blocks)
             norms.add(aux[1].item())
     assert len(norms) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 3, 7])
+def test_views_at_odd_offsets(device, dtype, offset):
+    """a gradient inside a larger buffer (a DDP bucket): scalar head, vectors, scalar tail"""
+    dev = torch.device(device)
+    buf = randn(offset + 65537 + 40, dtype, dev, 100.0)
+    view = buf[offset:offset + 65537]
+    scale = torch.full((), 64.0, device=dev)
+    aux, _, _ = run_check([view], scale=scale, mode=L2)
+    assert aux[0].item() == 0.0
+    assert aux[1].item() == pytest.approx(reference_norm([view], inv_of(scale), 2.0), rel=1e-6)
+    for where in (0, 5, 40000, 65536):
+        saved = view[where].clone()
+        view[where] = math.nan
+        aux, report, _ = run_check([randn(9, torch.float32, dev), view], scale=scale, mode=L2)
+        assert aux[0].item() == 1.0 and report[0].item() == 1
+        view[where] = saved
+    before, expect = buf.clone(), unscaled(view, inv_of(scale))
+    run_check([view], scale=scale, write=True, mode=0)
+    assert same_bits(view, expect)
+    assert same_bits(buf[:offset], before[:offset]) and same_bits(buf[offset + 65537:], before[offset + 65537:])

@@ -114,9 +114,15 @@ class _Table:
             fields += (g.data_ptr(), g.numel(), DTYPE_CODES[g.dtype], g.get_device())
         packed = struct.pack(f"{len(fields)}q", *fields)
         index = struct.pack(f"{count}i", *param_index)
-        table = torch.empty(count * (_ENTRY_BYTES + 4), dtype=torch.uint8, device=device)
-        self.count, self.total_chunks, self.total_numel, self.device_index = _C.amp_table_upload(
-            packed, index, table, stream)
+        nbytes = count * (_ENTRY_BYTES + 4)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.count, self.total_chunks, self.total_numel, self.device_index = _C.amp_table_pack(packed, index, host)
+        if device.type == "cuda":
+            # a pinned source: the copy neither waits for the device nor lets the buffer go too early
+            table = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            table.copy_(host, non_blocking=True)
+        else:
+            table = host
         self.key = key
         self.device = device
         self.table = table
@@ -167,9 +173,12 @@ class GradScaler:
     ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits for the device.
 
     Differences from torch, all deliberate: gradients may be float32, float16 or bfloat16, mixed
-    (torch's unscale_ refuses float16 and cannot do bfloat16); a half gradient that becomes inf only
-    once unscaled (a scale below 1) counts as an overflow; all gradients of one optimizer must live
-    on the scaler's device; a scaler for "cuda" refuses CPU tensors and vice versa.
+    (torch's unscale_ refuses float16 and cannot do bfloat16); when unscale_ or clip_grad_norm_
+    unscale, a half gradient that would become inf only once unscaled (a scale below 1) counts as
+    an overflow (torch would write the inf and step); all gradients of one optimizer must live on
+    the scaler's device (torch also allows model-parallel layouts); a scaler for "cuda" refuses CPU
+    tensors and vice versa; clip_grad_norm_ returns float32 whatever the gradients' dtype, computed
+    in float64 per chunk (torch's float32 norm of a large tensor can be off by ~1e-5).
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
