@@ -1,4 +1,4 @@
-/* CUDA from C: availability and versions for Python, the device guard, table uploads. */
+/* CUDA from C: availability and versions for Python, the device guard, table uploads, events and copies. */
 #include "cuda.h"
 
 #ifdef HOTLOOP_WITH_CUDA
@@ -84,6 +84,184 @@ static PyObject *runtime_version(void) {
     return PyLong_FromLong(version);
 }
 
+/* Events, stream waits and host-to-device copies for the loader: handles travel as ints. */
+PyDoc_STRVAR(cuda_event_create_doc, "cuda_event_create(device, timing=False) -> int\n\n"
+             "A CUDA event on `device` (without timing unless asked: cheaper to record and query).");
+static PyObject *py_cuda_event_create(PyObject *m, PyObject *args) {
+    int device, timing = 0;
+    if (!PyArg_ParseTuple(args, "i|p:cuda_event_create", &device, &timing) || hl_cuda_require(m, device) < 0)
+        return NULL;
+    cudaEvent_t event = NULL;
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    hl_device_guard guard;
+    hl_device_enter(&guard, device, &status);
+    HL_CUDA(&status, cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+    hl_device_leave(&guard, &status);
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    return PyLong_FromVoidPtr(event);
+}
+
+static int parse_event(PyObject *obj, cudaEvent_t *event) {
+    *event = (cudaEvent_t)PyLong_AsVoidPtr(obj);
+    if (*event == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "event: expected a handle from cuda_event_create, got 0");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(cuda_event_record_doc, "cuda_event_record(event, stream)\n\nRecord the event on `stream` (an int).");
+static PyObject *py_cuda_event_record(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    unsigned long long stream;
+    cudaEvent_t event;
+    if (!PyArg_ParseTuple(args, "OK:cuda_event_record", &obj, &stream) || parse_event(obj, &event) < 0)
+        return NULL;
+    hl_cuda_status status = {0};
+    HL_CUDA(&status, cudaEventRecord(event, hl_stream(stream)));
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_event_query_doc, "cuda_event_query(event) -> bool\n\nTrue once all work before the record completed.");
+static PyObject *py_cuda_event_query(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    cudaEvent_t event;
+    if (!PyArg_ParseTuple(args, "O:cuda_event_query", &obj) || parse_event(obj, &event) < 0)
+        return NULL;
+    cudaError_t err = cudaEventQuery(event);
+    if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError(); /* not an error: clear it so later checks do not see it */
+        Py_RETURN_FALSE;
+    }
+    hl_cuda_status status = {0};
+    HL_CUDA(&status, err);
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(cuda_event_synchronize_doc, "cuda_event_synchronize(event)\n\nWait (GIL released) for the event.");
+static PyObject *py_cuda_event_synchronize(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    cudaEvent_t event;
+    if (!PyArg_ParseTuple(args, "O:cuda_event_synchronize", &obj) || parse_event(obj, &event) < 0)
+        return NULL;
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    HL_CUDA(&status, cudaEventSynchronize(event));
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_event_elapsed_doc, "cuda_event_elapsed(start, end) -> float\n\n"
+             "Milliseconds between two completed timing events.");
+static PyObject *py_cuda_event_elapsed(PyObject *m, PyObject *args) {
+    PyObject *a, *b;
+    cudaEvent_t start, end;
+    float ms = 0.0f;
+    if (!PyArg_ParseTuple(args, "OO:cuda_event_elapsed", &a, &b) || parse_event(a, &start) < 0 ||
+        parse_event(b, &end) < 0)
+        return NULL;
+    hl_cuda_status status = {0};
+    HL_CUDA(&status, cudaEventElapsedTime(&ms, start, end));
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    return PyFloat_FromDouble((double)ms);
+}
+
+PyDoc_STRVAR(cuda_event_destroy_doc, "cuda_event_destroy(event)");
+static PyObject *py_cuda_event_destroy(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    cudaEvent_t event;
+    if (!PyArg_ParseTuple(args, "O:cuda_event_destroy", &obj) || parse_event(obj, &event) < 0)
+        return NULL;
+    hl_cuda_status status = {0};
+    HL_CUDA(&status, cudaEventDestroy(event));
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_stream_wait_event_doc, "cuda_stream_wait_event(stream, event)\n\n"
+             "Work queued on `stream` after this waits for the event (nothing blocks the host).");
+static PyObject *py_cuda_stream_wait_event(PyObject *m, PyObject *args) {
+    PyObject *obj;
+    unsigned long long stream;
+    cudaEvent_t event;
+    if (!PyArg_ParseTuple(args, "KO:cuda_stream_wait_event", &stream, &obj) || parse_event(obj, &event) < 0)
+        return NULL;
+    hl_cuda_status status = {0};
+    HL_CUDA(&status, cudaStreamWaitEvent(hl_stream(stream), event, 0));
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_memcpy_htod_async_doc, "cuda_memcpy_htod_async(dst, src, nbytes, stream)\n\n"
+             "cudaMemcpyAsync host -> device on `stream` (addresses as ints). Pinned `src` makes it a DMA\n"
+             "that returns at once; the caller keeps both alive until an event after it completes.");
+static PyObject *py_cuda_memcpy_htod_async(PyObject *m, PyObject *args) {
+    unsigned long long dst, src, nbytes, stream;
+    if (!PyArg_ParseTuple(args, "KKKK:cuda_memcpy_htod_async", &dst, &src, &nbytes, &stream))
+        return NULL;
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes,
+                                     cudaMemcpyHostToDevice, hl_stream(stream)));
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_host_register_doc, "cuda_host_register(ptr, nbytes)\n\ncudaHostRegister (portable) host memory.");
+static PyObject *py_cuda_host_register(PyObject *m, PyObject *args) {
+    unsigned long long ptr, nbytes;
+    if (!PyArg_ParseTuple(args, "KK:cuda_host_register", &ptr, &nbytes))
+        return NULL;
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    HL_CUDA(&status, cudaHostRegister((void *)(uintptr_t)ptr, (size_t)nbytes, cudaHostRegisterPortable));
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_host_unregister_doc, "cuda_host_unregister(ptr)");
+static PyObject *py_cuda_host_unregister(PyObject *m, PyObject *args) {
+    unsigned long long ptr;
+    if (!PyArg_ParseTuple(args, "K:cuda_host_unregister", &ptr))
+        return NULL;
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    HL_CUDA(&status, cudaHostUnregister((void *)(uintptr_t)ptr));
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(m, &status), NULL;
+    Py_RETURN_NONE;
+}
+
+#define HL_LOADER_CUDA_METHODS                                                                                 \
+    {"cuda_event_create", py_cuda_event_create, METH_VARARGS, cuda_event_create_doc},                          \
+    {"cuda_event_record", py_cuda_event_record, METH_VARARGS, cuda_event_record_doc},                          \
+    {"cuda_event_query", py_cuda_event_query, METH_VARARGS, cuda_event_query_doc},                             \
+    {"cuda_event_synchronize", py_cuda_event_synchronize, METH_VARARGS, cuda_event_synchronize_doc},           \
+    {"cuda_event_elapsed", py_cuda_event_elapsed, METH_VARARGS, cuda_event_elapsed_doc},                       \
+    {"cuda_event_destroy", py_cuda_event_destroy, METH_VARARGS, cuda_event_destroy_doc},                       \
+    {"cuda_stream_wait_event", py_cuda_stream_wait_event, METH_VARARGS, cuda_stream_wait_event_doc},           \
+    {"cuda_memcpy_htod_async", py_cuda_memcpy_htod_async, METH_VARARGS, cuda_memcpy_htod_async_doc},           \
+    {"cuda_host_register", py_cuda_host_register, METH_VARARGS, cuda_host_register_doc},                       \
+    {"cuda_host_unregister", py_cuda_host_unregister, METH_VARARGS, cuda_host_unregister_doc},
+
 #else /* built without CUDA */
 
 int hl_cuda_require(PyObject *module, int device) {
@@ -98,6 +276,7 @@ static PyObject *why_unavailable(void) { return PyUnicode_FromString("hotloop wa
 static PyObject *device_count(void) { return PyLong_FromLong(0); }
 static PyObject *driver_version(void) { Py_RETURN_NONE; }
 static PyObject *runtime_version(void) { Py_RETURN_NONE; }
+#define HL_LOADER_CUDA_METHODS
 
 #endif
 
@@ -133,6 +312,7 @@ static PyMethodDef cuda_methods[] = {
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, cuda_device_count_doc},
     {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, cuda_driver_version_doc},
     {"cuda_runtime_version", py_cuda_runtime_version, METH_NOARGS, cuda_runtime_version_doc},
+    HL_LOADER_CUDA_METHODS
     {NULL, NULL, 0, NULL},
 };
 

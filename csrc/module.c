@@ -164,7 +164,8 @@ static int exec_module(PyObject *module) {
                       "Attributes: code, error_name, call, file, line.",
                       &state->nvml_error) < 0)
         return -1;
-    if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0)
+    if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 ||
+        hl_ring_exec(module) < 0)
         return -1;
     if (hl_monitor_exec(module) < 0)
         return -1;

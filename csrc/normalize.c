@@ -1,0 +1,167 @@
+/* hotloop._C.normalize: uint8 HWC image batch -> normalised float NCHW/channels_last; CUDA launch and C reference. */
+#include <math.h>
+#include <string.h>
+
+#include "cuda.h"
+#include "ring.h"
+#include "tensor.h"
+#ifdef HOTLOOP_WITH_CUDA
+#include "normalize.h"
+#else
+#define HL_NORMALIZE_MAX_CHANNELS 16
+typedef struct {
+    float mean[HL_NORMALIZE_MAX_CHANNELS];
+    float std[HL_NORMALIZE_MAX_CHANNELS];
+} hl_normalize_params;
+#endif
+
+/* float -> IEEE half, round to nearest even (what torch's .half() does) */
+static uint16_t half_rn(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u)
+        return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
+    if (a >= 0x477ff000u) /* 65520 and up round to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* below 2^-14: a subnormal half, in steps of 2^-24 */
+        float af;
+        memcpy(&af, &a, 4);
+        return (uint16_t)(sign | (uint32_t)rintf(af * 16777216.0f));
+    }
+    return (uint16_t)(sign | ((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+}
+
+/* float -> bfloat16, round to nearest even */
+static uint16_t bf16_rn(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* C reference of kernels/normalize.cu, element for element */
+static void cpu_normalize(const uint8_t *src, void *dst, int dtype, int64_t n, int64_t h, int64_t w, int64_t c,
+                          int channels_last, const hl_normalize_params *p) {
+    size_t hw = (size_t)h * (size_t)w, total = (size_t)n * hw * (size_t)c;
+    for (size_t o = 0; o < total; o++) {
+        size_t in;
+        int ch;
+        if (channels_last) {
+            in = o;
+            ch = (int)(o % (size_t)c);
+        } else {
+            size_t plane = o / hw;
+            ch = (int)(plane % (size_t)c);
+            in = ((plane / (size_t)c) * hw + o % hw) * (size_t)c + (size_t)ch;
+        }
+        /* volatile: keep the two roundings (no FMA contraction, no reciprocal) */
+        volatile float d = (float)src[in] - p->mean[ch];
+        float y = d / p->std[ch];
+        if (dtype == HL_FLOAT16)
+            ((uint16_t *)dst)[o] = half_rn(y);
+        else if (dtype == HL_BFLOAT16)
+            ((uint16_t *)dst)[o] = bf16_rn(y);
+        else
+            ((float *)dst)[o] = y;
+    }
+}
+
+static int read_floats(PyObject *seq, const char *argname, int64_t count, float *out) {
+    PyObject *list = PySequence_List(seq);
+    if (list == NULL)
+        return -1;
+    int rc = -1;
+    if (PyList_Size(list) != count) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %lld values (one per channel), got %zd", argname,
+                     (long long)count, PyList_Size(list));
+        goto error;
+    }
+    for (int64_t i = 0; i < count; i++) {
+        double v = PyFloat_AsDouble(PyList_GetItem(list, (Py_ssize_t)i));
+        if (v == -1.0 && PyErr_Occurred())
+            goto error;
+        out[i] = (float)v;
+    }
+    rc = 0;
+error:
+    Py_DECREF(list);
+    return rc;
+}
+
+PyDoc_STRVAR(normalize_doc,
+             "normalize(src, dst, mean, std, channels_last, stream)\n\n"
+             "dst = (float(src) - mean[c]) / std[c] in float32, rounded once to dst's dtype. src: uint8\n"
+             "[n, h, w, c], contiguous. dst: float32/float16/bfloat16 with n*c*h*w elements, contiguous in\n"
+             "NCHW order, or in NHWC order when channels_last (pass out.permute(0, 2, 3, 1)). mean and\n"
+             "std: c floats each, in the units of src (0-255). CUDA tensors: one kernel on `stream`;\n"
+             "CPU tensors: the C reference, GIL released.");
+
+static PyObject *normalize(PyObject *module, PyObject *args) {
+    PyObject *src_obj, *dst_obj, *mean_obj, *std_obj, *result = NULL;
+    int channels_last;
+    unsigned long long stream = 0;
+    hl_tensor src = {0}, dst = {0};
+    hl_normalize_params params;
+    memset(&params, 0, sizeof(params));
+    if (!PyArg_ParseTuple(args, "OOOOpK:normalize", &src_obj, &dst_obj, &mean_obj, &std_obj, &channels_last,
+                          &stream))
+        return NULL;
+    if (hl_tensor_from_object(src_obj, "src", HL_DTYPE_BIT(HL_UINT8), HL_ANY_DEVICE, 0, &src) < 0)
+        goto error;
+    if (hl_tensor_from_object(dst_obj, "dst", HL_FLOATING_MASK, src.device, 1, &dst) < 0)
+        goto error;
+    if (src.ndim != 4) {
+        PyErr_Format(PyExc_ValueError, "src: expected a uint8 batch of shape [n, h, w, c], got %d dimensions",
+                     src.ndim);
+        goto error;
+    }
+    int64_t n = src.shape[0], h = src.shape[1], w = src.shape[2], c = src.shape[3];
+    if (c < 1 || c > HL_NORMALIZE_MAX_CHANNELS) {
+        PyErr_Format(PyExc_ValueError, "src: expected 1 to %d channels (the last dimension), got %lld",
+                     HL_NORMALIZE_MAX_CHANNELS, (long long)c);
+        goto error;
+    }
+    if (dst.numel != src.numel) {
+        PyErr_Format(PyExc_ValueError, "dst: expected %lld elements like src, got %lld", (long long)src.numel,
+                     (long long)dst.numel);
+        goto error;
+    }
+    if (read_floats(mean_obj, "mean", c, params.mean) < 0 || read_floats(std_obj, "std", c, params.std) < 0)
+        goto error;
+    if (src.device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        cpu_normalize((const uint8_t *)src.data, dst.data, dst.dtype, n, h, w, c, channels_last, &params);
+        Py_END_ALLOW_THREADS
+    } else {
+        if (hl_cuda_require(module, src.device) < 0)
+            goto error;
+#ifdef HOTLOOP_WITH_CUDA
+        hl_cuda_status status = {0};
+        Py_BEGIN_ALLOW_THREADS
+        hl_device_guard guard;
+        hl_device_enter(&guard, src.device, &status);
+        HL_CUDA(&status, hl_launch_normalize((const uint8_t *)src.data, dst.data, dst.dtype, n, h, w, c,
+                                             channels_last, params, hl_stream(stream)));
+        hl_device_leave(&guard, &status);
+        Py_END_ALLOW_THREADS
+        if (status.code != 0) {
+            hl_raise_cuda(module, &status);
+            goto error;
+        }
+#endif
+    }
+    result = Py_NewRef(Py_None);
+error:
+    hl_tensor_release(&dst);
+    hl_tensor_release(&src);
+    return result;
+}
+
+static PyMethodDef normalize_methods[] = {
+    {"normalize", normalize, METH_VARARGS, normalize_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+int hl_normalize_exec(PyObject *module) { return PyModule_AddFunctions(module, normalize_methods); }

@@ -1,0 +1,542 @@
+/* hotloop._C.Ring: the batch ring shared by DataLoader workers and the main process (memfd, atomics, futex, pinned copies). */
+#include "ring.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda.h"
+
+#ifndef PyBUF_WRITE
+#define PyBUF_WRITE 0x200 /* the limited API names it only from 3.11; the value is CPython's */
+#endif
+
+#define HL_RING_MAGIC 0x676e69726c746f68ull /* "hotlring" */
+#define HL_RING_VERSION 1u
+#define HL_PAGE 4096ull
+
+/* The first page(s) of the shared memory: sizes, the completion counter (the futex word every
+   waiter sleeps on) and one control block per slot, each on its own cache line. */
+typedef struct {
+    uint64_t magic;
+    uint32_t nslots;
+    uint32_t version;
+    uint64_t slot_bytes;
+    uint64_t data_offset;
+    _Atomic uint32_t completions; /* bumped after every state change a waiter may care about */
+    uint32_t pad[7];
+} hl_ring_header;
+
+typedef struct {
+    _Atomic uint32_t state; /* enum hl_slot_state */
+    uint32_t flags;
+    int64_t task;      /* the task id the slot was filled for, set by the worker before READY */
+    uint64_t meta_len; /* bytes of metadata at the start of the slot */
+    int32_t worker;
+    uint32_t pad[9];
+} hl_slot_ctl;
+
+_Static_assert(sizeof(hl_ring_header) == 64, "header is one cache line");
+_Static_assert(sizeof(hl_slot_ctl) == 64, "a slot's control block is one cache line");
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    char *base;  /* the whole mapping: header, control blocks, then the slots */
+    size_t nbytes;
+    uint32_t nslots;
+    uint64_t slot_bytes;
+    uint64_t data_offset;
+    int registered_device; /* device of cudaHostRegister, -1 when not registered */
+    int owner;             /* 1 in the process that created the memfd */
+} RingObject;
+
+static hl_ring_header *header_of(RingObject *r) { return (hl_ring_header *)r->base; }
+static hl_slot_ctl *ctl_of(RingObject *r, uint32_t slot) {
+    return (hl_slot_ctl *)(r->base + sizeof(hl_ring_header)) + slot;
+}
+static char *slot_data(RingObject *r, uint32_t slot) { return r->base + r->data_offset + slot * r->slot_bytes; }
+
+static uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
+
+static long futex(_Atomic uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
+    /* not FUTEX_PRIVATE: the word lives in memory shared between processes */
+    return syscall(SYS_futex, (uint32_t *)word, op, value, timeout, NULL, 0);
+}
+
+static void bump_completions(RingObject *r) {
+    atomic_fetch_add_explicit(&header_of(r)->completions, 1, memory_order_acq_rel);
+    futex(&header_of(r)->completions, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int check_open(RingObject *r) {
+    if (r->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the ring is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_slot(RingObject *r, long long slot) {
+    if (check_open(r) < 0)
+        return -1;
+    if (slot < 0 || slot >= (long long)r->nslots) {
+        PyErr_Format(PyExc_IndexError, "slot %lld out of range: the ring has %u slots", slot, r->nslots);
+        return -1;
+    }
+    return 0;
+}
+
+static void unregister_pinned(RingObject *r) {
+#ifdef HOTLOOP_WITH_CUDA
+    if (r->registered_device >= 0 && r->base != NULL) {
+        hl_cuda_status status = {0};
+        hl_device_guard guard;
+        hl_device_enter(&guard, r->registered_device, &status);
+        HL_CUDA(&status, cudaHostUnregister(r->base));
+        hl_device_leave(&guard, &status);
+    }
+#endif
+    r->registered_device = -1;
+}
+
+static void release_ring(RingObject *r) {
+    unregister_pinned(r);
+    if (r->base != NULL)
+        munmap(r->base, r->nbytes);
+    r->base = NULL;
+    if (r->fd >= 0)
+        close(r->fd);
+    r->fd = -1;
+}
+
+/* Ring(nslots, slot_bytes, path=None): a new memfd ring, or (path given: /proc/PID/fd/N of the
+   creator) the same ring mapped into this process. */
+static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"nslots", "slot_bytes", "path", NULL};
+    long long nslots = 0, slot_bytes = 0;
+    const char *path = NULL;
+    RingObject *r = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LL|z:Ring", kwlist, &nslots, &slot_bytes, &path))
+        return NULL;
+    if (nslots < 1 || nslots > 4096) {
+        PyErr_Format(PyExc_ValueError, "nslots: expected 1 to 4096, got %lld", nslots);
+        return NULL;
+    }
+    if (slot_bytes < 1) {
+        PyErr_Format(PyExc_ValueError, "slot_bytes: expected a positive size, got %lld", slot_bytes);
+        return NULL;
+    }
+    r = (RingObject *)PyType_GenericAlloc(type, 0);
+    if (r == NULL)
+        return NULL;
+    r->fd = -1;
+    r->registered_device = -1;
+    r->nslots = (uint32_t)nslots;
+    r->slot_bytes = round_up((uint64_t)slot_bytes, HL_PAGE);
+    r->data_offset = round_up(sizeof(hl_ring_header) + (uint64_t)nslots * sizeof(hl_slot_ctl), HL_PAGE);
+    r->nbytes = (size_t)(r->data_offset + r->nslots * r->slot_bytes);
+    r->owner = path == NULL;
+
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (path == NULL) {
+        /* memfd, not a /dev/shm file: no name to leak, no 64 MB Docker /dev/shm limit */
+        r->fd = memfd_create("hotloop-ring", MFD_CLOEXEC);
+        if (r->fd < 0 || ftruncate(r->fd, (off_t)r->nbytes) < 0)
+            err = errno;
+    } else {
+        r->fd = open(path, O_RDWR | O_CLOEXEC);
+        if (r->fd < 0)
+            err = errno;
+    }
+    if (err == 0) {
+        /* MAP_POPULATE pre-faults every page now, so the first batches do not pay for it */
+        void *base = mmap(NULL, r->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd, 0);
+        if (base == MAP_FAILED)
+            err = errno;
+        else
+            r->base = (char *)base;
+    }
+    Py_END_ALLOW_THREADS
+    if (err != 0) {
+        PyErr_Format(PyExc_OSError, "Ring: %s of %zu bytes failed: %s",
+                     path == NULL ? "memfd_create/mmap" : "attach", r->nbytes, strerror(err));
+        goto error;
+    }
+    hl_ring_header *h = header_of(r);
+    if (r->owner) {
+        h->magic = HL_RING_MAGIC;
+        h->nslots = r->nslots;
+        h->version = HL_RING_VERSION;
+        h->slot_bytes = r->slot_bytes;
+        h->data_offset = r->data_offset;
+        atomic_store(&h->completions, 0);
+        for (uint32_t i = 0; i < r->nslots; i++)
+            atomic_store(&ctl_of(r, i)->state, HL_SLOT_FREE);
+    } else if (h->magic != HL_RING_MAGIC || h->nslots != r->nslots || h->slot_bytes != r->slot_bytes) {
+        PyErr_Format(PyExc_ValueError, "Ring: %s is not a ring of %u slots of %llu bytes", path, r->nslots,
+                     (unsigned long long)r->slot_bytes);
+        goto error;
+    }
+    return (PyObject *)r;
+error:
+    Py_DECREF(r);
+    return NULL;
+}
+
+static void ring_dealloc(PyObject *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    release_ring((RingObject *)self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
+}
+
+PyDoc_STRVAR(close_doc, "close()\n\nUnregister pinned memory, unmap and close the memfd. Idempotent. Any view\n"
+             "taken with view() must be gone before.");
+static PyObject *ring_close(PyObject *self, PyObject *Py_UNUSED(a)) {
+    RingObject *r = (RingObject *)self;
+    Py_BEGIN_ALLOW_THREADS
+    release_ring(r);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(view_doc, "view(slot) -> memoryview\n\nThe slot's bytes, writable. The ring must outlive the view:"
+             " the caller keeps it.");
+static PyObject *ring_view(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    if (!PyArg_ParseTuple(args, "L:view", &slot) || check_slot(r, slot) < 0)
+        return NULL;
+    return PyMemoryView_FromMemory(slot_data(r, (uint32_t)slot), (Py_ssize_t)r->slot_bytes, PyBUF_WRITE);
+}
+
+PyDoc_STRVAR(slot_address_doc, "slot_address(slot) -> int\n\nAddress of the slot's first byte in this process.");
+static PyObject *ring_slot_address(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    if (!PyArg_ParseTuple(args, "L:slot_address", &slot) || check_slot(r, slot) < 0)
+        return NULL;
+    return PyLong_FromVoidPtr(slot_data(r, (uint32_t)slot));
+}
+
+PyDoc_STRVAR(state_doc, "state(slot) -> int\n\nThe slot's state (FREE, ASSIGNED, READY, ERROR), read with acquire order.");
+static PyObject *ring_state(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    if (!PyArg_ParseTuple(args, "L:state", &slot) || check_slot(r, slot) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(atomic_load_explicit(&ctl_of(r, (uint32_t)slot)->state, memory_order_acquire));
+}
+
+PyDoc_STRVAR(set_state_doc, "set_state(slot, state)\n\nStore a state (release order) and wake the waiters.");
+static PyObject *ring_set_state(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    unsigned int state;
+    if (!PyArg_ParseTuple(args, "LI:set_state", &slot, &state) || check_slot(r, slot) < 0)
+        return NULL;
+    if (state > HL_SLOT_ERROR) {
+        PyErr_Format(PyExc_ValueError, "state: expected 0 to %d, got %u", HL_SLOT_ERROR, state);
+        return NULL;
+    }
+    atomic_store_explicit(&ctl_of(r, (uint32_t)slot)->state, state, memory_order_release);
+    bump_completions(r);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(publish_doc, "publish(slot, task, worker, meta_len, flags=0, error=False)\n\n"
+             "Worker side: the slot's bytes are written; record who filled it for which task, then make it\n"
+             "READY (ERROR when error) with release order, so the reader sees every byte, and wake the main\n"
+             "process. The slot must be ASSIGNED.");
+static PyObject *ring_publish(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot, task, meta_len;
+    int worker, error = 0;
+    unsigned int flags = 0;
+    if (!PyArg_ParseTuple(args, "LLiL|Ip:publish", &slot, &task, &worker, &meta_len, &flags, &error) ||
+        check_slot(r, slot) < 0)
+        return NULL;
+    if (meta_len < 0 || (uint64_t)meta_len > r->slot_bytes) {
+        PyErr_Format(PyExc_ValueError, "meta_len: expected 0 to %llu, got %lld", (unsigned long long)r->slot_bytes,
+                     meta_len);
+        return NULL;
+    }
+    hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
+    uint32_t expected = HL_SLOT_ASSIGNED;
+    c->task = task;
+    c->worker = worker;
+    c->meta_len = (uint64_t)meta_len;
+    c->flags = flags;
+    if (!atomic_compare_exchange_strong_explicit(&c->state, &expected, error ? HL_SLOT_ERROR : HL_SLOT_READY,
+                                                 memory_order_acq_rel, memory_order_acquire)) {
+        PyErr_Format(PyExc_RuntimeError, "publish: slot %lld is in state %u, not ASSIGNED", slot, expected);
+        return NULL;
+    }
+    bump_completions(r);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(info_doc, "info(slot) -> (state, task, worker, meta_len, flags)");
+static PyObject *ring_info(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    if (!PyArg_ParseTuple(args, "L:info", &slot) || check_slot(r, slot) < 0)
+        return NULL;
+    hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
+    unsigned state = atomic_load_explicit(&c->state, memory_order_acquire);
+    return Py_BuildValue("(ILiKI)", state, (long long)c->task, c->worker, (unsigned long long)c->meta_len, c->flags);
+}
+
+PyDoc_STRVAR(wait_doc, "wait(slot, not_state, timeout) -> int\n\n"
+             "Sleep (futex, GIL released) until the slot's state differs from not_state, or timeout seconds\n"
+             "passed; return the state then. A negative timeout waits without limit.");
+static PyObject *ring_wait(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    unsigned int not_state, state;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "LId:wait", &slot, &not_state, &timeout) || check_slot(r, slot) < 0)
+        return NULL;
+    hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
+    _Atomic uint32_t *word = &header_of(r)->completions;
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = now_seconds() + timeout;
+    for (;;) {
+        /* read the counter before the state: a change after this read bumps the counter, and the
+           futex then refuses to sleep */
+        uint32_t seen = atomic_load_explicit(word, memory_order_acquire);
+        state = atomic_load_explicit(&c->state, memory_order_acquire);
+        if (state != not_state)
+            break;
+        struct timespec ts, *tsp = NULL;
+        if (timeout >= 0) {
+            double left = deadline - now_seconds();
+            if (left <= 0)
+                break;
+            ts.tv_sec = (time_t)left;
+            ts.tv_nsec = (long)((left - (double)ts.tv_sec) * 1e9);
+            tsp = &ts;
+        }
+        futex(word, FUTEX_WAIT, seen, tsp);
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(state);
+}
+
+/* packed int64 triples from Python (array('q').tobytes()) */
+static int parse_triples(PyObject *packed, const char *argname, const int64_t **out, Py_ssize_t *count) {
+    if (!PyBytes_Check(packed)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected bytes of int64 triples, got %R", argname,
+                     (PyObject *)Py_TYPE(packed));
+        return -1;
+    }
+    Py_ssize_t n = PyBytes_Size(packed);
+    if (n % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a multiple of 24 bytes, got %zd", argname, n);
+        return -1;
+    }
+    *out = (const int64_t *)PyBytes_AsString(packed);
+    *count = n / (3 * (Py_ssize_t)sizeof(int64_t));
+    return 0;
+}
+
+static int check_range(RingObject *r, int64_t offset, int64_t nbytes) {
+    if (offset < 0 || nbytes < 0 || (uint64_t)(offset + nbytes) > r->slot_bytes) {
+        PyErr_Format(PyExc_ValueError, "bytes [%lld, %lld) do not lie inside a slot of %llu bytes", (long long)offset,
+                     (long long)(offset + nbytes), (unsigned long long)r->slot_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_out_doc, "copy_out(slot, packed)\n\n"
+             "Host copies out of a slot, GIL released: packed holds int64 triples (offset in the slot,\n"
+             "destination address, bytes). The destinations must be host memory of at least that size.");
+static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    PyObject *packed;
+    const int64_t *t;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "LO:copy_out", &slot, &packed) || check_slot(r, slot) < 0 ||
+        parse_triples(packed, "packed", &t, &n) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (check_range(r, t[3 * i], t[3 * i + 2]) < 0)
+            return NULL;
+    char *src = slot_data(r, (uint32_t)slot);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy((void *)(uintptr_t)t[3 * i + 1], src + t[3 * i], (size_t)t[3 * i + 2]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_register_doc, "cuda_register(device)\n\n"
+             "cudaHostRegister the whole ring (page-locked, portable) so copies from it run at DMA speed.\n"
+             "Once per ring, in the main process; close() unregisters.");
+static PyObject *ring_cuda_register(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    int device;
+    PyObject *module = PyType_GetModule(Py_TYPE(self));
+    if (!PyArg_ParseTuple(args, "i:cuda_register", &device) || check_open(r) < 0 || module == NULL)
+        return NULL;
+    if (r->registered_device >= 0)
+        Py_RETURN_NONE;
+    if (hl_cuda_require(module, device) < 0)
+        return NULL;
+#ifdef HOTLOOP_WITH_CUDA
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    hl_device_guard guard;
+    hl_device_enter(&guard, device, &status);
+    HL_CUDA(&status, cudaHostRegister(r->base, r->nbytes, cudaHostRegisterPortable));
+    hl_device_leave(&guard, &status);
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(module, &status), NULL;
+    r->registered_device = device;
+#endif
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(copy_to_device_doc, "copy_to_device(slot, packed, stream, device)\n\n"
+             "cudaMemcpyAsync from the (registered) slot to device memory on `stream`: packed holds int64\n"
+             "triples (offset in the slot, device address, bytes). Nothing waits; the caller records an\n"
+             "event after and frees the slot only once it completed.");
+static PyObject *ring_copy_to_device(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
+    PyObject *packed;
+    unsigned long long stream;
+    int device;
+    const int64_t *t;
+    Py_ssize_t n;
+    PyObject *module = PyType_GetModule(Py_TYPE(self));
+    if (!PyArg_ParseTuple(args, "LOKi:copy_to_device", &slot, &packed, &stream, &device) || module == NULL ||
+        check_slot(r, slot) < 0 || parse_triples(packed, "packed", &t, &n) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (check_range(r, t[3 * i], t[3 * i + 2]) < 0)
+            return NULL;
+    if (hl_cuda_require(module, device) < 0)
+        return NULL;
+#ifdef HOTLOOP_WITH_CUDA
+    char *src = slot_data(r, (uint32_t)slot);
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    hl_device_guard guard;
+    hl_device_enter(&guard, device, &status);
+    for (Py_ssize_t i = 0; i < n; i++)
+        HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)t[3 * i + 1], src + t[3 * i], (size_t)t[3 * i + 2],
+                                         cudaMemcpyHostToDevice, hl_stream(stream)));
+    hl_device_leave(&guard, &status);
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(module, &status), NULL;
+#else
+    (void)stream;
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_fd(PyObject *self, void *c) { (void)c; return PyLong_FromLong(((RingObject *)self)->fd); }
+static PyObject *get_nslots(PyObject *self, void *c) { (void)c; return PyLong_FromUnsignedLong(((RingObject *)self)->nslots); }
+static PyObject *get_slot_bytes(PyObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLongLong(((RingObject *)self)->slot_bytes);
+}
+static PyObject *get_nbytes(PyObject *self, void *c) { (void)c; return PyLong_FromSize_t(((RingObject *)self)->nbytes); }
+static PyObject *get_closed(PyObject *self, void *c) { (void)c; return PyBool_FromLong(((RingObject *)self)->base == NULL); }
+static PyObject *get_registered(PyObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(((RingObject *)self)->registered_device >= 0);
+}
+static PyObject *get_completions(PyObject *self, void *c) {
+    (void)c;
+    RingObject *r = (RingObject *)self;
+    if (check_open(r) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLong(atomic_load(&header_of(r)->completions));
+}
+
+static PyGetSetDef ring_getset[] = {
+    {"fd", get_fd, NULL, "the memfd (-1 once closed)", NULL},
+    {"nslots", get_nslots, NULL, "slots in the ring", NULL},
+    {"slot_bytes", get_slot_bytes, NULL, "bytes per slot (a multiple of 4096)", NULL},
+    {"nbytes", get_nbytes, NULL, "bytes of shared memory, control blocks included", NULL},
+    {"closed", get_closed, NULL, "True once close() ran", NULL},
+    {"registered", get_registered, NULL, "True while cudaHostRegister'ed", NULL},
+    {"completions", get_completions, NULL, "the futex counter, bumped on every state change", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef ring_methods[] = {
+    {"close", ring_close, METH_NOARGS, close_doc},
+    {"view", ring_view, METH_VARARGS, view_doc},
+    {"slot_address", ring_slot_address, METH_VARARGS, slot_address_doc},
+    {"state", ring_state, METH_VARARGS, state_doc},
+    {"set_state", ring_set_state, METH_VARARGS, set_state_doc},
+    {"publish", ring_publish, METH_VARARGS, publish_doc},
+    {"info", ring_info, METH_VARARGS, info_doc},
+    {"wait", ring_wait, METH_VARARGS, wait_doc},
+    {"copy_out", ring_copy_out, METH_VARARGS, copy_out_doc},
+    {"cuda_register", ring_cuda_register, METH_VARARGS, cuda_register_doc},
+    {"copy_to_device", ring_copy_to_device, METH_VARARGS, copy_to_device_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(ring_doc, "Ring(nslots, slot_bytes, path=None)\n\n"
+             "Slots of shared memory from memfd_create (no /dev/shm file), pre-faulted. Without path a new\n"
+             "ring is made; with path (/proc/PID/fd/FD of the creator's fd) that ring is mapped here.\n"
+             "Slot states live in the shared memory and change with atomics; wait() sleeps on a futex.");
+
+static PyType_Slot ring_slots[] = {
+    {Py_tp_new, ring_new},
+    {Py_tp_dealloc, ring_dealloc},
+    {Py_tp_methods, ring_methods},
+    {Py_tp_getset, ring_getset},
+    {Py_tp_doc, (void *)ring_doc},
+    {0, NULL},
+};
+
+static PyType_Spec ring_spec = {
+    .name = "hotloop._C.Ring",
+    .basicsize = sizeof(RingObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = ring_slots,
+};
+
+int hl_ring_exec(PyObject *module) {
+    hl_state *state = hl_state_of(module);
+    state->ring_type = PyType_FromModuleAndSpec(module, &ring_spec, NULL);
+    if (state->ring_type == NULL)
+        return -1;
+    if (PyModule_AddType(module, (PyTypeObject *)state->ring_type) < 0 || hl_normalize_exec(module) < 0)
+        return -1;
+    return PyModule_AddIntConstant(module, "RING_FREE", HL_SLOT_FREE) < 0 ||
+                   PyModule_AddIntConstant(module, "RING_ASSIGNED", HL_SLOT_ASSIGNED) < 0 ||
+                   PyModule_AddIntConstant(module, "RING_READY", HL_SLOT_READY) < 0 ||
+                   PyModule_AddIntConstant(module, "RING_ERROR", HL_SLOT_ERROR) < 0 ||
+                   PyModule_AddIntConstant(module, "RING_FLAG_OVERFLOW", HL_SLOT_FLAG_OVERFLOW) < 0
+               ? -1
+               : 0;
+}

@@ -1,0 +1,364 @@
+"""The worker side of hotloop.DataLoader: a process that runs dataset[i] and writes batches into the ring.
+
+A worker is seeded, named and given `get_worker_info()` exactly as torch's `_worker_loop` does, so
+random transforms in `__getitem__` draw the same numbers as they would under torch's DataLoader.
+Map-style batches with the default collate are written sample by sample straight into the slot (the
+one host copy); anything else is collated as torch would (without torch's /dev/shm storage) and its
+tensors copied in. Leaves that are not fixed-shape CPU tensors travel in the slot's pickled metadata.
+
+Messages, main -> worker over a pipe: ("task", task_id, index, slot), ("ring", path, nslots,
+slot_bytes, layout), ("resume",), None (exit). Worker -> main over another pipe, pickled with plain
+pickle (never ForkingPickler, which would move tensors through /dev/shm): ("batch", task_id, batch,
+busy) for tasks without a slot, ("meta", task_id, bytes) for metadata that did not fit its slot,
+("error", task_id, ExceptionWrapper), ("stop", task_id) and ("resumed", worker_id).
+"""
+import collections.abc
+import os
+import pickle
+import random
+import signal
+import time
+
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _utils
+from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
+
+from . import _C
+
+# leaf kinds of the fixed layout; numbers are part of the slot metadata
+_TENSOR, _SIDE = "T", "O"
+_DICT, _LIST, _TUPLE, _NAMEDTUPLE = "D", "L", "U", "N"
+
+
+def _stack_no_shm(batch, *, collate_fn_map=None):
+    # torch's collate_tensor_fn puts worker batches in /dev/shm storage; here plain memory is enough
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        return default_collate_fn_map[torch.Tensor](batch, collate_fn_map=collate_fn_map)
+    return torch.stack(batch, 0)
+
+
+_COLLATE_MAP = dict(default_collate_fn_map)
+_COLLATE_MAP[torch.Tensor] = _stack_no_shm
+
+
+def collate_no_shm(batch):
+    """default_collate, value for value, without shared-memory storage for the stacked tensors."""
+    return collate(batch, collate_fn_map=_COLLATE_MAP)
+
+
+def is_ring_tensor(x) -> bool:
+    return (type(x) is torch.Tensor and x.layout == torch.strided and x.device.type == "cpu"
+            and not x.is_nested and not x.requires_grad and not x.is_quantized)
+
+
+def flatten(obj, tensors):
+    """The batch as a spec tree; CPU tensors are replaced by their index in `tensors` (appended)."""
+    t = type(obj)
+    if is_ring_tensor(obj):
+        tensors.append(obj)
+        return (_TENSOR, len(tensors) - 1)
+    if t is dict:
+        return (_DICT, [(k, flatten(v, tensors)) for k, v in obj.items()])
+    if t is list:
+        return (_LIST, [flatten(v, tensors) for v in obj])
+    if t is tuple:
+        return (_TUPLE, [flatten(v, tensors) for v in obj])
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return (_NAMEDTUPLE, t, [flatten(v, tensors) for v in obj])
+    return (_SIDE, obj)
+
+
+def unflatten(spec, leaves):
+    kind = spec[0]
+    if kind == _TENSOR:
+        return leaves[spec[1]]
+    if kind == _SIDE:
+        return spec[1]
+    if kind == _DICT:
+        return {k: unflatten(v, leaves) for k, v in spec[1]}
+    if kind == _LIST:
+        return [unflatten(v, leaves) for v in spec[1]]
+    if kind == _TUPLE:
+        return tuple(unflatten(v, leaves) for v in spec[1])
+    return spec[1](*(unflatten(v, leaves) for v in spec[2]))
+
+
+class _Abort(Exception):
+    """The fast path cannot reproduce default_collate for this batch: take the general path."""
+
+
+def _sample_plan(elem):
+    """How default_collate treats one sample: a tree whose leaves say how each leaf is batched."""
+    import numpy as np
+
+    t = type(elem)
+    if t is torch.Tensor:
+        if not is_ring_tensor(elem):
+            raise _Abort
+        return ("row", tuple(elem.shape), elem.dtype, False)
+    if t is np.ndarray:
+        if elem.dtype.kind in "SaUO":
+            raise _Abort
+        try:
+            dtype = torch.as_tensor(elem).dtype
+        except Exception:
+            raise _Abort from None  # default_collate raises it: let the general path do so
+        return ("row", tuple(elem.shape), dtype, True)
+    if isinstance(elem, (np.bool_, np.number)):
+        return ("scalar", torch.as_tensor)
+    if isinstance(elem, float):
+        return ("scalar", _float_batch)
+    if isinstance(elem, int):
+        return ("scalar", torch.tensor)
+    if isinstance(elem, (str, bytes)):
+        return ("list",)
+    if t is dict:
+        return ("dict", [(k, _sample_plan(v)) for k, v in elem.items()])
+    if t is tuple or t is list:
+        return ("seq", t, [_sample_plan(v) for v in elem])
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):
+        return ("namedtuple", t, [_sample_plan(v) for v in elem])
+    raise _Abort
+
+
+def _float_batch(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+class _SlotWriter:
+    """Places tensors in the slot: leaf k of the layout at its offset, if it fits."""
+
+    def __init__(self, slot_u8, layout):
+        self.slot = slot_u8
+        self.layout = layout  # [(offset, capacity)]
+        self.leaves = []  # (offset, dtype, shape) per ring tensor, in spec order
+
+    def region(self, shape, dtype):
+        k = len(self.leaves)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if k >= len(self.layout) or nbytes > self.layout[k][1]:
+            return None
+        off = self.layout[k][0]
+        self.leaves.append((off, dtype, tuple(shape)))
+        return self.slot[off:off + nbytes].view(dtype).view(shape)
+
+    def put(self, tensor):
+        dst = self.region(tensor.shape, tensor.dtype)
+        if dst is None:
+            return None
+        dst.copy_(tensor)
+        return len(self.leaves) - 1
+
+
+def write_general(batch, writer):
+    """Spec of a collated batch, its tensors copied into the slot (or kept in the spec when they do not fit)."""
+    tensors = []
+    spec = flatten(batch, tensors)
+    index_of = [writer.put(t) for t in tensors]
+
+    def fix(s):
+        kind = s[0]
+        if kind == _TENSOR:
+            k = index_of[s[1]]
+            return (_TENSOR, k) if k is not None else (_SIDE, tensors[s[1]])
+        if kind == _SIDE:
+            return s
+        if kind == _DICT:
+            return (_DICT, [(key, fix(v)) for key, v in s[1]])
+        if kind == _NAMEDTUPLE:
+            return (_NAMEDTUPLE, s[1], [fix(v) for v in s[2]])
+        return (kind, [fix(v) for v in s[1]])
+
+    return fix(spec)
+
+
+def write_fast(samples, writer):
+    """default_collate(samples) written into the slot sample by sample, without the stacked copy.
+    Raises _Abort whenever the result could differ from default_collate's."""
+    n = len(samples)
+    plan = _sample_plan(samples[0])
+
+    def build(p, values):
+        kind = p[0]
+        if kind == "row":
+            shape, dtype, from_numpy = p[1], p[2], p[3]
+            dst = writer.region((n,) + shape, dtype)
+            if dst is None:
+                raise _Abort
+            for j, v in enumerate(values):
+                if from_numpy:
+                    import numpy as np
+
+                    if type(v) is not np.ndarray or v.dtype.kind in "SaUO":
+                        raise _Abort
+                    v = torch.as_tensor(v)
+                elif not is_ring_tensor(v):
+                    raise _Abort
+                if tuple(v.shape) != shape or v.dtype != dtype:
+                    raise _Abort
+                dst[j].copy_(v)
+            return (_TENSOR, len(writer.leaves) - 1)
+        if kind == "scalar":
+            out = p[1](list(values))
+            k = writer.put(out) if is_ring_tensor(out) else None
+            return (_TENSOR, k) if k is not None else (_SIDE, out)
+        if kind == "list":
+            return (_SIDE, values)  # collate_str_fn returns its input: a list, or a tuple from zip
+        if kind == "dict":
+            if any(type(v) is not dict for v in values):
+                raise _Abort
+            try:
+                return (_DICT, [(key, build(sub, [v[key] for v in values])) for key, sub in p[1]])
+            except KeyError:
+                raise _Abort from None
+        t, subs = p[1], p[2]
+        if any(type(v) is not t or len(v) != len(subs) for v in values):
+            raise _Abort
+        children = [build(sub, tuple(v[i] for v in values)) for i, sub in enumerate(subs)]  # as zip(*batch)
+        if kind == "namedtuple":
+            return (_NAMEDTUPLE, t, children)
+        return (_LIST, children)  # default_collate turns tuples and lists of samples into lists
+
+    return build(plan, samples)
+
+
+def _seed_like_torch(base_seed, worker_id):
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(_utils.worker._generate_state(base_seed, worker_id))
+    except ImportError:
+        pass
+    return seed
+
+
+def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, collate_fn, drop_last, base_seed,
+                init_fn, task_conn, result_conn, main_pid, fast_ok):
+    """The worker process: mirrors torch's _worker_loop, results go to the ring or the result pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    torch.set_num_threads(1)
+    seed = _seed_like_torch(base_seed, worker_id)
+    _utils.worker._worker_info = _utils.worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed,
+                                                          dataset=dataset)
+    from torch.utils.data.dataloader import _DatasetKind
+
+    fetch_collate = collate_no_shm if collate_fn is default_collate else collate_fn
+    fast = fast_ok and collate_fn is default_collate and dataset_kind == _DatasetKind.Map and auto_collation \
+        and not getattr(dataset, "__getitems__", None)
+    where = f"in DataLoader worker process {worker_id}"
+    init_exception = None
+    try:
+        if init_fn is not None:
+            init_fn(worker_id)
+        fetcher = _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, fetch_collate, drop_last)
+    except Exception:
+        init_exception = ExceptionWrapper(where=where)
+
+    def send(msg):
+        result_conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    ring = slot_u8 = None
+    layout = []
+    meta_cap = 0
+    iteration_end = False
+    try:
+        while True:
+            if not task_conn.poll(1.0):
+                if os.getppid() != main_pid:
+                    return  # the main process is gone
+                continue
+            try:
+                msg = task_conn.recv()
+            except EOFError:
+                return
+            if msg is None:
+                return
+            if msg[0] == "ring":
+                _, path, nslots, slot_bytes, layout, meta_cap = msg
+                ring = _C.Ring(nslots, slot_bytes, path=path)
+                views = [ring.view(i) for i in range(nslots)]
+                slot_u8 = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
+                continue
+            if msg[0] == "resume":
+                iteration_end = False
+                fetcher = _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, fetch_collate,
+                                                      drop_last)
+                send(("resumed", worker_id))
+                continue
+            _, task_id, index, slot = msg
+            if iteration_end:
+                continue  # as torch: tasks after the end of an IterableDataset are dropped
+            t0 = time.perf_counter()
+            outcome = None
+            if init_exception is not None:
+                outcome, init_exception = ("error", init_exception), None
+            else:
+                try:
+                    if slot >= 0:
+                        writer = _SlotWriter(slot_u8[slot], layout)
+                        spec = None
+                        if fast:
+                            try:
+                                samples = []
+                                for i in index:
+                                    try:
+                                        samples.append(dataset[i])
+                                    except Exception:
+                                        outcome = ("error", ExceptionWrapper(where=f"{where} at dataset[{i!r}]"))
+                                        break
+                                if outcome is None:
+                                    spec = write_fast(samples, writer)
+                            except _Abort:
+                                writer = _SlotWriter(slot_u8[slot], layout)
+                                spec = write_general(collate_no_shm(samples), writer)
+                        if outcome is None:
+                            if spec is None:
+                                spec = write_general(fetcher.fetch(index), writer)
+                            outcome = ("ok", spec, writer.leaves)
+                    else:
+                        outcome = ("batch", fetcher.fetch(index))
+                except StopIteration:
+                    if dataset_kind != _DatasetKind.Iterable:
+                        outcome = ("error", ExceptionWrapper(where=where))
+                    else:
+                        outcome = ("stop",)
+                        iteration_end = True
+                except Exception:
+                    outcome = ("error", ExceptionWrapper(where=f"{where} while loading indices {_short(index)}"))
+            busy = time.perf_counter() - t0
+            if slot < 0:
+                if outcome[0] == "batch":
+                    send(("batch", task_id, outcome[1], busy))
+                elif outcome[0] == "stop":
+                    send(("stop", task_id))
+                else:
+                    send(("error", task_id, outcome[1]))
+                continue
+            meta = pickle.dumps(outcome + (busy,), protocol=pickle.HIGHEST_PROTOCOL)
+            if len(meta) <= meta_cap:
+                slot_u8[slot][:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+                ring.publish(slot, task_id, worker_id, len(meta), 0)
+            else:
+                # publish first, then send: the main process reads the pipe once it sees the flag
+                ring.publish(slot, task_id, worker_id, 0, _C.RING_FLAG_OVERFLOW)
+                send(("meta", task_id, meta))
+            del outcome
+    except KeyboardInterrupt:
+        pass
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the main process closed our pipes: it is shutting down
+
+
+def _short(index, limit=16):
+    try:
+        items = list(index)
+    except TypeError:
+        return repr(index)
+    if len(items) <= limit:
+        return repr(items)
+    return repr(items[:limit])[:-1] + f", ... ({len(items)} in all)]"

@@ -1,0 +1,567 @@
+"""hotloop.DataLoader against torch's DataLoader on the CPU: same batches, faults, resume, cleanup."""
+import collections
+import gc
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialSampler, SubsetRandomSampler
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import get_worker_info
+
+import hotloop
+from hotloop.loader import loader_stats_snapshot
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+Point = collections.namedtuple("Point", ["a", "b"])
+
+
+class Mixed(Dataset):
+    """Samples of every kind default_collate handles, with random draws from torch, numpy and random."""
+
+    def __init__(self, n=23, kind="tuple", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.base = torch.randn(n, 3, 5, generator=g)
+        self.n, self.kind = n, kind
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = self.base[i] + torch.rand(3, 5)  # worker RNG: must match torch's seeding
+        arr = np.random.rand(4).astype(np.float32) + i
+        if self.kind == "tuple":
+            return x, arr, i, float(i) / 3 + random.random(), f"name-{i}"
+        if self.kind == "dict":
+            return {"x": x, "meta": {"arr": arr, "id": i, "tags": [f"t{i}", b"b"]}, "flag": bool(i % 2),
+                    "np": np.int16(i)}
+        return Point(a=[x, (i, i * 2.5)], b={"s": str(i) * (i % 4 + 1), "y": torch.tensor(i, dtype=torch.int8)})
+
+
+def assert_same(a, b, path="batch"):
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def both(dataset, seed=0, **kwargs):
+    """(torch's batches, hotloop's batches) for the same arguments, generators and global seeds."""
+    out = []
+    for cls in (TorchDataLoader, hotloop.DataLoader):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        kw = dict(kwargs)
+        if "generator" in kw:
+            kw["generator"] = torch.Generator().manual_seed(1234 + seed)
+        out.append(list(cls(dataset, **kw)))
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("kind", ["tuple", "dict", "nested"])
+def test_same_batches_as_torch(num_workers, kind):
+    seed = random.randrange(1 << 20)
+    theirs, ours = both(Mixed(kind=kind, seed=seed), seed, batch_size=4, shuffle=True, num_workers=num_workers,
+                        generator=True)
+    assert len(ours) == len(theirs) == 6
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+
+
+class Rows(Dataset):
+    def __init__(self, n=37):
+        self.data = torch.randint(0, 1 << 30, (n, 7), dtype=torch.int64)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], self.data[i, 0].item() % 5
+
+
+class EvenOdd(torch.utils.data.Sampler):
+    """A batch sampler of uneven batch sizes."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        idx = list(range(self.n))
+        yield from (idx[i:i + 2 + (i % 3)] for i in range(0, self.n, 4))
+
+    def __len__(self):
+        return len(range(0, self.n, 4))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("config", ["sampler", "batch_sampler", "drop_last", "no_batch", "collate_fn"])
+def test_samplers_and_collation(num_workers, config):
+    ds = Rows()
+    kwargs = {"num_workers": num_workers}
+    if config == "sampler":
+        kwargs.update(batch_size=5, sampler=SubsetRandomSampler(list(range(3, 30)),
+                                                               generator=torch.Generator().manual_seed(3)))
+    elif config == "batch_sampler":
+        kwargs.update(batch_sampler=EvenOdd(len(ds)))
+    elif config == "drop_last":
+        kwargs.update(batch_size=6, drop_last=True, shuffle=True, generator=True)
+    elif config == "no_batch":
+        kwargs.update(batch_size=None)
+    else:
+        kwargs.update(batch_size=4, collate_fn=pad_collate)
+    if config == "sampler":  # the sampler holds its generator: one per loader
+        theirs = list(TorchDataLoader(ds, **kwargs))
+        kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=torch.Generator().manual_seed(3))
+        ours = list(hotloop.DataLoader(ds, **kwargs))
+    else:
+        theirs, ours = both(ds, **kwargs)
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+
+
+def pad_collate(samples):
+    rows = torch.stack([s[0] for s in samples])
+    return {"rows": rows, "sum": rows.sum(1), "labels": [s[1] for s in samples], "n": len(samples)}
+
+
+class Shards(IterableDataset):
+    def __init__(self, n=29):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(wid, self.n, nw):
+            yield torch.full((2,), i) + torch.rand(2), f"s{i}"
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+def test_iterable_dataset(num_workers):
+    theirs, ours = both(Shards(), batch_size=3, num_workers=num_workers)
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+
+
+def test_in_order_false_and_persistent_workers():
+    ds = Rows(40)
+    theirs = list(TorchDataLoader(ds, batch_size=4, num_workers=2))
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, in_order=False, persistent_workers=True)
+    for _ in range(3):
+        ours = list(loader)
+        key = lambda b: b[0][0, 0].item()  # noqa: E731
+        assert sorted(map(key, ours)) == sorted(map(key, theirs))
+        for a, b in zip(sorted(theirs, key=key), sorted(ours, key=key)):
+            assert_same(a, b)
+    pids = [p.pid for p in loader._hl_pool.procs]
+    ring = loader._hl_pool.ring
+    del loader
+    gc.collect()
+    assert ring.closed
+    for pid in pids:
+        assert not _alive(pid)
+
+
+def test_persistent_workers_abandoned_epoch_then_full_epoch():
+    ds = Rows(60)
+    loader = hotloop.DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, shuffle=True,
+                                generator=torch.Generator().manual_seed(0))
+    it = iter(loader)
+    next(it), next(it)
+    ref = TorchDataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+    ref_it = iter(ref)
+    next(ref_it), next(ref_it)
+    theirs = list(ref)
+    ours = list(loader)  # second epoch, after the first was abandoned
+    assert len(theirs) == 20
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+    assert len(ours) == 20
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch(num_workers):
+    ds = Mixed(n=41, kind="tuple")
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
+    full = list(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs))
+    first = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs)
+    it = iter(first)
+    head = [next(it) for _ in range(4)]
+    state = first.state_dict()
+    del it
+    assert state["batches_yielded"] == 4
+    second = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(123), **kwargs)
+    second.load_state_dict(state)
+    rest = list(second)
+    assert len(head) + len(rest) == len(full)
+    for a, b in zip(full[4:], rest):
+        # worker-drawn noise depends on which batches a worker did; the indices do not
+        assert_same(a[2], b[2])
+        assert_same(a[4], b[4])
+
+
+class Counting(Dataset):
+    """Sample i is i; the worker that first loads `victim` kills itself with SIGKILL (once per marker)."""
+
+    def __init__(self, n, victim, marker, always=False):
+        self.n, self.victim, self.marker, self.always = n, victim, marker, always
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.victim and (self.always or not os.path.exists(self.marker)):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([i, i * 3]), i
+
+
+def test_worker_killed_every_sample_once(tmp_path):
+    ds = Counting(50, victim=17, marker=str(tmp_path / "died"))
+    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
+                                generator=torch.Generator().manual_seed(1))
+    got = list(loader)
+    ref = list(TorchDataLoader(Counting(50, -1, ""), batch_size=4, shuffle=True,
+                               generator=torch.Generator().manual_seed(1)))
+    for a, b in zip(ref, got):
+        assert_same(a, b)
+    ids = torch.cat([b[1] for b in got]).tolist()
+    assert sorted(ids) == list(range(50))
+    assert os.path.exists(tmp_path / "died")
+    assert loader.stats.worker_restarts == 1
+
+
+def test_worker_keeps_dying_raises(tmp_path):
+    ds = Counting(30, victim=5, marker=str(tmp_path / "died"), always=True)
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, max_worker_restarts=2)
+    with pytest.raises(RuntimeError, match=r"pid \d+\) was killed by signal SIGKILL while holding the indices "
+                                           r"\[\[4, 5, 6, 7\].*max_worker_restarts=2"):
+        list(loader)
+
+
+class Faulty(Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise ValueError(f"bad sample {i}")
+        return torch.ones(2) * i
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exception_in_dataset(num_workers):
+    loader = hotloop.DataLoader(Faulty(), batch_size=4, num_workers=num_workers)
+    it = iter(loader)
+    assert_same(next(it), torch.ones(4, 2) * torch.arange(4.0).view(4, 1))
+    with pytest.raises(ValueError, match="bad sample 13") as info:
+        list(it)
+    if num_workers:
+        text = str(info.value)
+        assert "Original Traceback" in text and "dataset[13]" in text and "in __getitem__" in text
+
+
+class Slow(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i >= 4:
+            time.sleep(1.5)
+        return i
+
+
+def test_timeout_names_the_batch():
+    loader = hotloop.DataLoader(Slow(), batch_size=4, num_workers=1, timeout=0.3)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match=r"timed out after 0.3 seconds waiting for batch 1"):
+        next(it)
+    del it
+
+
+class Ragged(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.arange(i % 3 + 1), {"blob": "x" * 70000 if i == 7 else "y"}
+
+
+def test_ragged_and_large_side_objects():
+    # ragged tensors: default_collate's own error, as torch raises it
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        list(hotloop.DataLoader(Ragged(), batch_size=4, num_workers=1))
+    loader = hotloop.DataLoader(Ragged(), batch_size=4, num_workers=2, collate_fn=lambda s: s)
+    ref = list(TorchDataLoader(Ragged(), batch_size=4, collate_fn=lambda s: s))
+    got = list(loader)
+    for a, b in zip(ref, got):
+        assert_same(a, b)
+    # a 70 kB string: larger than the slot's metadata area, so it takes the pipe
+    theirs, ours = both(BigStrings(), batch_size=3, num_workers=2)
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+
+
+class BigStrings(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((5,), i), ("z" * 100000 if i in (4, 10) else "s") + str(i)
+
+
+def test_layout_changes_take_the_side_path():
+    ds = Growing()
+    theirs, ours = both(ds, batch_size=2, num_workers=2, collate_fn=cat_collate)
+    assert len(ours) == 6
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+
+
+class Growing(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((i + 1,), i, dtype=torch.int32)
+
+
+def cat_collate(samples):
+    return torch.cat(samples), len(samples)
+
+
+def test_worker_init_fn_and_spawn_context():
+    ds = Rows(10)
+    theirs = list(TorchDataLoader(ds, batch_size=5))
+    ours = list(hotloop.DataLoader(ds, batch_size=5, num_workers=1, multiprocessing_context="spawn",
+                                   worker_init_fn=_init))
+    for a, b in zip(theirs, ours):
+        assert_same(a, b)
+
+
+def _init(worker_id):
+    assert get_worker_info().id == worker_id
+
+
+def test_attributes_and_len():
+    ds = Rows(30)
+    loader = hotloop.DataLoader(ds, batch_size=4, drop_last=True, num_workers=2)
+    ref = TorchDataLoader(ds, batch_size=4, drop_last=True, num_workers=2)
+    assert isinstance(loader, TorchDataLoader)
+    assert len(loader) == len(ref) == 7
+    assert loader.dataset is ds and loader.batch_size == 4 and loader.drop_last
+    assert type(loader.sampler) is type(ref.sampler) and type(loader.batch_sampler) is type(ref.batch_sampler)
+    assert loader.prefetch_factor == ref.prefetch_factor == 2
+    with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+        loader.batch_size = 3
+    with pytest.raises(ValueError, match="prefetch_batches"):
+        hotloop.DataLoader(ds, prefetch_batches=-1)
+    with pytest.raises(TypeError, match="gpu_transform"):
+        hotloop.DataLoader(ds, gpu_transform=lambda x: x)
+
+
+def _shm_files():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def _fds():
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def _rss_kb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1])
+    return 0
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Images(Dataset):
+    def __init__(self, n=24, size=64):
+        self.data = torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], i
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_shm_files_fds_threads_and_rss_stable(persistent):
+    ds = Images()
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+    list(loader)  # warm up: imports, allocator pools
+    gc.collect()
+    shm, fds, threads, rss = _shm_files(), _fds(), threading.active_count(), _rss_kb()
+    for _ in range(5):
+        it = iter(loader)
+        for k, (x, i) in enumerate(it):
+            assert torch.equal(x, ds.data[i])
+            if k == 2:
+                assert _shm_files() <= shm  # nothing appears while batches flow
+        del it
+    gc.collect()
+    assert _shm_files() <= shm
+    assert threading.active_count() == threads
+    if not persistent:
+        assert _fds() == fds
+    assert _rss_kb() - rss < 20 << 10  # kB: flat, not growing by epochs
+    del loader
+    gc.collect()
+    assert set(_fds()) <= set(fds)
+
+
+def test_abandoned_epoch_reaps_workers_and_fds():
+    ds = Images()
+    fds = _fds()
+    loader = hotloop.DataLoader(ds, batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    pool = it._pool
+    pids = [p.pid for p in pool.procs]
+    ring_fd = pool.ring.fd
+    assert os.readlink(f"/proc/self/fd/{ring_fd}").startswith("/memfd:hotloop-ring")
+    del it
+    gc.collect()
+    assert pool.closed and pool.ring is None
+    for pid in pids:
+        assert not _alive(pid)
+    assert _fds() == fds
+
+
+def test_normalize_cpu_matches_torch():
+    x = torch.randint(0, 256, (3, 7, 9, 3), dtype=torch.uint8)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for cl in (True, False):
+            tf = hotloop.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225), dtype=dtype, channels_last=cl)
+            ref = x.permute(0, 3, 1, 2).float().sub(torch.tensor([0.485, 0.456, 0.406]).mul(255).view(1, 3, 1, 1))
+            ref = ref.div(torch.tensor([0.229, 0.224, 0.225]).mul(255).view(1, 3, 1, 1)).to(dtype)
+            got = tf(x)
+            assert got.shape == (3, 3, 7, 9) and got.dtype == dtype
+            assert got.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+            assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               ref.view(torch.int16 if dtype != torch.float32 else torch.int32))
+            assert torch.equal(got, tf.reference(x))
+    with pytest.raises(ValueError, match=r"expected a uint8 tensor \[n, h, w, 3\]"):
+        tf(torch.zeros(2, 3, 4, 4))
+    with pytest.raises(TypeError, match="dtype"):
+        hotloop.Normalize((0.5,), (0.5,), dtype=torch.int32)
+
+
+def test_gpu_transform_on_cpu_loader():
+    ds = Images(n=10, size=16)
+    tf = hotloop.Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3), dtype=torch.bfloat16, channels_last=False)
+    ref = list(TorchDataLoader(ds, batch_size=4))
+    for nw in (0, 2):
+        got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=nw, gpu_transform=tf))
+        for (x, i), (y, j) in zip(ref, got):
+            assert torch.equal(i, j)
+            assert torch.equal(tf.reference(x), y) and y.dtype == torch.bfloat16 and y.shape == (len(i), 3, 16, 16)
+
+
+def test_stats_and_process_snapshot():
+    before = loader_stats_snapshot()
+    loader = hotloop.DataLoader(Images(n=20, size=8), batch_size=4, num_workers=2)
+    n = sum(1 for _ in loader)
+    after = loader_stats_snapshot()
+    st = loader.stats
+    assert n == 5 and st.batches == 5 and st.samples == 20
+    assert after["batches"] - before["batches"] == 5 and after["samples"] - before["samples"] == 20
+    assert after["wait_seconds"] > before["wait_seconds"]
+    assert 0 < st.wait_seconds <= st.elapsed_seconds + 1e-6
+    assert 0 <= st.stall_fraction <= 1
+    assert st.ring_bytes >= 4 * 8 * 8 * 3 and st.worker_busy_seconds > 0
+
+
+_EXIT_SCRIPT = r"""
+import gc, os, signal, sys, threading, time, warnings
+warnings.simplefilter("ignore")
+import torch
+import hotloop
+
+class Sleepy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        if i >= 8:
+            time.sleep(0.1)
+        return torch.full((4,), i)
+
+loader = hotloop.DataLoader(Sleepy(), batch_size=4, num_workers=2)
+fds = sorted(os.listdir("/proc/self/fd"))
+it = iter(loader)
+next(it)
+print("pids", " ".join(str(p.pid) for p in it._pool.procs), flush=True)
+if sys.argv[1] == "interrupt":
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        for _ in it:
+            pass
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    time.sleep(0.1)  # let the timer thread end
+    del it
+    gc.collect()
+    print("fds", "same" if sorted(os.listdir("/proc/self/fd")) == fds else "differ", flush=True)
+# "exit": leave with the iterator alive and workers busy
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "interrupt"])
+def test_interpreter_exit_and_ctrl_c_reap_workers(tmp_path, how):
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(_EXIT_SCRIPT)
+    shm = _shm_files()
+    out = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    pids = [int(p) for p in lines["pids"].split()]
+    assert len(pids) == 2
+    if how == "interrupt":
+        assert "interrupted" in out.stdout and lines["fds"] == "same"
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    assert _shm_files() <= shm

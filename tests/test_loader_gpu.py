@@ -1,0 +1,186 @@
+"""hotloop.DataLoader on a GPU: device batches equal torch's, Normalize equals torch's ops, no early reuse."""
+import gc
+import os
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import hotloop
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class Images(Dataset):
+    """uint8 HWC images with a random crop and flip drawn in the worker, a label, features, a name."""
+
+    def __init__(self, n=48, size=40, crop=32):
+        self.data = torch.randint(0, 256, (n, size, size, 3), dtype=torch.uint8)
+        self.feat = torch.randn(n, 5, dtype=torch.float64)
+        self.size, self.crop = size, crop
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        top, left = torch.randint(0, self.size - self.crop + 1, (2,)).tolist()
+        x = self.data[i, top:top + self.crop, left:left + self.crop]
+        if torch.rand(()) < 0.5:
+            x = x.flip(1)
+        return x, i, {"feat": self.feat[i], "name": f"img{i}"}
+
+
+def torch_batches(ds, **kw):
+    torch.manual_seed(0)
+    return list(TorchDataLoader(ds, generator=torch.Generator().manual_seed(7), **kw))
+
+
+def hotloop_batches(ds, **kw):
+    torch.manual_seed(0)
+    return list(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(7), **kw))
+
+
+def check_equal(cpu, dev, where):
+    if isinstance(cpu, torch.Tensor):
+        assert dev.device.type == "cuda", f"{where}: on {dev.device}"
+        assert dev.dtype == cpu.dtype and dev.shape == cpu.shape, where
+        assert torch.equal(dev.cpu(), cpu), f"{where}: values differ"
+    elif isinstance(cpu, dict):
+        assert list(cpu) == list(dev)
+        for k in cpu:
+            check_equal(cpu[k], dev[k], f"{where}[{k}]")
+    elif isinstance(cpu, (list, tuple)):
+        assert type(cpu) is type(dev) and len(cpu) == len(dev), where
+        for i, (a, b) in enumerate(zip(cpu, dev)):
+            check_equal(a, b, f"{where}[{i}]")
+    else:
+        assert cpu == dev, where
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+def test_device_batches_equal_cpu_batches(num_workers):
+    ds = Images()
+    ref = torch_batches(ds, batch_size=5, shuffle=True, num_workers=num_workers)
+    got = hotloop_batches(ds, batch_size=5, shuffle=True, num_workers=num_workers, device="cuda",
+                          prefetch_batches=3)
+    assert len(got) == len(ref) == 10
+    for k, (a, b) in enumerate(zip(ref, got)):
+        check_equal(a, b, f"batch {k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 3), (3, 17, 33, 3), (4, 224, 224, 3), (2, 9, 7, 1)])
+def test_normalize_gpu_equals_torch_ops(dtype, channels_last, shape):
+    c = shape[-1]
+    mean, std = torch.rand(c).tolist(), (torch.rand(c) * 0.5 + 0.1).tolist()
+    tf = hotloop.Normalize(mean, std, dtype=dtype, channels_last=channels_last)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    m = torch.tensor(mean, device="cuda") * 255
+    s = torch.tensor(std, device="cuda") * 255
+    ref = x.permute(0, 3, 1, 2).float().sub(m.view(1, c, 1, 1)).div(s.view(1, c, 1, 1)).to(dtype)
+    out = tf(x)
+    torch.cuda.synchronize()
+    assert out.shape == ref.shape and out.dtype == dtype
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert out.is_contiguous(memory_format=fmt)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.contiguous().view(bits), ref.contiguous().view(bits)), "not bit-equal to torch's ops"
+    assert torch.equal(out.cpu(), tf(x.cpu())), "GPU and C reference differ"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_gpu_transform_in_loader(num_workers):
+    ds = Images(n=30)
+    tf = hotloop.Normalize(MEAN, STD, dtype=torch.float16, channels_last=True)
+    ref = torch_batches(ds, batch_size=4, shuffle=True, num_workers=num_workers)
+    got = hotloop_batches(ds, batch_size=4, shuffle=True, num_workers=num_workers, device="cuda", gpu_transform=tf)
+    assert len(got) == len(ref)
+    for (x, i, meta), (y, j, meta2) in zip(ref, got):
+        want = tf.reference(x.cuda())
+        assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(y, want)
+        assert torch.equal(i.cuda(), j) and meta["name"] == meta2["name"]
+
+
+class Marked(Dataset):
+    """Sample i is a 1 MB block filled with i: any early reuse of a slot or a device buffer shows."""
+
+    def __init__(self, n=96, numel=1 << 18):
+        self.n, self.numel = n, numel
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((self.numel,), i, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_no_early_reuse_of_slots_or_device_buffers(side_stream):
+    """timm #2781: the consumer's stream is kept busy (a sleep kernel) before each batch is read and
+    the batch dropped at once, so its device memory returns to the allocator while the read is
+    still queued; prefetch copies must not overwrite it, nor may workers overwrite a slot whose
+    copy is still queued."""
+    loader = hotloop.DataLoader(Marked(), batch_size=2, num_workers=2, prefetch_factor=1, device="cuda",
+                                prefetch_batches=4)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    copies = []
+    with torch.cuda.stream(stream):
+        for batch in loader:
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the read below can run
+            copies.append(batch.sum(dtype=torch.int64, dim=1))
+            del batch
+    torch.cuda.synchronize()
+    got = torch.cat(copies).cpu()
+    want = torch.arange(96, dtype=torch.int64) * (1 << 18)
+    assert torch.equal(got, want), f"early reuse: first bad batch {int((got != want).nonzero()[0]) // 2}"
+
+
+def test_stats_on_gpu():
+    ds = Images(n=40, size=64, crop=64)
+    loader = hotloop.DataLoader(ds, batch_size=8, num_workers=2, device="cuda")
+    nbytes = 0
+    for x, i, meta in loader:
+        nbytes += x.numel() + i.numel() * 8 + meta["feat"].numel() * 8
+    torch.cuda.synchronize()
+    st = loader.stats
+    assert st.batches == 5 and st.samples == 40
+    assert st.ring_bytes > 0
+    # the first batch of each worker comes through its pipe; the rest through the ring and the copies
+    assert 0 < st.h2d_bytes <= nbytes and st.h2d_seconds > 0
+    assert st.h2d_gbps > 0.05
+    assert 0 <= st.stall_fraction <= 1
+
+
+def test_cleanup_on_gpu():
+    torch.zeros(1, device="cuda")  # the driver's own files are opened before the baseline
+    fds = set(os.listdir("/proc/self/fd"))
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    loader = hotloop.DataLoader(Images(), batch_size=4, num_workers=2, device="cuda")
+    it = iter(loader)
+    next(it), next(it), next(it)
+    ring = it._pool.ring
+    assert ring.registered
+    del it
+    gc.collect()
+    assert ring.closed and not ring.registered
+    left = {f for f in set(os.listdir("/proc/self/fd")) - fds if not _is_driver_fd(f)}
+    assert not left, f"file descriptors left open: {[_describe(f) for f in left]}"
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= shm
+
+
+def _describe(fd):
+    try:
+        return f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}"
+    except OSError:
+        return fd
+
+
+def _is_driver_fd(fd):
+    # the CUDA driver may open more /dev/nvidia* files lazily (pinned memory); they are not the loader's
+    return _describe(fd).split(" -> ")[-1].startswith("/dev/nvidia")
+
