@@ -535,3 +535,21 @@ def test_a_failing_report_never_hides_the_result_or_the_error(fake, monkeypatch,
         bad()
     assert thread_count() == before  # the samplers were stopped anyway
     assert "no report for this run" in caplog.text
+
+
+def test_stall_fraction_from_a_real_hotloop_dataloader(fake):
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            time.sleep(0.005)  # a slow decode: the consumer waits on it
+            return torch.full((4,), float(i) + 0.5)
+
+    with hotloop.MemoryMonitor() as mon:
+        batches = list(hotloop.DataLoader(Slow(), batch_size=3, num_workers=0))
+    r = mon.report()
+    assert len(batches) == 4
+    assert r.loader_wait_s is not None and 0 < r.loader_wait_s <= r.duration_s
+    assert r.stall_fraction == pytest.approx(r.loader_wait_s / r.duration_s)
+    assert "data loader stalls" in str(r)
