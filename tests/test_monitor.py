@@ -409,7 +409,9 @@ def test_advice_triggers(monkeypatch):
     assert advice_for(autocast_seen=True, fp32_matmul_seen=False) == []
     # utilisation with and without stalls
     assert "hotloop.DataLoader" in advice_for(util_mean=45.0, stall_fraction=0.3)[0]
-    assert advice_for(util_mean=45.0, stall_fraction=0.01) == []
+    a = advice_for(util_mean=45.0, stall_fraction=0.01)
+    assert len(a) == 1 and "busy only 45 %" in a[0] and "stalled only 1 %" in a[0]
+    assert "busy only 45 %" in advice_for(util_mean=45.0)[0]
     assert advice_for(util_mean=95.0, stall_fraction=0.3) == []
     # throttling
     assert "power cap" in advice_for(throttle_reasons=["software power cap"], power_limit_w=450.0,
