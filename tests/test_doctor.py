@@ -18,6 +18,8 @@ def fake_lib(tmp_path_factory):
 
 def run_cli(*args, env=None, timeout=60):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML_", "HOTLOOP_NVML"))}
+    # the fake (or missing) NVML is the whole story: a real GPU on the test machine stays hidden from torch
+    full_env["CUDA_VISIBLE_DEVICES"] = ""
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "hotloop", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout)
@@ -61,7 +63,8 @@ def test_doctor_finds_a_narrow_link_and_a_lowered_power_limit(fake_lib):
     assert checks["gpu 0 persistence"]["status"] == "WARN"
     assert checks["gpu 1 MIG"]["status"] == "WARN"
     assert len(report["facts"]["gpus"]) == 2
-    # the CPU build of torch on a machine with a GPU is a failure: exit code 2
+    # torch cannot use the GPU NVML sees (a CPU build, or the device hidden): a failure, exit code 2
+    assert checks.get("torch CUDA", checks["torch"])["status"] == "FAIL"
     assert p.returncode == report["exit_code"] == 2
 
 
@@ -98,7 +101,7 @@ def test_monitor_cli_ends_cleanly_on_a_signal(fake_lib, sig):
     import time
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
-    env.update({"HOTLOOP_NVML_LIBRARY": fake_lib, "FAKE_NVML_PCIE_DELAY_US": "500"})
+    env.update({"HOTLOOP_NVML_LIBRARY": fake_lib, "FAKE_NVML_PCIE_DELAY_US": "500", "CUDA_VISIBLE_DEVICES": ""})
     proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

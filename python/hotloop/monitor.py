@@ -361,6 +361,10 @@ def compute_advice(r: MemoryReport) -> list:
             advice.append(f"GPU busy only {r.util_mean:.0f} % of the time: it waits on the host (input "
                           "pipeline, .item()/synchronize calls, Python overhead); hotloop.DataLoader reports "
                           "its stalls here when it feeds the loop")
+        else:
+            advice.append(f"GPU busy only {r.util_mean:.0f} % of the time although the data loader stalled only "
+                          f"{100 * r.stall_fraction:.0f} %: the host is slow elsewhere (.item()/synchronize "
+                          "calls, Python overhead, small kernels: try larger batches or CUDA graphs)")
     seen = 0
     for name in r.throttle_reasons:
         seen |= next((bit for bit, n in REASON_NAMES.items() if n == name), 0)

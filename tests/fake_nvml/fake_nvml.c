@@ -2,8 +2,8 @@
 /* Built by the tests with `cc -shared -fPIC` and loaded through HOTLOOP_NVML_LIBRARY. Values come
    from FAKE_NVML_<FIELD> environment variables read at nvmlInit, and can be changed while a sampler
    runs through fake_nvml_set(); errors are injected with fake_nvml_fail() or FAKE_NVML_FAIL. Memory
-   "used" is scripted by call count (used + step * calls, and a one-call spike), so tests do not
-   depend on timing. */
+   "used" is scripted by call count (used + step * calls, and a one-call spike at a given call or
+   at the next call), so tests do not depend on timing. */
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <ctype.h>
 #include <stdatomic.h>
@@ -21,7 +21,7 @@
     X(total) X(reserved) X(used) X(step) X(spike_call) X(spike_value) X(memory_calls) X(util_gpu) X(util_memory)   \
     X(power_mw) X(power_limit_mw) X(power_default_mw) X(temperature_c) X(sm_clock_mhz) X(sm_clock_max_mhz)         \
     X(memory_clock_mhz) X(reasons) X(pcie_rx) X(pcie_tx) X(pcie_calls) X(pcie_delay_us) X(pcie_gen)                \
-    X(pcie_gen_max) X(pcie_width) X(pcie_width_max) X(persistence) X(ecc) X(mig) X(no_v2) X(unsupported_power)
+    X(pcie_gen_max) X(pcie_width) X(pcie_width_max) X(persistence) X(ecc) X(mig) X(no_v2) X(unsupported_power) X(spike_next)
 
 #define AS_ENUM(name) F_##name,
 enum { FIELDS(AS_ENUM) FIELD_COUNT };
@@ -259,6 +259,9 @@ static long long used_now(nvmlDevice_t d) {
     long long call = atomic_fetch_add(&d->f[F_memory_calls], 1);
     long long used = GET(d, used) + GET(d, step) * call;
     if (call == GET(d, spike_call))
+        used = GET(d, spike_value);
+    /* spike_next: the very next call spikes, whenever it comes (no race with a running sampler) */
+    if (atomic_exchange(&d->f[F_spike_next], 0) != 0)
         used = GET(d, spike_value);
     return used;
 }
