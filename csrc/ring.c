@@ -58,6 +58,7 @@ typedef struct {
     uint64_t data_offset;
     int registered_device; /* device of cudaHostRegister, -1 when not registered */
     int owner;             /* 1 in the process that created the memfd */
+    pid_t pid;             /* the process that made this object: a forked copy must not unregister */
 } RingObject;
 
 static hl_ring_header *header_of(RingObject *r) { return (hl_ring_header *)r->base; }
@@ -104,7 +105,7 @@ static int check_slot(RingObject *r, long long slot) {
 
 static void unregister_pinned(RingObject *r) {
 #ifdef HOTLOOP_WITH_CUDA
-    if (r->registered_device >= 0 && r->base != NULL) {
+    if (r->registered_device >= 0 && r->base != NULL && r->pid == getpid()) {
         hl_cuda_status status = {0};
         hl_device_guard guard;
         hl_device_enter(&guard, r->registered_device, &status);
@@ -147,6 +148,7 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
         return NULL;
     r->fd = -1;
     r->registered_device = -1;
+    r->pid = getpid();
     r->nslots = (uint32_t)nslots;
     r->slot_bytes = round_up((uint64_t)slot_bytes, HL_PAGE);
     r->data_offset = round_up(sizeof(hl_ring_header) + (uint64_t)nslots * sizeof(hl_slot_ctl), HL_PAGE);

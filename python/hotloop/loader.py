@@ -390,6 +390,9 @@ class _Pool:
         self.free_slots = []
         self.tasks = {}
         self.pipe_results = {}
+        self.layouts = {}  # task id -> (tensor bytes, spec bytes) of batches waiting for the ring
+        self.task_worker = {}  # task id -> worker, for every task not yet finished
+        self.resuming = False
         self.resumed = set()
         self.next_task_id = 0
         self.restarts = 0
@@ -447,6 +450,30 @@ class _Pool:
             self.pipe_results[msg[1]] = ("stop", 0.0)
         elif kind == "meta":
             self.pipe_results[msg[1]] = pickle.loads(msg[2])
+        elif kind == "layout":
+            self.layouts[msg[1]] = (msg[2], msg[3])
+            self._place_layouts()
+
+    def _place_layouts(self):
+        """Batches made before the ring existed: size the ring from the first, then give each a slot."""
+        if self.ring is None and not self.ring_unused and self.layouts and not self.resuming:
+            self.make_ring(*self.layouts[min(self.layouts)])
+        for tid in sorted(self.layouts):
+            del self.layouts[tid]
+            task = self.tasks.get(tid)
+            if task is None or self.resuming:
+                self.send_if_alive(tid, ("place", tid, -2))
+                continue
+            task.slot = self.take_slot() if self.ring is not None else -1
+            self.send(task.wid, ("place", tid, task.slot))
+
+    def send_if_alive(self, tid, msg):
+        wid = self.task_worker.get(tid)
+        if wid is not None and self.procs[wid] is not None:
+            try:
+                self.send(wid, msg)
+            except OSError:
+                pass
 
     def _check_workers(self):
         for wid, proc in enumerate(self.procs):
@@ -500,6 +527,7 @@ class _Pool:
         task = _Task(self.next_task_id, wid, index, slot)
         self.next_task_id += 1
         self.tasks[task.id] = task
+        self.task_worker[task.id] = wid
         self.send(wid, ("task", task.id, index, slot))
         return task
 
@@ -523,7 +551,14 @@ class _Pool:
                 return pickle.loads(view[:meta_len])
             finally:
                 view.release()
-        self._drain(task.wid)
+        if self.ring is None and not self.ring_unused:
+            for wid in range(self.n):  # layouts of any worker may make the ring
+                if self.procs[wid] is not None:
+                    self._drain(wid)
+        else:
+            self._drain(task.wid)
+        if task.slot >= 0:
+            return self.poll(task)  # placed into the ring meanwhile
         return self.pipe_results.pop(task.id, None)
 
     def wait(self, task, timeout, batch_number):
@@ -547,6 +582,7 @@ class _Pool:
         """The task's result was taken: forget it (its slot is freed by whoever used the data)."""
         task.consumed = True
         self.tasks.pop(task.id, None)
+        self.task_worker.pop(task.id, None)
 
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
@@ -559,6 +595,7 @@ class _Pool:
     def resume(self):
         """New epoch with persistent workers: let every worker finish what it had, then drop it."""
         self.resumed.clear()
+        self.resuming = True
         for wid in range(self.n):
             self.send(wid, ("resume",))
         while len(self.resumed) < self.n:
@@ -573,23 +610,21 @@ class _Pool:
             if task.slot >= 0:
                 self.release_slot(task.slot)
         self.tasks.clear()
+        self.task_worker.clear()
         self.pipe_results.clear()
+        self.layouts.clear()
+        self.resuming = False
 
     # the ring --------------------------------------------------------------------------------------
-    def make_ring(self, batch):
+    def make_ring(self, sizes, spec_bytes):
         """Size the ring from the first batch's layout and tell every worker about it."""
-        tensors = []
-        spec = flatten(batch, tensors)
-        if not tensors:
+        if not sizes:
             self.ring_unused = True
             return
-        layout, offset = [], 0
-        side = len(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)) - sum(
-            len(pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL)) for t in tensors)
-        meta_cap = _round(max(_META_MIN, 8 * max(side, 0) + 4096), _ALIGN)
-        offset = meta_cap
-        for t in tensors:
-            cap = _round(max(t.numel() * t.element_size(), 1), _ALIGN)
+        meta_cap = _round(max(_META_MIN, 8 * spec_bytes + 4096), _ALIGN)
+        layout, offset = [], meta_cap
+        for nbytes in sizes:
+            cap = _round(max(nbytes, 1), _ALIGN)
             layout.append((offset, cap))
             offset += cap
         loader = self.loader
@@ -732,8 +767,8 @@ class _Pool:
 
     # shutdown --------------------------------------------------------------------------------------
     def close(self):
-        if self.closed:
-            return
+        if self.closed or os.getpid() != self.main_pid:
+            return  # a forked worker may hold a copy of this object: it owns none of it
         self.closed = True
         _LIVE_POOLS.discard(self)
         for wid in range(self.n):
@@ -895,8 +930,6 @@ class _MultiIter(_BaseDataLoaderIter):
             st.worker_busy_seconds += outcome[-1]
             if kind == "batch":
                 batch = outcome[1]
-                if pool.ring is None and not pool.ring_unused:
-                    pool.make_ring(batch)
                 self._fill()
                 samples = self._samples_of(task, lambda: _batch_samples(batch, 1))
                 out = _host_batch_out(self._loader, batch, self._pin_memory)
