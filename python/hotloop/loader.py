@@ -138,6 +138,7 @@ class LoaderStats:
     h2d_seconds: float = 0.0  # CUDA-event time of the host-to-device copies
     worker_busy_seconds: float = 0.0  # time workers spent producing batches
     ring_bytes: int = 0
+    register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
     worker_restarts: int = 0
 
     @property
@@ -402,6 +403,7 @@ class _Pool:
         self.result_conns = [None] * self.n
         # CUDA state: a side stream for copies, events per slot, copies in flight
         self.copy_stream = None
+        self.pin_slots = True
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
@@ -629,13 +631,7 @@ class _Pool:
             offset += cap
         loader = self.loader
         nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else 0)
-        ring = _C.Ring(nslots, offset)
-        if self.device is not None:
-            try:
-                ring.cuda_register(self.device.index)
-            except Exception as exc:  # still correct without pinning, only slower
-                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
-                              "slower", stacklevel=3)
+        ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
         self.ring, self.layout = ring, layout
         self.free_slots = list(range(nslots))
         loader._hl_stats.ring_bytes = ring.nbytes
@@ -715,6 +711,15 @@ class _Pool:
                 t = torch.empty(shape, dtype=dtype, device=dev)
                 triples += (off, t.data_ptr(), size)
                 outs.append(t)
+        if self.pin_slots:
+            t0 = time.perf_counter()
+            try:
+                if self.ring.cuda_register_slot(slot, dev.index):
+                    self.loader._hl_stats.register_seconds += time.perf_counter() - t0
+            except Exception as exc:  # still correct without pinning, only slower
+                self.pin_slots = False
+                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
+                              "slower", stacklevel=4)
         side = self.copy_stream.cuda_stream
         # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
         # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
@@ -906,9 +911,7 @@ class _MultiIter(_BaseDataLoaderIter):
         while True:
             task = self._next_task()
             if task is None:
-                if not self._persistent_workers:
-                    self._shutdown()
-                raise StopIteration
+                raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
             if not block and not pool._is_done(task):
                 return None
             outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared))
@@ -960,12 +963,18 @@ class _MultiIter(_BaseDataLoaderIter):
             if isinstance(out, _Pending):
                 self._pool.deliver(out)
         pool = self._pool
-        if pool.device is None:
-            out, samples = self._next_result()
-        else:
-            if not self._prepared:
-                self._prepared.append(self._next_result())
-            out, samples = self._prepared.popleft()
+        try:
+            if pool.device is None:
+                out, samples = self._next_result()
+            else:
+                if not self._prepared:
+                    self._prepared.append(self._next_result())
+                out, samples = self._prepared.popleft()
+        except StopIteration:
+            if not self._persistent_workers:
+                self._shutdown()
+            raise
+        if pool.device is not None:
             if isinstance(out, _Pending):
                 out = pool.deliver(out)
             try:
@@ -975,7 +984,7 @@ class _MultiIter(_BaseDataLoaderIter):
                         break
                     self._prepared.append(nxt)
             except StopIteration:
-                pass
+                pass  # the epoch's last batches are prepared; they are handed out by the next calls
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out
