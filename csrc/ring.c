@@ -7,6 +7,7 @@
 #include <linux/futex.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -56,8 +57,10 @@ typedef struct {
     uint32_t nslots;
     uint64_t slot_bytes;
     uint64_t data_offset;
-    int registered_device; /* device of cudaHostRegister, -1 when not registered */
+    int registered_device; /* device of the cudaHostRegister calls, -1 before the first */
+    unsigned char *registered; /* per slot: 1 once cudaHostRegister'ed (malloc'd, nslots bytes) */
     int owner;             /* 1 in the process that created the memfd */
+    pid_t pid;             /* the process that made this object: a forked copy must not unregister */
 } RingObject;
 
 static hl_ring_header *header_of(RingObject *r) { return (hl_ring_header *)r->base; }
@@ -104,14 +107,18 @@ static int check_slot(RingObject *r, long long slot) {
 
 static void unregister_pinned(RingObject *r) {
 #ifdef HOTLOOP_WITH_CUDA
-    if (r->registered_device >= 0 && r->base != NULL) {
+    if (r->registered_device >= 0 && r->base != NULL && r->registered != NULL && r->pid == getpid()) {
         hl_cuda_status status = {0};
         hl_device_guard guard;
         hl_device_enter(&guard, r->registered_device, &status);
-        HL_CUDA(&status, cudaHostUnregister(r->base));
+        for (uint32_t i = 0; i < r->nslots; i++)
+            if (r->registered[i])
+                (void)cudaHostUnregister(slot_data(r, i)); /* best effort: nothing to raise in dealloc */
         hl_device_leave(&guard, &status);
     }
 #endif
+    if (r->registered != NULL)
+        memset(r->registered, 0, r->nslots);
     r->registered_device = -1;
 }
 
@@ -120,19 +127,22 @@ static void release_ring(RingObject *r) {
     if (r->base != NULL)
         munmap(r->base, r->nbytes);
     r->base = NULL;
+    free(r->registered);
+    r->registered = NULL;
     if (r->fd >= 0)
         close(r->fd);
     r->fd = -1;
 }
 
-/* Ring(nslots, slot_bytes, path=None): a new memfd ring, or (path given: /proc/PID/fd/N of the
-   creator) the same ring mapped into this process. */
+/* Ring(nslots, slot_bytes, path=None, populate=False): a new memfd ring, or (path given:
+   /proc/PID/fd/N of the creator) the same ring mapped into this process. */
 static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"nslots", "slot_bytes", "path", NULL};
+    static char *kwlist[] = {"nslots", "slot_bytes", "path", "populate", NULL};
     long long nslots = 0, slot_bytes = 0;
     const char *path = NULL;
+    int populate = 0;
     RingObject *r = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LL|z:Ring", kwlist, &nslots, &slot_bytes, &path))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LL|zp:Ring", kwlist, &nslots, &slot_bytes, &path, &populate))
         return NULL;
     if (nslots < 1 || nslots > 4096) {
         PyErr_Format(PyExc_ValueError, "nslots: expected 1 to 4096, got %lld", nslots);
@@ -147,11 +157,17 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
         return NULL;
     r->fd = -1;
     r->registered_device = -1;
+    r->pid = getpid();
     r->nslots = (uint32_t)nslots;
     r->slot_bytes = round_up((uint64_t)slot_bytes, HL_PAGE);
     r->data_offset = round_up(sizeof(hl_ring_header) + (uint64_t)nslots * sizeof(hl_slot_ctl), HL_PAGE);
     r->nbytes = (size_t)(r->data_offset + r->nslots * r->slot_bytes);
     r->owner = path == NULL;
+    r->registered = (unsigned char *)calloc(r->nslots, 1);
+    if (r->registered == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
 
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -166,8 +182,10 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
             err = errno;
     }
     if (err == 0) {
-        /* MAP_POPULATE pre-faults every page now, so the first batches do not pay for it */
-        void *base = mmap(NULL, r->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd, 0);
+        /* with populate every page is faulted in now; without, prefault(slot) does it slot by slot
+           where it is cheapest (in the worker that first fills the slot, in parallel with others) */
+        void *base = mmap(NULL, r->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0),
+                          r->fd, 0);
         if (base == MAP_FAILED)
             err = errno;
         else
@@ -390,32 +408,63 @@ static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(cuda_register_doc, "cuda_register(device)\n\n"
-             "cudaHostRegister the whole ring (page-locked, portable) so copies from it run at DMA speed.\n"
-             "Once per ring, in the main process; close() unregisters.");
-static PyObject *ring_cuda_register(PyObject *self, PyObject *args) {
+PyDoc_STRVAR(prefault_doc, "prefault(slot)\n\n"
+             "Fault in (writable) every page of the slot in one call (MADV_POPULATE_WRITE, or a touch per page\n"
+             "on older kernels), GIL released: the batch copy that follows runs at memory speed.");
+static PyObject *ring_prefault(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
+    long long slot;
+    if (!PyArg_ParseTuple(args, "L:prefault", &slot) || check_slot(r, slot) < 0)
+        return NULL;
+    char *p = slot_data(r, (uint32_t)slot);
+    Py_BEGIN_ALLOW_THREADS
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    if (madvise(p, r->slot_bytes, MADV_POPULATE_WRITE) != 0) {
+        /* a read-modify-write of one byte per page: the slot belongs to the caller right now */
+        for (uint64_t off = 0; off < r->slot_bytes; off += HL_PAGE)
+            ((volatile char *)p)[off] = ((volatile char *)p)[off];
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cuda_register_slot_doc, "cuda_register_slot(slot, device) -> bool\n\n"
+             "cudaHostRegister one slot (page-locked, portable) so copies from it run at DMA speed; False when\n"
+             "it already was. Slots are registered one by one as they are first used, so no large up-front\n"
+             "pinning delays the first batch; close() unregisters them all. One device per ring.");
+static PyObject *ring_cuda_register_slot(PyObject *self, PyObject *args) {
+    RingObject *r = (RingObject *)self;
+    long long slot;
     int device;
     PyObject *module = PyType_GetModule(Py_TYPE(self));
-    if (!PyArg_ParseTuple(args, "i:cuda_register", &device) || check_open(r) < 0 || module == NULL)
+    if (!PyArg_ParseTuple(args, "Li:cuda_register_slot", &slot, &device) || module == NULL || check_slot(r, slot) < 0)
         return NULL;
-    if (r->registered_device >= 0)
-        Py_RETURN_NONE;
+    if (r->registered[slot])
+        Py_RETURN_FALSE;
+    if (r->registered_device >= 0 && r->registered_device != device) {
+        PyErr_Format(PyExc_ValueError, "device: this ring is registered for device %d, got %d", r->registered_device,
+                     device);
+        return NULL;
+    }
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
     hl_cuda_status status = {0};
+    char *p = slot_data(r, (uint32_t)slot);
     Py_BEGIN_ALLOW_THREADS
     hl_device_guard guard;
     hl_device_enter(&guard, device, &status);
-    HL_CUDA(&status, cudaHostRegister(r->base, r->nbytes, cudaHostRegisterPortable));
+    HL_CUDA(&status, cudaHostRegister(p, r->slot_bytes, cudaHostRegisterPortable));
     hl_device_leave(&guard, &status);
     Py_END_ALLOW_THREADS
     if (status.code != 0)
         return hl_raise_cuda(module, &status), NULL;
+    r->registered[slot] = 1;
     r->registered_device = device;
 #endif
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 PyDoc_STRVAR(copy_to_device_doc, "copy_to_device(slot, packed, stream, device)\n\n"
@@ -468,7 +517,11 @@ static PyObject *get_nbytes(PyObject *self, void *c) { (void)c; return PyLong_Fr
 static PyObject *get_closed(PyObject *self, void *c) { (void)c; return PyBool_FromLong(((RingObject *)self)->base == NULL); }
 static PyObject *get_registered(PyObject *self, void *c) {
     (void)c;
-    return PyBool_FromLong(((RingObject *)self)->registered_device >= 0);
+    RingObject *r = (RingObject *)self;
+    long count = 0;
+    for (uint32_t i = 0; r->registered != NULL && i < r->nslots; i++)
+        count += r->registered[i];
+    return PyLong_FromLong(count);
 }
 static PyObject *get_completions(PyObject *self, void *c) {
     (void)c;
@@ -484,7 +537,7 @@ static PyGetSetDef ring_getset[] = {
     {"slot_bytes", get_slot_bytes, NULL, "bytes per slot (a multiple of 4096)", NULL},
     {"nbytes", get_nbytes, NULL, "bytes of shared memory, control blocks included", NULL},
     {"closed", get_closed, NULL, "True once close() ran", NULL},
-    {"registered", get_registered, NULL, "True while cudaHostRegister'ed", NULL},
+    {"registered", get_registered, NULL, "how many slots are cudaHostRegister'ed now", NULL},
     {"completions", get_completions, NULL, "the futex counter, bumped on every state change", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -499,13 +552,15 @@ static PyMethodDef ring_methods[] = {
     {"info", ring_info, METH_VARARGS, info_doc},
     {"wait", ring_wait, METH_VARARGS, wait_doc},
     {"copy_out", ring_copy_out, METH_VARARGS, copy_out_doc},
-    {"cuda_register", ring_cuda_register, METH_VARARGS, cuda_register_doc},
+    {"prefault", ring_prefault, METH_VARARGS, prefault_doc},
+    {"cuda_register_slot", ring_cuda_register_slot, METH_VARARGS, cuda_register_slot_doc},
     {"copy_to_device", ring_copy_to_device, METH_VARARGS, copy_to_device_doc},
     {NULL, NULL, 0, NULL},
 };
 
-PyDoc_STRVAR(ring_doc, "Ring(nslots, slot_bytes, path=None)\n\n"
-             "Slots of shared memory from memfd_create (no /dev/shm file), pre-faulted. Without path a new\n"
+PyDoc_STRVAR(ring_doc, "Ring(nslots, slot_bytes, path=None, populate=False)\n\n"
+             "Slots of shared memory from memfd_create (no /dev/shm file), pre-faulted all at once (populate)\n"
+             "or slot by slot (prefault). Without path a new\n"
              "ring is made; with path (/proc/PID/fd/FD of the creator's fd) that ring is mapped here.\n"
              "Slot states live in the shared memory and change with atomics; wait() sleeps on a futex.");
 

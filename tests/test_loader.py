@@ -442,7 +442,7 @@ def test_no_shm_files_fds_threads_and_rss_stable(persistent):
     assert _shm_files() <= shm
     assert threading.active_count() == threads
     if not persistent:
-        assert _fds() == fds
+        assert set(_fds()) <= set(fds)  # nothing of the loader left open
     assert _rss_kb() - rss < 20 << 10  # kB: flat, not growing by epochs
     del loader
     gc.collect()
@@ -464,7 +464,7 @@ def test_abandoned_epoch_reaps_workers_and_fds():
     assert pool.closed and pool.ring is None
     for pid in pids:
         assert not _alive(pid)
-    assert _fds() == fds
+    assert set(_fds()) <= set(fds)  # nothing of the loader left open
 
 
 def test_normalize_cpu_matches_torch():

@@ -168,7 +168,8 @@ def rows(ctx):
         yield Row("loader", "host-to-device copy, 38.5 MB uint8 batches", st.h2d_gbps,
                   pinned.numel() / (ms * 1e-3) / 1e9, "GB/s",
                   note=f"hotloop: ring slots (pinned by cudaHostRegister), timed by its copy events; "
-                       f"torch: copy_ from a pin_memory() tensor; ring {st.ring_bytes / 2**20:.0f} MiB")
+                       f"torch: copy_ from a pin_memory() tensor; ring {st.ring_bytes / 2**20:.0f} MiB, "
+                       f"pinning it slot by slot took {st.register_seconds * 1e3:.0f} ms")
         yield Row("loader", "host copies per batch byte", 1, 2, "copies",
                   note="hotloop: worker -> ring; torch: collate into shm, then pin thread copy")
         del loader
@@ -186,7 +187,7 @@ def rows(ctx):
         step(x0, y0)
     t_first_res, rate_res = _timed_steps(step, resident, 25, batches, device)
     fed_ds = SyntheticImages(batch * (25 + batches + 4), base=base, size=size, crop=crop)
-    for workers in (4, 8, 12):
+    for workers in (4, 8, 12, 14):
         res = {}
         for name, make in (("hotloop", lambda: _hotloop_way(fed_ds, batch, workers, device)),
                            ("torch", lambda: _TorchWay(fed_ds, batch, workers, device))):

@@ -138,6 +138,7 @@ class LoaderStats:
     h2d_seconds: float = 0.0  # CUDA-event time of the host-to-device copies
     worker_busy_seconds: float = 0.0  # time workers spent producing batches
     ring_bytes: int = 0
+    register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
     worker_restarts: int = 0
 
     @property
@@ -390,6 +391,9 @@ class _Pool:
         self.free_slots = []
         self.tasks = {}
         self.pipe_results = {}
+        self.layouts = {}  # task id -> (tensor bytes, spec bytes) of batches waiting for the ring
+        self.task_worker = {}  # task id -> worker, for every task not yet finished
+        self.resuming = False
         self.resumed = set()
         self.next_task_id = 0
         self.restarts = 0
@@ -399,6 +403,7 @@ class _Pool:
         self.result_conns = [None] * self.n
         # CUDA state: a side stream for copies, events per slot, copies in flight
         self.copy_stream = None
+        self.pin_slots = True
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
@@ -447,6 +452,30 @@ class _Pool:
             self.pipe_results[msg[1]] = ("stop", 0.0)
         elif kind == "meta":
             self.pipe_results[msg[1]] = pickle.loads(msg[2])
+        elif kind == "layout":
+            self.layouts[msg[1]] = (msg[2], msg[3])
+            self._place_layouts()
+
+    def _place_layouts(self):
+        """Batches made before the ring existed: size the ring from the first, then give each a slot."""
+        if self.ring is None and not self.ring_unused and self.layouts and not self.resuming:
+            self.make_ring(*self.layouts[min(self.layouts)])
+        for tid in sorted(self.layouts):
+            del self.layouts[tid]
+            task = self.tasks.get(tid)
+            if task is None or self.resuming:
+                self.send_if_alive(tid, ("place", tid, -2))
+                continue
+            task.slot = self.take_slot() if self.ring is not None else -1
+            self.send(task.wid, ("place", tid, task.slot))
+
+    def send_if_alive(self, tid, msg):
+        wid = self.task_worker.get(tid)
+        if wid is not None and self.procs[wid] is not None:
+            try:
+                self.send(wid, msg)
+            except OSError:
+                pass
 
     def _check_workers(self):
         for wid, proc in enumerate(self.procs):
@@ -500,6 +529,7 @@ class _Pool:
         task = _Task(self.next_task_id, wid, index, slot)
         self.next_task_id += 1
         self.tasks[task.id] = task
+        self.task_worker[task.id] = wid
         self.send(wid, ("task", task.id, index, slot))
         return task
 
@@ -523,7 +553,14 @@ class _Pool:
                 return pickle.loads(view[:meta_len])
             finally:
                 view.release()
-        self._drain(task.wid)
+        if self.ring is None and not self.ring_unused:
+            for wid in range(self.n):  # layouts of any worker may make the ring
+                if self.procs[wid] is not None:
+                    self._drain(wid)
+        else:
+            self._drain(task.wid)
+        if task.slot >= 0:
+            return self.poll(task)  # placed into the ring meanwhile
         return self.pipe_results.pop(task.id, None)
 
     def wait(self, task, timeout, batch_number):
@@ -547,6 +584,7 @@ class _Pool:
         """The task's result was taken: forget it (its slot is freed by whoever used the data)."""
         task.consumed = True
         self.tasks.pop(task.id, None)
+        self.task_worker.pop(task.id, None)
 
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
@@ -559,6 +597,7 @@ class _Pool:
     def resume(self):
         """New epoch with persistent workers: let every worker finish what it had, then drop it."""
         self.resumed.clear()
+        self.resuming = True
         for wid in range(self.n):
             self.send(wid, ("resume",))
         while len(self.resumed) < self.n:
@@ -573,34 +612,26 @@ class _Pool:
             if task.slot >= 0:
                 self.release_slot(task.slot)
         self.tasks.clear()
+        self.task_worker.clear()
         self.pipe_results.clear()
+        self.layouts.clear()
+        self.resuming = False
 
     # the ring --------------------------------------------------------------------------------------
-    def make_ring(self, batch):
+    def make_ring(self, sizes, spec_bytes):
         """Size the ring from the first batch's layout and tell every worker about it."""
-        tensors = []
-        spec = flatten(batch, tensors)
-        if not tensors:
+        if not sizes:
             self.ring_unused = True
             return
-        layout, offset = [], 0
-        side = len(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)) - sum(
-            len(pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL)) for t in tensors)
-        meta_cap = _round(max(_META_MIN, 8 * max(side, 0) + 4096), _ALIGN)
-        offset = meta_cap
-        for t in tensors:
-            cap = _round(max(t.numel() * t.element_size(), 1), _ALIGN)
+        meta_cap = _round(max(_META_MIN, 8 * spec_bytes + 4096), _ALIGN)
+        layout, offset = [], meta_cap
+        for nbytes in sizes:
+            cap = _round(max(nbytes, 1), _ALIGN)
             layout.append((offset, cap))
             offset += cap
         loader = self.loader
         nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else 0)
-        ring = _C.Ring(nslots, offset)
-        if self.device is not None:
-            try:
-                ring.cuda_register(self.device.index)
-            except Exception as exc:  # still correct without pinning, only slower
-                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
-                              "slower", stacklevel=3)
+        ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
         self.ring, self.layout = ring, layout
         self.free_slots = list(range(nslots))
         loader._hl_stats.ring_bytes = ring.nbytes
@@ -680,6 +711,15 @@ class _Pool:
                 t = torch.empty(shape, dtype=dtype, device=dev)
                 triples += (off, t.data_ptr(), size)
                 outs.append(t)
+        if self.pin_slots:
+            t0 = time.perf_counter()
+            try:
+                if self.ring.cuda_register_slot(slot, dev.index):
+                    self.loader._hl_stats.register_seconds += time.perf_counter() - t0
+            except Exception as exc:  # still correct without pinning, only slower
+                self.pin_slots = False
+                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
+                              "slower", stacklevel=4)
         side = self.copy_stream.cuda_stream
         # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
         # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
@@ -732,8 +772,8 @@ class _Pool:
 
     # shutdown --------------------------------------------------------------------------------------
     def close(self):
-        if self.closed:
-            return
+        if self.closed or os.getpid() != self.main_pid:
+            return  # a forked worker may hold a copy of this object: it owns none of it
         self.closed = True
         _LIVE_POOLS.discard(self)
         for wid in range(self.n):
@@ -871,9 +911,7 @@ class _MultiIter(_BaseDataLoaderIter):
         while True:
             task = self._next_task()
             if task is None:
-                if not self._persistent_workers:
-                    self._shutdown()
-                raise StopIteration
+                raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
             if not block and not pool._is_done(task):
                 return None
             outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared))
@@ -895,8 +933,6 @@ class _MultiIter(_BaseDataLoaderIter):
             st.worker_busy_seconds += outcome[-1]
             if kind == "batch":
                 batch = outcome[1]
-                if pool.ring is None and not pool.ring_unused:
-                    pool.make_ring(batch)
                 self._fill()
                 samples = self._samples_of(task, lambda: _batch_samples(batch, 1))
                 out = _host_batch_out(self._loader, batch, self._pin_memory)
@@ -927,12 +963,18 @@ class _MultiIter(_BaseDataLoaderIter):
             if isinstance(out, _Pending):
                 self._pool.deliver(out)
         pool = self._pool
-        if pool.device is None:
-            out, samples = self._next_result()
-        else:
-            if not self._prepared:
-                self._prepared.append(self._next_result())
-            out, samples = self._prepared.popleft()
+        try:
+            if pool.device is None:
+                out, samples = self._next_result()
+            else:
+                if not self._prepared:
+                    self._prepared.append(self._next_result())
+                out, samples = self._prepared.popleft()
+        except StopIteration:
+            if not self._persistent_workers:
+                self._shutdown()
+            raise
+        if pool.device is not None:
             if isinstance(out, _Pending):
                 out = pool.deliver(out)
             try:
@@ -942,7 +984,7 @@ class _MultiIter(_BaseDataLoaderIter):
                         break
                     self._prepared.append(nxt)
             except StopIteration:
-                pass
+                pass  # the epoch's last batches are prepared; they are handed out by the next calls
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out

@@ -7,9 +7,11 @@ one host copy); anything else is collated as torch would (without torch's /dev/s
 tensors copied in. Leaves that are not fixed-shape CPU tensors travel in the slot's pickled metadata.
 
 Messages, main -> worker over a pipe: ("task", task_id, index, slot), ("ring", path, nslots,
-slot_bytes, layout), ("resume",), None (exit). Worker -> main over another pipe, pickled with plain
-pickle (never ForkingPickler, which would move tensors through /dev/shm): ("batch", task_id, batch,
-busy) for tasks without a slot, ("meta", task_id, bytes) for metadata that did not fit its slot,
+slot_bytes, layout, meta_bytes), ("place", task_id, slot), ("resume",), None (exit). Worker -> main
+over another pipe, pickled with plain pickle (never ForkingPickler, which would move tensors through
+/dev/shm): ("layout", task_id, tensor_bytes, spec_bytes) for a batch made before the ring existed
+(the main process sizes the ring from the first and answers "place"), ("batch", task_id, batch,
+busy) when there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit its slot,
 ("error", task_id, ExceptionWrapper), ("stop", task_id) and ("resumed", worker_id).
 """
 import collections.abc
@@ -266,6 +268,33 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
     layout = []
     meta_cap = 0
     iteration_end = False
+    pending = {}  # task id -> (batch, busy seconds) while the ring is being made
+
+    faulted = set()  # slots whose pages this process has faulted in
+
+    def slot_tensor(slot):
+        if slot not in faulted:
+            ring.prefault(slot)  # one madvise instead of a page fault per 4 kB during the copy
+            faulted.add(slot)
+        return slot_u8[slot]
+
+    def finish(task_id, slot, outcome, busy):
+        if slot < 0:
+            if outcome[0] == "batch":
+                send(("batch", task_id, outcome[1], busy))
+            elif outcome[0] == "stop":
+                send(("stop", task_id))
+            else:
+                send(("error", task_id, outcome[1]))
+            return
+        meta = pickle.dumps(outcome + (busy,), protocol=pickle.HIGHEST_PROTOCOL)
+        if len(meta) <= meta_cap:
+            slot_u8[slot][:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+            ring.publish(slot, task_id, worker_id, len(meta), 0)
+        else:
+            # publish first, then send: the main process reads the pipe once it sees the flag
+            ring.publish(slot, task_id, worker_id, 0, _C.RING_FLAG_OVERFLOW)
+            send(("meta", task_id, meta))
     try:
         while True:
             if not task_conn.poll(1.0):
@@ -284,7 +313,25 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 views = [ring.view(i) for i in range(nslots)]
                 slot_u8 = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
                 continue
+            if msg[0] == "place":
+                _, task_id, slot = msg
+                batch, busy = pending.pop(task_id)
+                if slot == -2:
+                    continue  # the epoch it belonged to is over
+                if slot >= 0:
+                    try:
+                        writer = _SlotWriter(slot_tensor(slot), layout)
+                        outcome = ("ok", write_general(batch, writer), writer.leaves)
+                    except Exception:
+                        outcome = ("error", ExceptionWrapper(where=where))
+                else:
+                    outcome = ("batch", batch)
+                del batch
+                finish(task_id, slot, outcome, busy)
+                del outcome
+                continue
             if msg[0] == "resume":
+                pending.clear()
                 iteration_end = False
                 fetcher = _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, fetch_collate,
                                                       drop_last)
@@ -300,7 +347,7 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
             else:
                 try:
                     if slot >= 0:
-                        writer = _SlotWriter(slot_u8[slot], layout)
+                        writer = _SlotWriter(slot_tensor(slot), layout)
                         spec = None
                         if fast:
                             try:
@@ -331,22 +378,16 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 except Exception:
                     outcome = ("error", ExceptionWrapper(where=f"{where} while loading indices {_short(index)}"))
             busy = time.perf_counter() - t0
-            if slot < 0:
-                if outcome[0] == "batch":
-                    send(("batch", task_id, outcome[1], busy))
-                elif outcome[0] == "stop":
-                    send(("stop", task_id))
-                else:
-                    send(("error", task_id, outcome[1]))
+            if slot < 0 and ring is None and outcome[0] == "batch":
+                # no ring yet: say what the batch looks like and keep it until the main process has
+                # sized the ring from it and names the slot ("place")
+                tensors = []
+                spec = flatten(outcome[1], tensors)
+                sizes = [t.numel() * t.element_size() for t in tensors]
+                pending[task_id] = (outcome[1], busy)
+                send(("layout", task_id, sizes, len(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))))
                 continue
-            meta = pickle.dumps(outcome + (busy,), protocol=pickle.HIGHEST_PROTOCOL)
-            if len(meta) <= meta_cap:
-                slot_u8[slot][:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
-                ring.publish(slot, task_id, worker_id, len(meta), 0)
-            else:
-                # publish first, then send: the main process reads the pipe once it sees the flag
-                ring.publish(slot, task_id, worker_id, 0, _C.RING_FLAG_OVERFLOW)
-                send(("meta", task_id, meta))
+            finish(task_id, slot, outcome, busy)
             del outcome
     except KeyboardInterrupt:
         pass
