@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import select
 import subprocess
 import sys
 
@@ -105,6 +106,8 @@ def test_monitor_cli_ends_cleanly_on_a_signal(fake_lib, sig):
     proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)  # bounded wait for the header
+        assert ready, "the monitor printed nothing in 30 s"
         first = proc.stdout.readline()  # the header: it is running
         assert first.startswith("time")
         time.sleep(0.1)

@@ -232,7 +232,16 @@ def test_fork_leaves_no_sampler_in_the_child(fake):
         ok = ok and m.snapshot()["memory_samples"] > n
         m.stop()
         os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 30  # bounded: a hung child fails the test instead of hanging it
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.01)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     n = m.snapshot()["memory_samples"]
     wait_for(lambda: m.snapshot()["memory_samples"] > n + 5)  # the parent's sampler kept going
@@ -444,7 +453,7 @@ def test_plot_writes_a_png(fake, tmp_path):
 def test_import_hotloop_stays_torch_free():
     code = ("import sys, hotloop; hotloop.memory_monitor; hotloop.MemoryMonitor; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_sampler_keeps_the_rate_without_the_gil(fake):

@@ -104,7 +104,7 @@ def test_cli_monitor_and_doctor_run():
     print(p.stdout[-2000:], p.stderr[-2000:])
     assert p.returncode == 0 and "summary gpu 0:" in p.stdout
     p = subprocess.run([sys.executable, "-m", "hotloop", "doctor", "--json"], capture_output=True, text=True,
-                       timeout=300)
+                       timeout=120)
     print(p.stdout[-6000:], p.stderr[-2000:])
     report = json.loads(p.stdout)
     assert p.returncode == report["exit_code"] in (0, 1, 2)

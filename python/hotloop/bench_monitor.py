@@ -104,7 +104,7 @@ def rows(ctx):
         print(f"  monitor: skipped, no NVML ({reason})", flush=True)
         return
     torch = ctx.torch
-    seconds = 0.3 if ctx.quick else 2.0
+    seconds = 0.3 if ctx.quick else 1.0
     index = _nvml_index(torch, ctx.device) if ctx.is_cuda else 0
 
     # achieved sample rate, idle host, against a Python thread asked for the same rate
