@@ -323,26 +323,29 @@ static PyObject *ring_info(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ILiKI)", state, (long long)c->task, c->worker, (unsigned long long)c->meta_len, c->flags);
 }
 
-PyDoc_STRVAR(wait_doc, "wait(slot, not_state, timeout) -> int\n\n"
+PyDoc_STRVAR(wait_doc, "wait(slot, not_state, timeout, any_change=False) -> int\n\n"
              "Sleep (futex, GIL released) until the slot's state differs from not_state, or timeout seconds\n"
-             "passed; return the state then. A negative timeout waits without limit.");
+             "passed (with any_change: or any slot changed state); return the slot's state then. A negative\n"
+             "timeout waits without limit.");
 static PyObject *ring_wait(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
     unsigned int not_state, state;
     double timeout;
-    if (!PyArg_ParseTuple(args, "LId:wait", &slot, &not_state, &timeout) || check_slot(r, slot) < 0)
+    int any_change = 0;
+    if (!PyArg_ParseTuple(args, "LId|p:wait", &slot, &not_state, &timeout, &any_change) || check_slot(r, slot) < 0)
         return NULL;
     hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
     _Atomic uint32_t *word = &header_of(r)->completions;
     Py_BEGIN_ALLOW_THREADS
     double deadline = now_seconds() + timeout;
+    uint32_t first = atomic_load_explicit(word, memory_order_acquire);
     for (;;) {
         /* read the counter before the state: a change after this read bumps the counter, and the
            futex then refuses to sleep */
         uint32_t seen = atomic_load_explicit(word, memory_order_acquire);
         state = atomic_load_explicit(&c->state, memory_order_acquire);
-        if (state != not_state)
+        if (state != not_state || (any_change && seen != first))
             break;
         struct timespec ts, *tsp = NULL;
         if (timeout >= 0) {

@@ -221,6 +221,22 @@ def test_resume_mid_epoch(num_workers):
         assert_same(a[4], b[4])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_after_a_finished_epoch_starts_the_next(num_workers):
+    ds = Rows(30)
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
+    ref = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(5), **kwargs)
+    list(ref)
+    state = ref.state_dict()
+    second_epoch = list(ref)
+    other = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(77), **kwargs)
+    other.load_state_dict(state)
+    got = list(other)
+    assert len(got) == len(second_epoch) == 8
+    for a, b in zip(second_epoch, got):
+        assert_same(a, b)
+
+
 class Counting(Dataset):
     """Sample i is i; the worker that first loads `victim` kills itself with SIGKILL (once per marker)."""
 

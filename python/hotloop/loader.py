@@ -205,6 +205,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._hl_pool = None  # persistent workers keep theirs here
         self._hl_resume = None  # a loaded state, applied by the next iterator
         self._hl_epoch = None  # the current epoch's (generator state, base seed)
+        self._hl_epoch_done = False  # its last batch was handed out
+        self._hl_yielded = 0  # batches handed out in it
         self._hl_iter = None  # weak reference to the live iterator
 
     @property
@@ -221,19 +223,33 @@ class DataLoader(torch.utils.data.DataLoader):
         return it
 
     def __iter__(self):
+        resume = self._hl_resume
+        if resume is not None and resume.get("epoch_done") and not (self.persistent_workers and self.num_workers):
+            # the saved epoch had ended: the next one starts from the generator as it was then
+            self._hl_resume = None
+            self._generator().set_state(resume["generator_state"])
         it = super().__iter__()
         self._hl_iter = weakref.ref(it)
         return it
 
+    def _generator(self):
+        return self.generator if self.generator is not None else torch.default_generator
+
     def state_dict(self) -> dict:
         """Where the current epoch stands: load it into a loader built the same way and the next batch
-        it yields is the one this loader would have yielded next."""
-        it = self._hl_iter() if self._hl_iter is not None else None
+        it yields is the one this loader would have yielded next (after a finished epoch: the first
+        batch of the next epoch). The loader's generator (torch's default one when generator=None)
+        is rewound to make the sampler draw the same order; random transforms inside workers draw
+        from fresh worker seeds, so they match only from the start of an epoch."""
         if self._hl_epoch is None:
-            return {"version": 1, "batches_yielded": 0, "generator_state": None, "base_seed": None}
+            return {"version": 1, "batches_yielded": 0, "generator_state": None, "base_seed": None,
+                    "epoch_done": False}
+        if self._hl_epoch_done:
+            return {"version": 1, "batches_yielded": 0, "generator_state": self._generator().get_state(),
+                    "base_seed": None, "epoch_done": True}
         gen_state, base_seed = self._hl_epoch
-        return {"version": 1, "batches_yielded": it._num_yielded if it is not None else 0,
-                "generator_state": gen_state.clone(), "base_seed": base_seed}
+        return {"version": 1, "batches_yielded": self._hl_yielded, "generator_state": gen_state.clone(),
+                "base_seed": base_seed, "epoch_done": False}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != 1:
@@ -243,14 +259,17 @@ class DataLoader(torch.utils.data.DataLoader):
     def _hl_begin_epoch(self, it):
         """Called by an iterator once its sampler iterator exists and before it draws from it: rewinds
         the generator for a resumed epoch, remembers where this epoch starts, returns batches to skip."""
-        gen = self.generator if self.generator is not None else torch.default_generator
+        gen = self._generator()
         resume, self._hl_resume = self._hl_resume, None
         skip = 0
         if resume is not None and resume.get("generator_state") is not None:
-            gen.set_state(resume["generator_state"])
-            it._base_seed = resume["base_seed"]
+            gen.set_state(resume["generator_state"])  # epoch_done with persistent workers: undo the seed draw
+            if resume.get("base_seed") is not None:
+                it._base_seed = resume["base_seed"]
             skip = int(resume["batches_yielded"])
         self._hl_epoch = (gen.get_state(), it._base_seed)
+        self._hl_epoch_done = False
+        self._hl_yielded = skip
         return skip
 
     def __del__(self):
@@ -261,6 +280,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
 def _record(loader, t0, samples):
     dt = time.perf_counter() - t0
+    loader._hl_yielded += 1
     st = loader._hl_stats
     st.wait_seconds += dt
     st.batches += 1
@@ -333,7 +353,11 @@ class _SingleIter(_SingleProcessDataLoaderIter):
 
     def _next_data(self):
         t0 = time.perf_counter()
-        batch = super()._next_data()  # torch pins it there when pin_memory
+        try:
+            batch = super()._next_data()  # torch pins it there when pin_memory
+        except StopIteration:
+            self._loader._hl_epoch_done = True
+            raise
         batch = _host_batch_out(self._loader, batch, False)
         _record(self._loader, t0, _batch_samples(batch, 1))
         _count_elapsed(self, self._loader, t0)
@@ -416,9 +440,16 @@ class _Pool:
         task_r, task_w = self.ctx.Pipe(duplex=False)
         res_r, res_w = self.ctx.Pipe(duplex=False)
         kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
+        # a forked worker inherits the main process's ends of the other workers' pipes (and the
+        # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
+        inherited = []
+        if self.ctx.get_start_method() == "fork":
+            inherited = [c.fileno() for c in self.task_conns + self.result_conns if c is not None and not c.closed]
+            if self.ring is not None:
+                inherited.append(self.ring.fd)
         proc = self.ctx.Process(target=worker_main,
                                 args=(wid, self.n, kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn,
-                                      task_r, res_w, self.main_pid, True),
+                                      task_r, res_w, self.main_pid, True, inherited),
                                 daemon=True)
         proc.start()
         task_r.close()  # the worker's ends: closed here so that the worker's exit shows as EOF
@@ -575,10 +606,18 @@ class _Pool:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
                                    f"(worker {task.wid}, indices {task.index})")
             if task.slot >= 0:
-                self.ring.wait(task.slot, _C.RING_ASSIGNED, left)
+                # wake on any slot's change: a worker that flagged an overflow is now writing its
+                # metadata into its pipe and must be read, whichever task is awaited here
+                self.ring.wait(task.slot, _C.RING_ASSIGNED, left, True)
+                self.drain_all()
             else:
                 proc = self.procs[task.wid]
                 multiprocessing.connection.wait([self.result_conns[task.wid], proc.sentinel], left)
+
+    def drain_all(self):
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                self._drain(wid)
 
     def finish(self, task):
         """The task's result was taken: forget it (its slot is freed by whoever used the data)."""
@@ -956,6 +995,7 @@ class _MultiIter(_BaseDataLoaderIter):
     def _next_data(self):
         t0 = time.perf_counter()
         if self._pool is None:
+            self._loader._hl_epoch_done = True
             raise StopIteration
         while self._skip_batches:
             self._skip_batches -= 1
@@ -971,6 +1011,7 @@ class _MultiIter(_BaseDataLoaderIter):
                     self._prepared.append(self._next_result())
                 out, samples = self._prepared.popleft()
         except StopIteration:
+            self._loader._hl_epoch_done = True
             if not self._persistent_workers:
                 self._shutdown()
             raise
