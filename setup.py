@@ -72,6 +72,14 @@ class BuildWithNvcc(build_ext):
     """Compiles the .cu files with nvcc first and hands their objects to the C link."""
 
     def build_extension(self, ext):
+        # objects built under other options (archs, sanitizers, CPU-only) must not be reused
+        stamp = os.path.join(self.build_temp, "hotloop-build-options.txt")
+        options = repr(ext.build_options)
+        if not os.path.exists(stamp) or open(stamp).read() != options:
+            self.force = True
+            os.makedirs(self.build_temp, exist_ok=True)
+            with open(stamp, "w") as f:
+                f.write(options)
         cuda_home = getattr(ext, "cuda_home", None)
         if cuda_home:
             ext.extra_objects = list(ext.extra_objects) + self.compile_cuda(ext, cuda_home)
@@ -163,6 +171,7 @@ def make_extension():
     ext.cuda_sources = cuda_sources
     ext.cuda_headers = sorted(glob.glob("kernels/*.h") + glob.glob("kernels/*.cuh"))
     ext.cuda_archs = archs
+    ext.build_options = (cuda_home, archs, sanitize, compile_args, link_args)
     return ext
 
 

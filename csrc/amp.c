@@ -1,8 +1,11 @@
 /* Mixed-precision entry points: argument checks, CUDA launches, and the C reference kernels for CPU tensors. */
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda.h"
 #include "tensor.h"
+#include "amp_math.h"
 #ifdef HOTLOOP_WITH_CUDA
 #include "amp.h"
 #endif
@@ -60,6 +63,8 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         return NULL;
     if (hl_table_parse(packed, "tensors", HL_FLOATING_MASK, &table) < 0)
         return NULL;
+    if (table.device >= 0 && hl_cuda_require(module, table.device) < 0)
+        goto error;
     if (hl_tensor_from_object(found_obj, "found", HL_DTYPE_BIT(HL_FLOAT32), table.device, 1, &found) < 0)
         goto error;
     if (found.numel < 1) {
@@ -75,7 +80,7 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         if (bad)
             *(float *)found.data = 1.0f;
     } else {
-        if (hl_cuda_require(module, table.device) < 0 || take_table_scratch(scratch_obj, &table, &scratch) < 0)
+        if (take_table_scratch(scratch_obj, &table, &scratch) < 0)
             goto error;
 #ifdef HOTLOOP_WITH_CUDA
         hl_cuda_status status = {0};
@@ -102,9 +107,433 @@ error:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------------------
+   GradScaler: the C reference of kernels/amp.cu for CPU tensors (same chunks, same maths, same
+   rounding to the gradient's dtype), and the bindings python/hotloop/amp.py calls every step.
+   Per-step calls take raw addresses of tensors amp.py allocated and keeps alive (the gradients'
+   addresses were checked once, when their table was packed), so a step costs no DLPack round trip.
+   The table reaches the device through a pinned buffer and torch's own non-blocking copy, which
+   never waits for the device and keeps the buffer until the copy is done.
+   --------------------------------------------------------------------------------------------- */
+
+static float bits_to_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof(f));
+    return f;
+}
+
+static uint32_t float_to_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof(b));
+    return b;
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {
+        if (man == 0)
+            return bits_to_float(sign);
+        int shifts = 0; /* a subnormal: normalise it */
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            shifts++;
+        }
+        return bits_to_float(sign | ((uint32_t)(113 - shifts) << 23) | ((man & 0x3ffu) << 13));
+    }
+    if (exp == 31)
+        return bits_to_float(sign | 0x7f800000u | (man << 13));
+    return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* round to nearest even, as __float2half_rn */
+static uint16_t float_to_half(float f) {
+    uint32_t x = float_to_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u); /* NaN */
+    if (ax >= 0x477ff000u)
+        return (uint16_t)(sign | 0x7c00u); /* 65520 and up round to inf */
+    if (ax < 0x38800000u) {                /* below 2^-14: a subnormal half or zero */
+        if (ax <= 0x33000000u)
+            return (uint16_t)sign; /* up to 2^-25 (a tie, to even) rounds to zero */
+        uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
+        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (r & 1u)))
+            r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);
+    return (uint16_t)(sign | ((r - (112u << 23)) >> 13));
+}
+
+static float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+
+static uint16_t float_to_bf16(float f) {
+    uint32_t x = float_to_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static float load_elem(const hl_table_entry *e, int64_t i) {
+    const void *base = (const void *)(uintptr_t)e->data;
+    switch (e->dtype) {
+    case HL_FLOAT32:
+        return ((const float *)base)[i];
+    case HL_FLOAT16:
+        return half_to_float(((const uint16_t *)base)[i]);
+    default:
+        return bf16_to_float(((const uint16_t *)base)[i]);
+    }
+}
+
+static void store_elem(const hl_table_entry *e, int64_t i, float v) {
+    void *base = (void *)(uintptr_t)e->data;
+    switch (e->dtype) {
+    case HL_FLOAT32:
+        ((float *)base)[i] = v;
+        break;
+    case HL_FLOAT16:
+        ((uint16_t *)base)[i] = float_to_half(v);
+        break;
+    default:
+        ((uint16_t *)base)[i] = float_to_bf16(v);
+        break;
+    }
+}
+
+/* a value as the gradient's dtype would hold it */
+static float round_elem(int dtype, float v) {
+    switch (dtype) {
+    case HL_FLOAT32:
+        return v;
+    case HL_FLOAT16:
+        return half_to_float(float_to_half(v));
+    default:
+        return bf16_to_float(float_to_bf16(v));
+    }
+}
+
+static int finite_float(float v) { return (float_to_bits(v) & 0x7f800000u) != 0x7f800000u; }
+
+static void chunk_range(const hl_table_entry *e, int64_t chunk, int64_t *begin, int64_t *end) {
+    *begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
+    *end = *begin + HL_CHUNK_ELEMS < e->numel ? *begin + HL_CHUNK_ELEMS : e->numel;
+}
+
+/* The arguments of each pass, as amp.py passes them (addresses of tensors it keeps alive). */
+typedef struct {
+    const hl_table_entry *table;
+    int64_t count, total_chunks, step;
+    float *partials;
+    const float *scale;
+    int write, mode, blocks, device;
+    float p, max_norm;
+    float *aux;
+    const int32_t *param_index;
+    int64_t *report;
+} check_args;
+
+typedef struct {
+    const hl_table_entry *table;
+    int64_t count, total_chunks;
+    const float *aux;
+    int unscale, clip, device;
+} apply_args;
+
+typedef struct {
+    float *scale;
+    int32_t *growth_tracker;
+    int64_t *state;
+    hl_found_list found;
+    double growth_factor, backoff_factor;
+    int64_t growth_interval, hysteresis;
+    float min_scale, max_scale;
+    int adjust;
+} update_args;
+
+/* C reference of the check pass and the epilogue: the same chunks and maths as kernels/amp.cu,
+   each chunk added in order in double, the partials then in chunk order */
+static void cpu_check(const void *args) {
+    const check_args *a = args;
+    const float inv = a->scale != NULL ? (float)(1.0 / (double)*a->scale) : 1.0f;
+    /* locals, so that the stores into gradients cannot make the compiler re-read them per element */
+    const int mode = a->mode, write = a->write;
+    const float p = a->p;
+    int64_t t = 0, first_bad = -1;
+    double total = 0.0;
+    for (int64_t chunk = 0; chunk < a->total_chunks; chunk++) {
+        while (t + 1 < a->count && a->table[t + 1].first_chunk <= chunk)
+            t++;
+        const hl_table_entry e = a->table[t];
+        int64_t begin, end;
+        chunk_range(&e, chunk, &begin, &end);
+        double acc = 0.0;
+        int bad = 0;
+        for (int64_t i = begin; i < end; i++) {
+            float u = round_elem(e.dtype, load_elem(&e, i) * inv);
+            bad |= !finite_float(u);
+            acc = hl_norm_combine(mode, acc, hl_norm_term(mode, u, p));
+            if (write)
+                store_elem(&e, i, u);
+        }
+        a->partials[2 * chunk] = (float)acc;
+        a->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
+        total = hl_norm_combine(mode, total, (double)a->partials[2 * chunk]);
+        if (bad && first_bad < 0)
+            first_bad = chunk;
+    }
+    hl_amp_finish(total, first_bad >= 0, mode, p, a->max_norm, a->scale, a->aux);
+    if (first_bad >= 0 && a->report != NULL) {
+        for (t = 0; t + 1 < a->count && a->table[t + 1].first_chunk <= first_bad; t++)
+            ;
+        a->report[HL_REPORT_PARAM] = a->param_index != NULL ? a->param_index[t] : t;
+        a->report[HL_REPORT_STEP] = a->step;
+        a->report[HL_REPORT_COUNT] += 1;
+    }
+}
+
+static void cpu_apply(const void *args) {
+    const apply_args *a = args;
+    if (a->aux[HL_AUX_FOUND] != 0.0f)
+        return;
+    const float inv = a->aux[HL_AUX_INV_SCALE], coef = a->aux[HL_AUX_CLIP];
+    for (int64_t t = 0; t < a->count; t++) {
+        const hl_table_entry *e = &a->table[t];
+        for (int64_t i = 0; i < e->numel; i++) {
+            float u = load_elem(e, i);
+            if (a->unscale) /* torch's unscale_ rounds to the gradient's dtype, then its clip multiplies */
+                u = round_elem(e->dtype, u * inv);
+            if (a->clip)
+                u = round_elem(e->dtype, u * coef);
+            store_elem(e, i, u);
+        }
+    }
+}
+
+static void cpu_update(const void *args) {
+    const update_args *a = args;
+    float any = 0.0f; /* torch adds the optimizers' found_inf tensors */
+    for (int i = 0; i < a->found.count; i++)
+        any += *a->found.ptr[i];
+    hl_amp_update_scale(a->scale, a->growth_tracker, a->state, any, a->growth_factor, a->backoff_factor,
+                        a->growth_interval, a->hysteresis, a->min_scale, a->max_scale, a->adjust);
+}
+
+#ifdef HOTLOOP_WITH_CUDA
+static int cuda_check(const void *args, void *stream) {
+    const check_args *a = args;
+    return hl_launch_amp_check(a->table, a->count, a->total_chunks, a->partials, a->scale, a->write, a->mode, a->p,
+                               a->max_norm, a->aux, a->param_index, a->report, a->step, a->blocks, a->device, stream);
+}
+
+static int cuda_apply(const void *args, void *stream) {
+    const apply_args *a = args;
+    return hl_launch_amp_apply(a->table, a->count, a->total_chunks, a->aux, a->unscale, a->clip, a->device, stream);
+}
+
+static int cuda_update(const void *args, void *stream) {
+    const update_args *a = args;
+    return hl_launch_amp_update(a->scale, a->growth_tracker, a->state, &a->found, a->growth_factor,
+                                a->backoff_factor, a->growth_interval, a->hysteresis, a->min_scale, a->max_scale,
+                                a->adjust, stream);
+}
+#define CUDA_PASS(f) f
+#else
+#define CUDA_PASS(f) NULL
+#endif
+
+/* Run one pass without the GIL: the C reference for device -1, else its CUDA launcher on `device`
+   and `stream` (the device made current for the call and put back after). */
+static PyObject *run_pass(PyObject *module, int device, unsigned long long stream, void (*cpu)(const void *),
+                          int (*cuda)(const void *, void *), const void *args) {
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        cpu(args);
+        Py_END_ALLOW_THREADS
+        Py_RETURN_NONE;
+    }
+    if (hl_cuda_require(module, device) < 0)
+        return NULL;
+#ifdef HOTLOOP_WITH_CUDA
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    hl_device_guard guard;
+    hl_device_enter(&guard, device, &status);
+    HL_CUDA(&status, cuda(args, (void *)hl_stream(stream)));
+    hl_device_leave(&guard, &status);
+    Py_END_ALLOW_THREADS
+    if (status.code != 0)
+        return hl_raise_cuda(module, &status), NULL;
+#else
+    (void)cuda;
+    (void)stream;
+#endif
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(amp_table_pack_doc,
+             "amp_table_pack(packed_table, param_index, dst) -> (count, total_chunks, total_numel, device)\n\n"
+             "Check a packed gradient table (float32, float16, bfloat16 on one device) and write its entries,\n"
+             "followed by `param_index` (count int32 as bytes, or None for 0, 1, ...), into `dst`: a host\n"
+             "uint8 tensor (pinned when the table is for CUDA; the caller copies it to the device) of at least\n"
+             "count * (TABLE_ENTRY_BYTES + 4) bytes. `device` is the gradients' device (-1: CPU).");
+
+static PyObject *amp_table_pack(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *packed, *index_obj, *dst_obj, *result = NULL;
+    hl_table table = {0};
+    hl_tensor dst = {0};
+
+    if (!PyArg_ParseTuple(args, "OOO:amp_table_pack", &packed, &index_obj, &dst_obj))
+        return NULL;
+    if (hl_table_parse(packed, "gradients", HL_FLOATING_MASK, &table) < 0)
+        return NULL;
+    const size_t entry_bytes = (size_t)table.count * sizeof(hl_table_entry);
+    const size_t total = entry_bytes + (size_t)table.count * sizeof(int32_t);
+    if (index_obj != Py_None && (!PyBytes_Check(index_obj) ||
+                                 PyBytes_Size(index_obj) != (Py_ssize_t)(table.count * sizeof(int32_t)))) {
+        PyErr_Format(PyExc_ValueError, "param_index: expected None or %lld bytes (one int32 per tensor)",
+                     (long long)(table.count * sizeof(int32_t)));
+        goto error;
+    }
+    if (hl_tensor_from_object(dst_obj, "dst", HL_DTYPE_BIT(HL_UINT8), -1, 1, &dst) < 0)
+        goto error;
+    if ((size_t)dst.numel < total) {
+        PyErr_Format(PyExc_ValueError, "dst: expected at least %zu bytes for %lld tensors, got %lld", total,
+                     (long long)table.count, (long long)dst.numel);
+        goto error;
+    }
+    memcpy(dst.data, table.entries, entry_bytes);
+    if (index_obj != Py_None)
+        memcpy(dst.data + entry_bytes, PyBytes_AsString(index_obj), total - entry_bytes);
+    else
+        for (int64_t i = 0; i < table.count; i++) {
+            int32_t v = (int32_t)i;
+            memcpy(dst.data + entry_bytes + i * sizeof(int32_t), &v, sizeof(v));
+        }
+    result = Py_BuildValue("(LLLi)", (long long)table.count, (long long)table.total_chunks,
+                           (long long)table.total_numel, table.device);
+error:
+    hl_tensor_release(&dst);
+    hl_table_free(&table);
+    return result;
+}
+
+static void *as_ptr(unsigned long long address) { return (void *)(uintptr_t)address; }
+
+PyDoc_STRVAR(amp_check_doc,
+             "amp_check(device, table, count, total_chunks, partials, scale, write, mode, p, max_norm, aux,\n"
+             "          param_index, report, step, blocks, stream)\n\n"
+             "The GradScaler's check pass and epilogue over a table from amp_table_pack (addresses as ints;\n"
+             "0 for absent optional ones: scale, param_index, report). partials: 2 * total_chunks float32;\n"
+             "aux: AMP_AUX_LEN float32. device -1 runs the C reference. Internal to hotloop.amp.");
+
+static PyObject *amp_check(PyObject *module, PyObject *args) {
+    check_args a;
+    unsigned long long table, partials, scale, aux, param_index, report, stream;
+    long long count, total_chunks, step;
+    if (!PyArg_ParseTuple(args, "iKLLKKiiffKKKLiK:amp_check", &a.device, &table, &count, &total_chunks, &partials,
+                          &scale, &a.write, &a.mode, &a.p, &a.max_norm, &aux, &param_index, &report, &step, &a.blocks,
+                          &stream))
+        return NULL;
+    if (a.mode < HL_NORM_NONE || a.mode > HL_NORM_P || (a.write && a.mode != HL_NORM_NONE)) {
+        PyErr_Format(PyExc_ValueError, "amp_check: bad mode %d (write=%d)", a.mode, a.write);
+        return NULL;
+    }
+    if (count < 1 || total_chunks < 0 || table == 0 || aux == 0 || (total_chunks > 0 && partials == 0)) {
+        PyErr_SetString(PyExc_ValueError, "amp_check: a required address or count is missing");
+        return NULL;
+    }
+    a.table = as_ptr(table);
+    a.count = count;
+    a.total_chunks = total_chunks;
+    a.step = step;
+    a.partials = as_ptr(partials);
+    a.scale = as_ptr(scale);
+    a.aux = as_ptr(aux);
+    a.param_index = as_ptr(param_index);
+    a.report = as_ptr(report);
+    return run_pass(module, a.device, stream, cpu_check, CUDA_PASS(cuda_check), &a);
+}
+
+PyDoc_STRVAR(amp_apply_doc,
+             "amp_apply(device, table, count, total_chunks, aux, unscale, clip, stream)\n\n"
+             "Multiply every gradient of the table by aux's inverse scale and/or clip coefficient, in place,\n"
+             "unless aux says the step is skipped. Internal to hotloop.amp.");
+
+static PyObject *amp_apply(PyObject *module, PyObject *args) {
+    apply_args a;
+    unsigned long long table, aux, stream;
+    long long count, total_chunks;
+    if (!PyArg_ParseTuple(args, "iKLLKiiK:amp_apply", &a.device, &table, &count, &total_chunks, &aux, &a.unscale,
+                          &a.clip, &stream))
+        return NULL;
+    if (count < 1 || table == 0 || aux == 0) {
+        PyErr_SetString(PyExc_ValueError, "amp_apply: a required address or count is missing");
+        return NULL;
+    }
+    a.table = as_ptr(table);
+    a.count = count;
+    a.total_chunks = total_chunks;
+    a.aux = as_ptr(aux);
+    return run_pass(module, a.device, stream, cpu_apply, CUDA_PASS(cuda_apply), &a);
+}
+
+PyDoc_STRVAR(amp_update_doc,
+             "amp_update(device, scale, growth_tracker, state, found, growth_factor, backoff_factor,\n"
+             "           growth_interval, hysteresis, min_scale, max_scale, adjust, stream)\n\n"
+             "The scale update on the device (one thread): `found` is a tuple of up to AMP_MAX_FOUND addresses\n"
+             "of float32 found_inf values. adjust=0 only counts a skipped step. Internal to hotloop.amp.");
+
+static PyObject *amp_update(PyObject *module, PyObject *args) {
+    update_args a;
+    int device;
+    unsigned long long scale, tracker, state, stream;
+    PyObject *found_obj;
+    long long interval, hysteresis;
+    memset(&a, 0, sizeof(a));
+    if (!PyArg_ParseTuple(args, "iKKKOddLLffiK:amp_update", &device, &scale, &tracker, &state, &found_obj,
+                          &a.growth_factor, &a.backoff_factor, &interval, &hysteresis, &a.min_scale, &a.max_scale,
+                          &a.adjust, &stream))
+        return NULL;
+    if (!PyTuple_Check(found_obj) || PyTuple_Size(found_obj) > HL_MAX_FOUND) {
+        PyErr_Format(PyExc_ValueError, "amp_update: found: expected a tuple of at most %d addresses", HL_MAX_FOUND);
+        return NULL;
+    }
+    a.found.count = (int)PyTuple_Size(found_obj);
+    for (int i = 0; i < a.found.count; i++) {
+        a.found.ptr[i] = as_ptr(PyLong_AsUnsignedLongLong(PyTuple_GetItem(found_obj, i)));
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    if (scale == 0 || tracker == 0 || state == 0) {
+        PyErr_SetString(PyExc_ValueError, "amp_update: a required address is missing");
+        return NULL;
+    }
+    a.scale = as_ptr(scale);
+    a.growth_tracker = as_ptr(tracker);
+    a.state = as_ptr(state);
+    a.growth_interval = interval;
+    a.hysteresis = hysteresis;
+    return run_pass(module, device, stream, cpu_update, CUDA_PASS(cuda_update), &a);
+}
+
 static PyMethodDef amp_methods[] = {
     {"non_finite_check", non_finite_check, METH_VARARGS, non_finite_check_doc},
+    {"amp_table_pack", amp_table_pack, METH_VARARGS, amp_table_pack_doc},
+    {"amp_check", amp_check, METH_VARARGS, amp_check_doc},
+    {"amp_apply", amp_apply, METH_VARARGS, amp_apply_doc},
+    {"amp_update", amp_update, METH_VARARGS, amp_update_doc},
     {NULL, NULL, 0, NULL},
 };
 
-int hl_amp_exec(PyObject *module) { return PyModule_AddFunctions(module, amp_methods); }
+int hl_amp_exec(PyObject *module) {
+    if (PyModule_AddFunctions(module, amp_methods) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(module, "AMP_AUX_LEN", HL_AUX_LEN) < 0 ||
+        PyModule_AddIntConstant(module, "AMP_REPORT_LEN", HL_REPORT_LEN) < 0 ||
+        PyModule_AddIntConstant(module, "AMP_STATE_LEN", HL_STATE_LEN) < 0 ||
+        PyModule_AddIntConstant(module, "AMP_MAX_FOUND", HL_MAX_FOUND) < 0)
+        return -1;
+    return 0;
+}

@@ -50,6 +50,7 @@ int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call
 int hl_tensor_exec(PyObject *module);
 int hl_cuda_exec(PyObject *module);
 int hl_amp_exec(PyObject *module);
+int hl_monitor_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring, its CUDA copies and Normalize */
 
 #endif

@@ -1,70 +1,139 @@
-/* Mixed-precision kernels over a tensor table: the non-finite check (the GradScaler's kernels build on it). */
+/* Mixed-precision kernels over a tensor table: the non-finite check and the GradScaler's check, epilogue, apply and update. */
 #include "amp.h"
+#include "amp_math.h"
 #include "table.cuh"
 
-#define THREADS 256
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <limits.h>
+#include <math.h>
 
-/* inf or NaN: every exponent bit set, read straight from the bits so any float width works */
-__device__ inline bool non_finite_bits(uint32_t bits, int dtype) {
+/* ---------------------------------------------------------------------------------------------
+   Kernels over a tensor table. A block of AMP_THREADS owns whole chunks (HL_CHUNK_ELEMS elements, a fixed
+   cut of each tensor), so the partial result of a chunk does not depend on the grid: the check
+   writes one partial per chunk and the epilogue adds them in chunk order. Same inputs, same bits.
+   The scalar maths (norm terms, epilogue, scale update) is kernels/amp_math.h, shared with the C
+   reference in csrc/amp.c.
+   --------------------------------------------------------------------------------------------- */
+
+#define AMP_THREADS 512
+#define AMP_WARPS (AMP_THREADS / 32)
+#define AMP_UNROLL 8 /* 16-byte loads in flight per thread */
+#define EPILOGUE_THREADS 1024
+
+__device__ inline float to_float(float x) { return x; }
+__device__ inline float to_float(__half x) { return __half2float(x); }
+__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ inline T from_float(float v);
+template <> __device__ inline float from_float<float>(float v) { return v; }
+template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+/* a value as the gradient's dtype would hold it: what torch's unscale_ leaves in a half gradient */
+template <typename T> __device__ inline float round_to(float v) { return to_float(from_float<T>(v)); }
+
+/* 16 bytes of gradient: 4 float32 or 8 half-width values */
+template <typename T> struct alignas(16) vec16 {
+    T v[16 / sizeof(T)];
+};
+
+/* f(dtype-tagged zero) for the gradient dtype of an entry */
+template <typename F> __device__ __forceinline__ void with_dtype(int dtype, F f) {
     switch (dtype) {
     case HL_FLOAT32:
-        return (bits & 0x7f800000u) == 0x7f800000u;
+        f(float());
+        break;
     case HL_FLOAT16:
-        return (bits & 0x7c00u) == 0x7c00u;
-    default: /* HL_BFLOAT16 */
-        return (bits & 0x7f80u) == 0x7f80u;
+        f(__half());
+        break;
+    default:
+        f(__nv_bfloat16());
+        break;
     }
 }
 
-/* 16 bytes (4 float32 or 8 half-width values) at once */
-__device__ inline bool non_finite_vec(uint4 v, int dtype) {
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    bool bad = false;
+/* x = f(x) for this thread's share of chunk [begin, end) of one tensor: 16-byte vectors with
+   AMP_UNROLL loads in flight, and single elements before the first 16-byte boundary (a view at an
+   odd offset, such as a gradient inside a DDP bucket) and after the last. With STORE the results
+   are written back; without, the pass only reads (streaming loads). */
+template <typename T, bool STORE, typename F>
+__device__ __forceinline__ void map_chunk(const hl_table_entry &e, int64_t begin, int64_t end, F f) {
+    constexpr int PER = 16 / sizeof(T);
+    T *x = (T *)e.data + begin;
+    const int n = (int)(end - begin); /* at most HL_CHUNK_ELEMS: 32-bit offsets from here on */
+    /* [0, head): single elements up to the first 16-byte boundary; then nvec vectors; then the rest */
+    int head = n;
+    if (((uintptr_t)x % sizeof(T)) == 0) {
+        const int offset = (int)(((uintptr_t)x & 15) / sizeof(T));
+        head = offset == 0 ? 0 : min(PER - offset, n);
+    }
+    const int nvec = (n - head) / PER;
+    uint4 *vec = (uint4 *)(x + head);
+    for (int j = threadIdx.x; j < head; j += AMP_THREADS) {
+        T y = f(x[j]);
+        if (STORE)
+            x[j] = y;
+    }
+    for (int v0 = threadIdx.x; v0 < nvec; v0 += AMP_UNROLL * AMP_THREADS) {
+        uint4 raw[AMP_UNROLL];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        if (dtype == HL_FLOAT32)
-            bad |= non_finite_bits(w[k], dtype);
-        else
-            bad |= non_finite_bits(w[k] & 0xffffu, dtype) | non_finite_bits(w[k] >> 16, dtype);
+        for (int k = 0; k < AMP_UNROLL; k++)
+            if (v0 + k * AMP_THREADS < nvec)
+                raw[k] = STORE ? vec[v0 + k * AMP_THREADS] : __ldcs(vec + v0 + k * AMP_THREADS);
+#pragma unroll
+        for (int k = 0; k < AMP_UNROLL; k++) {
+            if (v0 + k * AMP_THREADS < nvec) {
+                vec16<T> w = *reinterpret_cast<vec16<T> *>(&raw[k]);
+#pragma unroll
+                for (int j = 0; j < PER; j++)
+                    w.v[j] = f(w.v[j]);
+                if (STORE)
+                    __stcs(vec + v0 + k * AMP_THREADS, *reinterpret_cast<uint4 *>(&w));
+            }
+        }
     }
-    return bad;
-}
-
-__device__ inline uint32_t element_bits(const char *base, int64_t i, int dtype) {
-    if (dtype == HL_FLOAT32)
-        return ((const uint32_t *)base)[i];
-    return ((const uint16_t *)base)[i];
-}
-
-/* does chunk [begin, end) of one tensor hold an inf or NaN? (this thread's share of it) */
-__device__ bool chunk_has_non_finite(const hl_table_entry &e, int64_t begin, int64_t end) {
-    const char *base = (const char *)e.data;
-    const int elem = e.dtype == HL_FLOAT32 ? 4 : 2;
-    const int per_vec = 16 / elem;
-    bool bad = false;
-    int64_t i = begin;
-    if (((uintptr_t)base & 15) == 0) {
-        /* chunks start at multiples of HL_CHUNK_ELEMS, so an aligned tensor gives aligned chunks */
-        const uint4 *vec = (const uint4 *)(base + begin * elem);
-        int64_t nvec = (end - begin) / per_vec;
-        for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x)
-            bad |= non_finite_vec(__ldg(vec + v), e.dtype);
-        i = begin + nvec * per_vec;
+    for (int j = head + nvec * PER + threadIdx.x; j < n; j += AMP_THREADS) {
+        T y = f(x[j]);
+        if (STORE)
+            x[j] = y;
     }
-    for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x)
-        bad |= non_finite_bits(element_bits(base, j, e.dtype), e.dtype);
-    return bad;
 }
 
-__global__ void non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                        float *found) {
-    bool bad = false;
-    for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
-        hl_table_entry e = table[hl_entry_of_chunk(table, count, chunk)];
+/* body(entry, chunk, begin, end) for every chunk of this block's contiguous range
+   [b*C/G, (b+1)*C/G); the entry is found once and then followed */
+template <typename Body>
+__device__ __forceinline__ void for_each_chunk(const hl_table_entry *table, int64_t count, int64_t total_chunks,
+                                               Body body) {
+    const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
+    const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
+    if (first >= last)
+        return;
+    int64_t t = hl_entry_of_chunk(table, count, first);
+    for (int64_t chunk = first; chunk < last; chunk++) {
+        while (t + 1 < count && table[t + 1].first_chunk <= chunk)
+            t++;
+        const hl_table_entry e = table[t];
         int64_t begin, end;
         hl_chunk_range(e, chunk, &begin, &end);
-        bad |= chunk_has_non_finite(e, begin, end);
+        body(e, chunk, begin, end);
     }
+}
+
+/* ---- non_finite_check: one read-only pass, one racing flag ---- */
+
+__global__ void __launch_bounds__(AMP_THREADS, 2)
+    non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *found) {
+    bool bad = false;
+    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+        with_dtype(e.dtype, [&](auto zero) {
+            using T = decltype(zero);
+            map_chunk<T, false>(e, begin, end, [&](T x) {
+                bad |= !isfinite(to_float(x));
+                return x;
+            });
+        });
+    });
     /* every writer writes the same 1.0, so a plain racing store is enough */
     if (__syncthreads_or(bad) && threadIdx.x == 0)
         *found = 1.0f;
@@ -74,7 +143,202 @@ extern "C" cudaError_t hl_launch_non_finite_check(const hl_table_entry *table, i
                                                   float *found, int device, cudaStream_t stream) {
     if (total_chunks == 0)
         return cudaSuccess;
-    int grid = hl_grid_for_chunks(total_chunks, device, 8);
-    non_finite_check_kernel<<<grid, THREADS, 0, stream>>>(table, count, total_chunks, found);
+    int grid = hl_grid_for_chunks(total_chunks, device, 2);
+    non_finite_check_kernel<<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, found);
+    return cudaGetLastError();
+}
+
+/* ---- the GradScaler's check ---- */
+
+/* the value after unscaling, rounded to the gradient's dtype: checked and counted in the norm */
+template <typename T, int MODE>
+__device__ __forceinline__ T check_value(T x, float inv, float p, double &acc, bool &bad) {
+    float u = round_to<T>(to_float(x) * inv);
+    bad |= !isfinite(u); /* inf/NaN, or a half that overflows only once unscaled */
+    acc = hl_norm_combine(MODE, acc, hl_norm_term(MODE, u, p));
+    return from_float<T>(u);
+}
+
+/* the block's partial for one chunk, reduced in a fixed tree, written by thread 0 */
+template <int MODE> __device__ void finish_chunk(double acc, bool bad, float2 *out) {
+    __shared__ double warp_acc[AMP_WARPS];
+    __shared__ int warp_bad[AMP_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        acc = hl_norm_combine(MODE, acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    int any = __any_sync(0xffffffffu, bad);
+    if (lane == 0) {
+        warp_acc[warp] = acc;
+        warp_bad[warp] = any;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        acc = lane < AMP_WARPS ? warp_acc[lane] : 0.0;
+        any = lane < AMP_WARPS ? warp_bad[lane] : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            acc = hl_norm_combine(MODE, acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        any = __any_sync(0xffffffffu, any);
+        if (lane == 0)
+            *out = make_float2((float)acc, any ? 1.0f : 0.0f);
+    }
+    __syncthreads(); /* the shared slots are reused by the next chunk */
+}
+
+/* one pass: partials[chunk] = {norm partial, non-finite flag}; WRITE also stores the unscaled values */
+template <int MODE, bool WRITE>
+__global__ void __launch_bounds__(AMP_THREADS, 2)
+    amp_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float2 *partials,
+                     const float *scale, float p) {
+    /* the reciprocal in FP64, as torch's unscale_ takes it */
+    const float inv = scale != NULL ? (float)(1.0 / (double)*scale) : 1.0f;
+    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t chunk, int64_t begin, int64_t end) {
+        double acc = 0.0;
+        bool bad = false;
+        with_dtype(e.dtype, [&](auto zero) {
+            using T = decltype(zero);
+            map_chunk<T, WRITE>(e, begin, end, [&](T x) { return check_value<T, MODE>(x, inv, p, acc, bad); });
+        });
+        finish_chunk<MODE>(acc, bad, partials + chunk);
+    });
+}
+
+/* one block: partials in chunk order -> norm, clip coefficient, factors, found flag, report */
+__global__ void __launch_bounds__(EPILOGUE_THREADS)
+    amp_epilogue_kernel(const float2 *partials, int64_t total_chunks, int mode, float p, float max_norm,
+                        const float *scale, float *aux, const hl_table_entry *table, int64_t count,
+                        const int32_t *param_index, int64_t *report, int64_t step) {
+    __shared__ double s_acc[EPILOGUE_THREADS / 32];
+    __shared__ long long s_bad[EPILOGUE_THREADS / 32];
+    double acc = 0.0;
+    long long first_bad = LLONG_MAX;
+    /* thread t adds chunks t, t+T, t+2T, ... in that order, then a fixed tree: deterministic */
+#pragma unroll 4
+    for (int64_t c = threadIdx.x; c < total_chunks; c += EPILOGUE_THREADS) {
+        float2 pr = partials[c];
+        acc = hl_norm_combine(mode, acc, (double)pr.x);
+        if (pr.y != 0.0f && c < first_bad)
+            first_bad = c;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int round = 0; round < 2; round++) { /* within each warp, then across the warps */
+        for (int o = 16; o > 0; o >>= 1) {
+            acc = hl_norm_combine(mode, acc, __shfl_xor_sync(0xffffffffu, acc, o));
+            long long b = __shfl_xor_sync(0xffffffffu, first_bad, o);
+            first_bad = b < first_bad ? b : first_bad;
+        }
+        if (round == 1)
+            break;
+        if (lane == 0) {
+            s_acc[warp] = acc;
+            s_bad[warp] = first_bad;
+        }
+        __syncthreads();
+        if (warp != 0)
+            return;
+        acc = s_acc[lane];
+        first_bad = s_bad[lane];
+    }
+    if (lane != 0)
+        return;
+    const bool found = first_bad != LLONG_MAX;
+    hl_amp_finish(acc, found, mode, p, max_norm, scale, aux);
+    if (found && report != NULL) {
+        int64_t entry = hl_entry_of_chunk(table, count, first_bad);
+        report[HL_REPORT_PARAM] = param_index != NULL ? param_index[entry] : entry;
+        report[HL_REPORT_STEP] = step;
+        report[HL_REPORT_COUNT] += 1;
+    }
+}
+
+template <int MODE, bool WRITE>
+static void launch_check(int grid, cudaStream_t stream, const hl_table_entry *table, int64_t count,
+                         int64_t total_chunks, float *partials, const float *scale, float p) {
+    amp_check_kernel<MODE, WRITE><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, (float2 *)partials,
+                                                                    scale, p);
+}
+
+extern "C" cudaError_t hl_launch_amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
+                                           float *partials, const float *scale, int write, int mode, float p,
+                                           float max_norm, float *aux, const int32_t *param_index, int64_t *report,
+                                           int64_t step, int blocks, int device, cudaStream_t stream) {
+    if (total_chunks > 0) {
+        int grid = blocks > 0 ? blocks : hl_grid_for_chunks(total_chunks, device, 2);
+        if (write)
+            launch_check<HL_NORM_NONE, true>(grid, stream, table, count, total_chunks, partials, scale, p);
+        else if (mode == HL_NORM_L2)
+            launch_check<HL_NORM_L2, false>(grid, stream, table, count, total_chunks, partials, scale, p);
+        else if (mode == HL_NORM_INF)
+            launch_check<HL_NORM_INF, false>(grid, stream, table, count, total_chunks, partials, scale, p);
+        else if (mode == HL_NORM_P)
+            launch_check<HL_NORM_P, false>(grid, stream, table, count, total_chunks, partials, scale, p);
+        else
+            launch_check<HL_NORM_NONE, false>(grid, stream, table, count, total_chunks, partials, scale, p);
+        cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess)
+            return err;
+    }
+    amp_epilogue_kernel<<<1, EPILOGUE_THREADS, 0, stream>>>((const float2 *)partials, total_chunks, mode, p,
+                                                            max_norm, scale, aux, table, count, param_index,
+                                                            report, step);
+    return cudaGetLastError();
+}
+
+/* ---- apply: one read-write pass with the factors the epilogue computed, rounded as torch rounds ---- */
+
+template <bool UNSCALE, bool CLIP>
+__global__ void __launch_bounds__(AMP_THREADS, 2)
+    amp_apply_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, const float *aux) {
+    if (aux[HL_AUX_FOUND] != 0.0f)
+        return; /* a skipped step: leave every gradient as it is */
+    const float inv = aux[HL_AUX_INV_SCALE], coef = aux[HL_AUX_CLIP];
+    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+        with_dtype(e.dtype, [&](auto zero) {
+            using T = decltype(zero);
+            map_chunk<T, true>(e, begin, end, [&](T x) {
+                float u = to_float(x);
+                if (UNSCALE) /* torch's unscale_ rounds to the gradient's dtype, then its clip multiplies */
+                    u = round_to<T>(u * inv);
+                if (CLIP)
+                    u = round_to<T>(u * coef);
+                return from_float<T>(u);
+            });
+        });
+    });
+}
+
+extern "C" cudaError_t hl_launch_amp_apply(const hl_table_entry *table, int64_t count, int64_t total_chunks,
+                                           const float *aux, int unscale, int clip, int device, cudaStream_t stream) {
+    if (total_chunks == 0 || (!unscale && !clip))
+        return cudaSuccess;
+    int grid = hl_grid_for_chunks(total_chunks, device, 2);
+    if (unscale && clip)
+        amp_apply_kernel<true, true><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, aux);
+    else if (unscale)
+        amp_apply_kernel<true, false><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, aux);
+    else
+        amp_apply_kernel<false, true><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, aux);
+    return cudaGetLastError();
+}
+
+/* ---- update: the scale's next value, on the device ---- */
+
+__global__ void amp_update_kernel(float *scale, int32_t *growth_tracker, int64_t *state, hl_found_list found,
+                                  double growth_factor, double backoff_factor, int64_t growth_interval,
+                                  int64_t hysteresis, float min_scale, float max_scale, int adjust) {
+    float any = 0.0f; /* torch adds the optimizers' found_inf tensors */
+    for (int i = 0; i < found.count; i++)
+        any += *found.ptr[i];
+    hl_amp_update_scale(scale, growth_tracker, state, any, growth_factor, backoff_factor, growth_interval, hysteresis,
+                        min_scale, max_scale, adjust);
+}
+
+extern "C" cudaError_t hl_launch_amp_update(float *scale, int32_t *growth_tracker, int64_t *state,
+                                            const hl_found_list *found, double growth_factor, double backoff_factor,
+                                            int64_t growth_interval, int64_t hysteresis, float min_scale,
+                                            float max_scale, int adjust, cudaStream_t stream) {
+    amp_update_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, state, *found, growth_factor, backoff_factor,
+                                           growth_interval, hysteresis, min_scale, max_scale, adjust);
     return cudaGetLastError();
 }

@@ -8,12 +8,14 @@ from . import _C
 from ._C import CudaError, NvmlError
 from ._version import __version__
 
-__all__ = ["CudaError", "NvmlError", "__version__", "build_info", "cuda_available", "ops"]
+__all__ = ["CudaError", "DataLoader", "GradScaler", "MemoryMonitor", "MemoryReport", "Normalize", "NvmlError",
+           "__version__", "build_info", "cuda_available", "memory_monitor", "ops"]
 
 
-_LAZY_SUBMODULES = ("ops", "loader")
-# names that live in a submodule needing torch: name -> submodule
-_LAZY_ATTRIBUTES = {"DataLoader": "loader", "Normalize": "loader"}
+_LAZY_SUBMODULES = ("ops", "amp", "monitor", "doctor", "loader")
+# names offered at the top level, defined in a submodule that loads on first use
+_LAZY_ATTRIBUTES = {"GradScaler": "amp", "memory_monitor": "monitor", "MemoryMonitor": "monitor",
+                    "MemoryReport": "monitor", "DataLoader": "loader", "Normalize": "loader"}
 
 
 def build_info() -> dict:

@@ -9,6 +9,8 @@ from ._version import __version__
 SUBCOMMANDS = {
     "info": ("hotloop.info", "what hotloop was built with and what this machine offers"),
     "bench": ("hotloop.bench", "hotloop against torch, side by side in one process"),
+    "monitor": ("hotloop.monitor_cli", "an nvidia-smi -l like logger: memory, utilisation, power, clocks, PCIe"),
+    "doctor": ("hotloop.doctor", "check driver, torch, GPUs, PCIe, power and host settings; advise"),
 }
 
 

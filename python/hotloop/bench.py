@@ -13,6 +13,8 @@ import time
 # component name -> module with rows(ctx); each component issue adds its line
 COMPONENTS = {
     "ops": "hotloop.bench_ops",
+    "scaler": "hotloop.bench_scaler",
+    "monitor": "hotloop.bench_monitor",
     "loader": "hotloop.bench_loader",
 }
 

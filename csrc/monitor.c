@@ -1,0 +1,1032 @@
+/* The NVML sampler: NVML opened with dlopen, and a Monitor type whose C threads read it without the GIL. */
+#include "module.h"
+#include "monitor.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
+
+/* ---------------------------------------------------------------------------------------------
+   NVML, opened at run time. A library stays open and initialised for the life of the process:
+   monitors hold pointers into its table, and NVML counts nvmlInit calls itself. */
+
+#define MAX_LIBRARIES 8
+static pthread_mutex_t nvml_lock = PTHREAD_MUTEX_INITIALIZER;
+static hl_nvml *nvml_libraries[MAX_LIBRARIES];
+static int nvml_library_count;
+
+static void *lookup(void *lib, const char *name, const char *fallback) {
+    void *f = dlsym(lib, name);
+    if (f == NULL && fallback != NULL)
+        f = dlsym(lib, fallback);
+    return f;
+}
+
+static hl_nvml *nvml_load(const char *path, void *lib) {
+    hl_nvml *n = calloc(1, sizeof(*n));
+    if (n == NULL)
+        return NULL;
+    snprintf(n->path, sizeof(n->path), "%s", path);
+    n->init = (nvmlInit_v2_fn)lookup(lib, "nvmlInit_v2", "nvmlInit");
+    n->shutdown = (nvmlShutdown_fn)lookup(lib, "nvmlShutdown", NULL);
+    n->error_string = (nvmlErrorString_fn)lookup(lib, "nvmlErrorString", NULL);
+    n->driver_version = (nvmlSystemGetDriverVersion_fn)lookup(lib, "nvmlSystemGetDriverVersion", NULL);
+    n->cuda_driver_version = (nvmlSystemGetCudaDriverVersion_fn)lookup(
+        lib, "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion");
+    n->device_count = (nvmlDeviceGetCount_v2_fn)lookup(lib, "nvmlDeviceGetCount_v2", "nvmlDeviceGetCount");
+    n->handle_by_index = (nvmlDeviceGetHandleByIndex_v2_fn)lookup(lib, "nvmlDeviceGetHandleByIndex_v2",
+                                                                  "nvmlDeviceGetHandleByIndex");
+    n->handle_by_uuid = (nvmlDeviceGetHandleByUUID_fn)lookup(lib, "nvmlDeviceGetHandleByUUID", NULL);
+    n->name = (nvmlDeviceGetName_fn)lookup(lib, "nvmlDeviceGetName", NULL);
+    n->uuid = (nvmlDeviceGetUUID_fn)lookup(lib, "nvmlDeviceGetUUID", NULL);
+    n->memory_v1 = (nvmlDeviceGetMemoryInfo_fn)lookup(lib, "nvmlDeviceGetMemoryInfo", NULL);
+    n->memory_v2 = (nvmlDeviceGetMemoryInfo_v2_fn)lookup(lib, "nvmlDeviceGetMemoryInfo_v2", NULL);
+    n->utilization = (nvmlDeviceGetUtilizationRates_fn)lookup(lib, "nvmlDeviceGetUtilizationRates", NULL);
+    n->power_usage = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetPowerUsage", NULL);
+    n->power_limit = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetEnforcedPowerLimit", NULL);
+    n->power_default_limit = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetPowerManagementDefaultLimit", NULL);
+    n->temperature = (nvmlDeviceGetTemperature_fn)lookup(lib, "nvmlDeviceGetTemperature", NULL);
+    n->clock = (nvmlDeviceGetClockInfo_fn)lookup(lib, "nvmlDeviceGetClockInfo", NULL);
+    n->max_clock = (nvmlDeviceGetClockInfo_fn)lookup(lib, "nvmlDeviceGetMaxClockInfo", NULL);
+    /* renamed in newer drivers; the older name still answers on older ones */
+    n->reasons = (nvmlDeviceGetReasons_fn)lookup(lib, "nvmlDeviceGetCurrentClocksEventReasons",
+                                                 "nvmlDeviceGetCurrentClocksThrottleReasons");
+    n->pcie_throughput = (nvmlDeviceGetPcieThroughput_fn)lookup(lib, "nvmlDeviceGetPcieThroughput", NULL);
+    n->pcie_gen = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetCurrPcieLinkGeneration", NULL);
+    n->pcie_gen_max = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetMaxPcieLinkGeneration", NULL);
+    n->pcie_width = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetCurrPcieLinkWidth", NULL);
+    n->pcie_width_max = (nvmlDeviceGetUInt_fn)lookup(lib, "nvmlDeviceGetMaxPcieLinkWidth", NULL);
+    n->persistence = (nvmlDeviceGetEnableState_fn)lookup(lib, "nvmlDeviceGetPersistenceMode", NULL);
+    n->ecc = (nvmlDeviceGetTwoStates_fn)lookup(lib, "nvmlDeviceGetEccMode", NULL);
+    n->mig = (nvmlDeviceGetMigMode_fn)lookup(lib, "nvmlDeviceGetMigMode", NULL);
+    return n;
+}
+
+const hl_nvml *hl_nvml_open(int *code, char *text, size_t text_len, const char **call) {
+    const char *path = getenv("HOTLOOP_NVML_LIBRARY");
+    if (path == NULL || *path == '\0')
+        path = "libnvidia-ml.so.1";
+    hl_nvml *found = NULL;
+    pthread_mutex_lock(&nvml_lock);
+    for (int i = 0; i < nvml_library_count && found == NULL; i++)
+        if (strcmp(nvml_libraries[i]->path, path) == 0)
+            found = nvml_libraries[i];
+    if (found != NULL)
+        goto done;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) {
+        const char *why = dlerror();
+        *code = NVML_ERROR_LIBRARY_NOT_FOUND;
+        *call = "dlopen";
+        snprintf(text, text_len, "NVML library not found (no NVIDIA driver here?): %s", why ? why : path);
+        goto done;
+    }
+    hl_nvml *n = nvml_load(path, lib);
+    if (n == NULL || n->init == NULL || n->error_string == NULL || n->handle_by_index == NULL ||
+        n->device_count == NULL || (n->memory_v1 == NULL && n->memory_v2 == NULL)) {
+        *code = NVML_ERROR_FUNCTION_NOT_FOUND;
+        *call = "dlsym";
+        snprintf(text, text_len, "%s lacks the NVML functions hotloop needs (nvmlInit, nvmlDeviceGetCount, "
+                 "nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo)", path);
+        free(n);
+        dlclose(lib);
+        goto done;
+    }
+    nvmlReturn_t rc = n->init();
+    if (rc != NVML_SUCCESS) {
+        *code = rc;
+        *call = "nvmlInit_v2";
+        snprintf(text, text_len, "%s", n->error_string(rc));
+        free(n);
+        dlclose(lib);
+        goto done;
+    }
+    if (nvml_library_count < MAX_LIBRARIES)
+        nvml_libraries[nvml_library_count++] = n;
+    found = n; /* past the cache's size it is simply not cached (tests switching libraries) */
+done:
+    pthread_mutex_unlock(&nvml_lock);
+    return found;
+}
+
+/* Open NVML or raise hotloop.NvmlError saying why. Needs the GIL. */
+static const hl_nvml *nvml_open_or_raise(PyObject *module) {
+    int code = 0;
+    char text[600] = "";
+    const char *call = "";
+    const hl_nvml *n = hl_nvml_open(&code, text, sizeof(text), &call);
+    if (n == NULL)
+        hl_raise_nvml(module, code, text, call, __FILE__, __LINE__);
+    return n;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   A ring of fixed-size items: the oldest is overwritten when full, and counted as dropped. */
+
+typedef struct {
+    char *data;
+    size_t item, capacity, head, count; /* head: where the next item goes */
+    uint64_t dropped;
+} sample_ring;
+
+static int ring_init(sample_ring *r, size_t item, size_t capacity) {
+    r->data = calloc(capacity, item);
+    r->item = item;
+    r->capacity = capacity;
+    r->head = r->count = 0;
+    r->dropped = 0;
+    return r->data == NULL ? -1 : 0;
+}
+
+static void ring_push(sample_ring *r, const void *sample) {
+    memcpy(r->data + r->head * r->item, sample, r->item);
+    r->head = (r->head + 1) % r->capacity;
+    if (r->count < r->capacity)
+        r->count++;
+    else
+        r->dropped++;
+}
+
+/* the kept items, oldest first, into `out` (count * item bytes) */
+static void ring_copy(const sample_ring *r, char *out) {
+    size_t start = (r->head + r->capacity - r->count) % r->capacity;
+    size_t first = r->capacity - start < r->count ? r->capacity - start : r->count;
+    memcpy(out, r->data + start * r->item, first * r->item);
+    memcpy(out + first * r->item, r->data, (r->count - first) * r->item);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   The Monitor object. `lock` guards the rings and statistics; the sampler holds it only to push. */
+
+typedef struct hl_monitor {
+    PyObject_HEAD
+    const hl_nvml *nvml;
+    nvmlDevice_t device;
+    unsigned int index;
+    int memory_v2; /* 1: nvmlDeviceGetMemoryInfo_v2 works here; 0: the v1 call */
+    int64_t interval_ns, slow_interval_ns, pcie_interval_ns;
+    size_t capacity;
+
+    pthread_mutex_t lock;
+    pthread_t thread, pcie_thread;
+    int running, pcie_running;
+    atomic_int stop_requested;
+    struct hl_monitor *prev, *next; /* every live monitor, for the fork handlers */
+
+    sample_ring memory, slow, pcie;
+    /* over every sample, kept or dropped */
+    uint64_t ticks, ticks_missed, memory_samples, slow_samples, pcie_samples;
+    uint64_t peak_used, reserved_at_peak, first_used, last_used, min_used;
+    double peak_t, first_t, last_t;
+    uint64_t util_sum, util_count, power_sum, power_count;
+    uint32_t power_max, temperature_max, sm_clock_min, sm_clock_max;
+    uint64_t reasons_seen;
+    uint64_t pcie_rx_max, pcie_tx_max;
+    int unsupported; /* bits: which slow readings the device refused with NOT_SUPPORTED */
+    double started, stopped;
+    uint64_t errors;
+    int first_error;
+    const char *first_error_call;
+} hl_monitor;
+
+enum { NO_UTIL = 1, NO_POWER = 2, NO_TEMP = 4, NO_SM_CLOCK = 8, NO_MEM_CLOCK = 16, NO_REASONS = 32 };
+
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static hl_monitor *registry;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+/* fork: hold every lock across the fork so the child's copies are consistent; the child has
+   none of the parent's threads, so its monitors are simply stopped there */
+static void before_fork(void) {
+    pthread_mutex_lock(&nvml_lock);
+    pthread_mutex_lock(&registry_lock);
+    for (hl_monitor *m = registry; m != NULL; m = m->next)
+        pthread_mutex_lock(&m->lock);
+}
+
+static void after_fork_parent(void) {
+    for (hl_monitor *m = registry; m != NULL; m = m->next)
+        pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&registry_lock);
+    pthread_mutex_unlock(&nvml_lock);
+}
+
+static void after_fork_child(void) {
+    for (hl_monitor *m = registry; m != NULL; m = m->next) {
+        pthread_mutex_init(&m->lock, NULL);
+        m->running = m->pcie_running = 0;
+        atomic_store(&m->stop_requested, 1);
+    }
+    pthread_mutex_init(&registry_lock, NULL);
+    pthread_mutex_init(&nvml_lock, NULL);
+}
+
+static void install_fork_handlers(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static double seconds(int64_t ns) { return (double)ns * 1e-9; }
+
+/* Sleep until the absolute `deadline`, waking at least every 10 ms to see whether stop() asked. */
+static void sleep_until(hl_monitor *m, int64_t deadline) {
+    const int64_t slice = 10000000;
+    for (;;) {
+        if (atomic_load_explicit(&m->stop_requested, memory_order_relaxed))
+            return;
+        int64_t now = now_ns();
+        if (now >= deadline)
+            return;
+        int64_t until = deadline - now > slice ? now + slice : deadline;
+        struct timespec ts = {.tv_sec = until / 1000000000, .tv_nsec = until % 1000000000};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+        }
+    }
+}
+
+/* called with m->lock held */
+static void note_error(hl_monitor *m, nvmlReturn_t rc, const char *call) {
+    if (m->errors++ == 0) {
+        m->first_error = rc;
+        m->first_error_call = call;
+    }
+}
+
+static nvmlReturn_t read_memory(hl_monitor *m, hl_memory_sample *s) {
+    if (m->memory_v2) {
+        nvmlMemory_v2_t mem = {.version = HL_NVML_MEMORY_V2_VERSION};
+        nvmlReturn_t rc = m->nvml->memory_v2(m->device, &mem);
+        s->used = mem.used;
+        s->reserved = mem.reserved;
+        s->free = mem.free;
+        return rc;
+    }
+    nvmlMemory_t mem = {0};
+    nvmlReturn_t rc = m->nvml->memory_v1(m->device, &mem);
+    s->used = mem.used;
+    s->reserved = 0;
+    s->free = mem.free;
+    return rc;
+}
+
+static void sample_memory(hl_monitor *m) {
+    hl_memory_sample s = {0};
+    nvmlReturn_t rc = read_memory(m, &s);
+    s.t = seconds(now_ns());
+    pthread_mutex_lock(&m->lock);
+    m->ticks++;
+    if (rc != NVML_SUCCESS) {
+        note_error(m, rc, m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo");
+    } else {
+        /* the peak sees every sample, including those the ring later drops */
+        if (m->memory_samples == 0 || s.used > m->peak_used) {
+            m->peak_used = s.used;
+            m->reserved_at_peak = s.reserved;
+            m->peak_t = s.t;
+        }
+        if (m->memory_samples == 0) {
+            m->first_used = m->min_used = s.used;
+            m->first_t = s.t;
+        }
+        if (s.used < m->min_used)
+            m->min_used = s.used;
+        m->last_used = s.used;
+        m->last_t = s.t;
+        m->memory_samples++;
+        ring_push(&m->memory, &s);
+    }
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* one slow reading; `bit` marks the reading unsupported after NOT_SUPPORTED so it is not asked again */
+static uint32_t slow_reading(hl_monitor *m, nvmlReturn_t rc, uint32_t value, int bit, const char *call,
+                             int *unsupported, nvmlReturn_t *err, const char **err_call) {
+    if (rc == NVML_SUCCESS)
+        return value;
+    if (rc == NVML_ERROR_NOT_SUPPORTED || rc == NVML_ERROR_FUNCTION_NOT_FOUND || rc == NVML_ERROR_NO_PERMISSION)
+        *unsupported |= bit;
+    else if (*err == NVML_SUCCESS) {
+        *err = rc;
+        *err_call = call;
+    }
+    (void)m;
+    return HL_UNSUPPORTED;
+}
+
+static void sample_slow(hl_monitor *m) {
+    const hl_nvml *n = m->nvml;
+    hl_slow_sample s = {0};
+    int skip = m->unsupported, unsupported = 0; /* only this thread writes m->unsupported */
+    nvmlReturn_t err = NVML_SUCCESS, rc;
+    const char *err_call = NULL;
+    unsigned int v = 0;
+    nvmlUtilization_t util = {0};
+
+    rc = (skip & NO_UTIL) || !n->utilization ? NVML_ERROR_FUNCTION_NOT_FOUND : n->utilization(m->device, &util);
+    s.util_gpu = slow_reading(m, rc, util.gpu, NO_UTIL, "nvmlDeviceGetUtilizationRates", &unsupported, &err, &err_call);
+    s.util_memory = rc == NVML_SUCCESS ? util.memory : HL_UNSUPPORTED;
+    rc = (skip & NO_POWER) || !n->power_usage ? NVML_ERROR_FUNCTION_NOT_FOUND : n->power_usage(m->device, &v);
+    s.power_mw = slow_reading(m, rc, v, NO_POWER, "nvmlDeviceGetPowerUsage", &unsupported, &err, &err_call);
+    rc = (skip & NO_TEMP) || !n->temperature ? NVML_ERROR_FUNCTION_NOT_FOUND
+                                             : n->temperature(m->device, NVML_TEMPERATURE_GPU, &v);
+    s.temperature_c = slow_reading(m, rc, v, NO_TEMP, "nvmlDeviceGetTemperature", &unsupported, &err, &err_call);
+    rc = (skip & NO_SM_CLOCK) || !n->clock ? NVML_ERROR_FUNCTION_NOT_FOUND : n->clock(m->device, NVML_CLOCK_SM, &v);
+    s.sm_clock_mhz = slow_reading(m, rc, v, NO_SM_CLOCK, "nvmlDeviceGetClockInfo", &unsupported, &err, &err_call);
+    rc = (skip & NO_MEM_CLOCK) || !n->clock ? NVML_ERROR_FUNCTION_NOT_FOUND
+                                            : n->clock(m->device, NVML_CLOCK_MEM, &v);
+    s.memory_clock_mhz = slow_reading(m, rc, v, NO_MEM_CLOCK, "nvmlDeviceGetClockInfo", &unsupported, &err, &err_call);
+    unsigned long long reasons = 0;
+    rc = (skip & NO_REASONS) || !n->reasons ? NVML_ERROR_FUNCTION_NOT_FOUND : n->reasons(m->device, &reasons);
+    slow_reading(m, rc, 0, NO_REASONS, "nvmlDeviceGetCurrentClocksEventReasons", &unsupported, &err, &err_call);
+    s.reasons = rc == NVML_SUCCESS ? reasons : 0;
+    s.t = seconds(now_ns());
+
+    pthread_mutex_lock(&m->lock);
+    m->unsupported |= unsupported;
+    if (err != NVML_SUCCESS)
+        note_error(m, err, err_call);
+    if (s.util_gpu != HL_UNSUPPORTED) {
+        m->util_sum += s.util_gpu;
+        m->util_count++;
+    }
+    if (s.power_mw != HL_UNSUPPORTED) {
+        m->power_sum += s.power_mw;
+        m->power_count++;
+        m->power_max = s.power_mw > m->power_max ? s.power_mw : m->power_max;
+    }
+    if (s.temperature_c != HL_UNSUPPORTED)
+        m->temperature_max = s.temperature_c > m->temperature_max ? s.temperature_c : m->temperature_max;
+    if (s.sm_clock_mhz != HL_UNSUPPORTED) {
+        m->sm_clock_max = s.sm_clock_mhz > m->sm_clock_max ? s.sm_clock_mhz : m->sm_clock_max;
+        m->sm_clock_min = s.sm_clock_mhz < m->sm_clock_min ? s.sm_clock_mhz : m->sm_clock_min;
+    }
+    m->reasons_seen |= s.reasons;
+    m->slow_samples++;
+    ring_push(&m->slow, &s);
+    pthread_mutex_unlock(&m->lock);
+}
+
+static void *sampler_main(void *arg) {
+    hl_monitor *m = arg;
+    /* Linux lets a sleeping thread wake up to 50 us late by default: too coarse below 1 ms */
+    if (m->interval_ns < 1000000)
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+    /* start() took the first readings itself */
+    int64_t next = now_ns() + m->interval_ns, next_slow = now_ns() + m->slow_interval_ns;
+    sleep_until(m, next);
+    while (!atomic_load(&m->stop_requested)) {
+        sample_memory(m);
+        if (now_ns() >= next_slow) {
+            sample_slow(m);
+            next_slow += m->slow_interval_ns;
+        }
+        /* absolute deadlines keep the rate; ticks that could not be kept are skipped and counted */
+        next += m->interval_ns;
+        int64_t now = now_ns();
+        if (next < now) {
+            int64_t missed = (now - next) / m->interval_ns + 1;
+            next += missed * m->interval_ns;
+            pthread_mutex_lock(&m->lock);
+            m->ticks_missed += (uint64_t)missed;
+            pthread_mutex_unlock(&m->lock);
+        }
+        if (next_slow < now - m->slow_interval_ns)
+            next_slow = now;
+        sleep_until(m, next);
+    }
+    return NULL;
+}
+
+/* PCIe throughput blocks ~20 ms per counter inside NVML: its own thread keeps the memory tick on time */
+static void *pcie_main(void *arg) {
+    hl_monitor *m = arg;
+    int64_t next = now_ns();
+    while (!atomic_load(&m->stop_requested)) {
+        unsigned int rx = 0, tx = 0;
+        nvmlReturn_t rc = m->nvml->pcie_throughput(m->device, NVML_PCIE_UTIL_RX_BYTES, &rx);
+        if (rc == NVML_SUCCESS)
+            rc = m->nvml->pcie_throughput(m->device, NVML_PCIE_UTIL_TX_BYTES, &tx);
+        hl_pcie_sample s = {.t = seconds(now_ns()), .rx_kb_per_s = rx, .tx_kb_per_s = tx};
+        pthread_mutex_lock(&m->lock);
+        if (rc != NVML_SUCCESS) {
+            note_error(m, rc, "nvmlDeviceGetPcieThroughput");
+        } else {
+            m->pcie_rx_max = rx > m->pcie_rx_max ? rx : m->pcie_rx_max;
+            m->pcie_tx_max = tx > m->pcie_tx_max ? tx : m->pcie_tx_max;
+            m->pcie_samples++;
+            ring_push(&m->pcie, &s);
+        }
+        pthread_mutex_unlock(&m->lock);
+        if (rc == NVML_ERROR_NOT_SUPPORTED || rc == NVML_ERROR_FUNCTION_NOT_FOUND)
+            break;
+        next += m->pcie_interval_ns;
+        int64_t now = now_ns();
+        if (next < now)
+            next = now;
+        sleep_until(m, next);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Python methods */
+
+static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
+
+static void reset_statistics(hl_monitor *m) {
+    m->memory.head = m->memory.count = 0;
+    m->memory.dropped = 0;
+    m->slow.head = m->slow.count = 0;
+    m->slow.dropped = 0;
+    m->pcie.head = m->pcie.count = 0;
+    m->pcie.dropped = 0;
+    m->ticks = m->ticks_missed = m->memory_samples = m->slow_samples = m->pcie_samples = 0;
+    m->peak_used = m->reserved_at_peak = m->first_used = m->last_used = m->min_used = 0;
+    m->peak_t = m->first_t = m->last_t = 0.0;
+    m->util_sum = m->util_count = m->power_sum = m->power_count = 0;
+    m->power_max = m->temperature_max = m->sm_clock_max = 0;
+    m->sm_clock_min = UINT32_MAX;
+    m->reasons_seen = 0;
+    m->pcie_rx_max = m->pcie_tx_max = 0;
+    m->errors = 0;
+    m->first_error = 0;
+    m->first_error_call = NULL;
+    m->stopped = 0.0;
+}
+
+/* Join both threads. Called without the GIL; `lock` is not held (the sampler takes it). */
+static void join_threads(hl_monitor *m) {
+    atomic_store(&m->stop_requested, 1);
+    if (m->running)
+        pthread_join(m->thread, NULL);
+    if (m->pcie_running)
+        pthread_join(m->pcie_thread, NULL);
+    m->running = m->pcie_running = 0;
+    m->stopped = seconds(now_ns());
+}
+
+PyDoc_STRVAR(start_doc, "start()\n\nClear the previous run and start sampling (one C thread; a second one for\n"
+             "PCIe when pcie_interval_ms > 0). RuntimeError if already running.");
+
+static PyObject *monitor_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+    hl_monitor *m = (hl_monitor *)self;
+    int err = 0, pcie_err = 0;
+    if (m->running) {
+        PyErr_SetString(PyExc_RuntimeError, "Monitor.start(): already running; call stop() first");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&m->lock);
+    reset_statistics(m);
+    m->unsupported = 0;
+    pthread_mutex_unlock(&m->lock);
+    atomic_store(&m->stop_requested, 0);
+    m->started = seconds(now_ns());
+    /* a first reading now, and a last one in stop(): a run shorter than a tick still has both */
+    sample_memory(m);
+    sample_slow(m);
+    err = pthread_create(&m->thread, NULL, sampler_main, m);
+    m->running = err == 0;
+    if (err == 0 && m->pcie_interval_ns > 0 && m->nvml->pcie_throughput != NULL) {
+        pcie_err = pthread_create(&m->pcie_thread, NULL, pcie_main, m);
+        m->pcie_running = pcie_err == 0;
+        if (pcie_err != 0)
+            join_threads(m);
+    }
+    Py_END_ALLOW_THREADS
+    if (err != 0 || pcie_err != 0) {
+        errno = err != 0 ? err : pcie_err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(stop_doc, "stop()\n\nStop sampling and join the sampler thread(s). Does nothing when not running.");
+
+static PyObject *monitor_stop(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+    hl_monitor *m = (hl_monitor *)self;
+    if (m->running || m->pcie_running) {
+        Py_BEGIN_ALLOW_THREADS
+        join_threads(m);
+        sample_memory(m);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+/* the copy snapshot() takes under the lock, turned into Python objects once the GIL is back */
+typedef struct {
+    char *memory, *slow, *pcie;
+    size_t memory_n, slow_n, pcie_n;
+    hl_monitor stats; /* a copy of the counters (its rings and lock are not used) */
+} snapshot_copy;
+
+static int take_copy(hl_monitor *m, snapshot_copy *c) {
+    pthread_mutex_lock(&m->lock);
+    c->stats = *m;
+    c->memory_n = m->memory.count;
+    c->slow_n = m->slow.count;
+    c->pcie_n = m->pcie.count;
+    c->memory = malloc(c->memory_n * m->memory.item + 1);
+    c->slow = malloc(c->slow_n * m->slow.item + 1);
+    c->pcie = malloc(c->pcie_n * m->pcie.item + 1);
+    int ok = c->memory && c->slow && c->pcie;
+    if (ok) {
+        ring_copy(&m->memory, c->memory);
+        ring_copy(&m->slow, c->slow);
+        ring_copy(&m->pcie, c->pcie);
+    }
+    pthread_mutex_unlock(&m->lock);
+    return ok ? 0 : -1;
+}
+
+static PyObject *unsigned_or_none(uint32_t value) {
+    return value == HL_UNSUPPORTED ? Py_NewRef(Py_None) : PyLong_FromUnsignedLong(value);
+}
+
+PyDoc_STRVAR(snapshot_doc,
+             "snapshot() -> dict\n\n"
+             "The kept samples, oldest first, as bytes of packed records (memory: f8 t, u8 used, u8 reserved,\n"
+             "u8 free; slow: f8 t, u4 util_gpu, util_memory, power_mw, temperature_c, sm_clock_mhz,\n"
+             "memory_clock_mhz, u8 reasons; pcie: f8 t, u4 rx_kb_per_s, tx_kb_per_s; times are\n"
+             "time.monotonic() seconds, 0xffffffff marks an unsupported reading) and statistics over every\n"
+             "sample taken, kept or dropped. Works while running.");
+
+static PyObject *monitor_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+    hl_monitor *m = (hl_monitor *)self;
+    snapshot_copy c = {0};
+    PyObject *result = NULL, *memory = NULL, *slow = NULL, *pcie = NULL, *error = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = take_copy(m, &c);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    memory = PyBytes_FromStringAndSize(c.memory, (Py_ssize_t)(c.memory_n * sizeof(hl_memory_sample)));
+    slow = PyBytes_FromStringAndSize(c.slow, (Py_ssize_t)(c.slow_n * sizeof(hl_slow_sample)));
+    pcie = PyBytes_FromStringAndSize(c.pcie, (Py_ssize_t)(c.pcie_n * sizeof(hl_pcie_sample)));
+    if (memory == NULL || slow == NULL || pcie == NULL)
+        goto error;
+    const hl_monitor *s = &c.stats;
+    if (s->errors > 0) {
+        const char *text = m->nvml->error_string(s->first_error);
+        error = Py_BuildValue("{s:i, s:s, s:s, s:K}", "code", s->first_error, "call", s->first_error_call,
+                              "text", text ? text : "unknown", "count", (unsigned long long)s->errors);
+        if (error == NULL)
+            goto error;
+    } else {
+        error = Py_NewRef(Py_None);
+    }
+    result = Py_BuildValue(
+        "{s:O, s:O, s:O, s:O, s:O, s:d, s:d, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:d, s:K, s:K,"
+        " s:d, s:K, s:d, s:d, s:d, s:d, s:N, s:N, s:N, s:N, s:K, s:K, s:K, s:N, s:N}",
+        "memory", memory, "slow", slow, "pcie", pcie, "error", error, "running", m->running ? Py_True : Py_False,
+        "started", s->started, "stopped", s->stopped, "ticks", (unsigned long long)s->ticks, "ticks_missed",
+        (unsigned long long)s->ticks_missed, "memory_samples", (unsigned long long)s->memory_samples,
+        "slow_samples", (unsigned long long)s->slow_samples, "pcie_samples", (unsigned long long)s->pcie_samples,
+        "memory_dropped", (unsigned long long)s->memory.dropped, "slow_dropped", (unsigned long long)s->slow.dropped,
+        "pcie_dropped", (unsigned long long)s->pcie.dropped, "peak_used", (unsigned long long)s->peak_used,
+        "reserved_at_peak", (unsigned long long)s->reserved_at_peak, "peak_t", s->peak_t, "first_used",
+        (unsigned long long)s->first_used, "min_used", (unsigned long long)s->min_used, "first_t", s->first_t,
+        "last_used", (unsigned long long)s->last_used, "last_t", s->last_t, "util_mean",
+        s->util_count ? (double)s->util_sum / (double)s->util_count : -1.0, "power_mean_w",
+        s->power_count ? (double)s->power_sum / (double)s->power_count / 1000.0 : -1.0, "interval_s",
+        seconds(m->interval_ns), "power_max_mw", unsigned_or_none(s->power_count ? s->power_max : HL_UNSUPPORTED),
+        "temperature_max_c", unsigned_or_none(s->temperature_max ? s->temperature_max : HL_UNSUPPORTED),
+        "sm_clock_min_mhz", unsigned_or_none(s->sm_clock_min), "sm_clock_max_mhz",
+        unsigned_or_none(s->sm_clock_max ? s->sm_clock_max : HL_UNSUPPORTED), "reasons_seen",
+        (unsigned long long)s->reasons_seen, "pcie_rx_max_kb_per_s", (unsigned long long)s->pcie_rx_max,
+        "pcie_tx_max_kb_per_s", (unsigned long long)s->pcie_tx_max, "util_count",
+        PyLong_FromUnsignedLongLong(s->util_count), "power_count", PyLong_FromUnsignedLongLong(s->power_count));
+error:
+    Py_XDECREF(memory);
+    Py_XDECREF(slow);
+    Py_XDECREF(pcie);
+    Py_XDECREF(error);
+    free(c.memory);
+    free(c.slow);
+    free(c.pcie);
+    return result;
+}
+
+PyDoc_STRVAR(check_doc, "check()\n\nRaise hotloop.NvmlError for the first NVML call that failed while sampling, if any.");
+
+static PyObject *monitor_check(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+    hl_monitor *m = (hl_monitor *)self;
+    int code;
+    const char *call;
+    uint64_t errors;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&m->lock);
+    code = m->first_error;
+    call = m->first_error_call;
+    errors = m->errors;
+    pthread_mutex_unlock(&m->lock);
+    Py_END_ALLOW_THREADS
+    if (errors == 0)
+        Py_RETURN_NONE;
+    const char *text = m->nvml->error_string(code);
+    char message[300];
+    snprintf(message, sizeof(message), "%s (%llu failed samples)", text ? text : "unknown error",
+             (unsigned long long)errors);
+    hl_raise_nvml(module_of(self), code, message, call, __FILE__, __LINE__);
+    return NULL;
+}
+
+PyDoc_STRVAR(read_memory_doc, "read_memory() -> (used, reserved, free, total)\n\nOne reading now, in bytes.");
+
+static PyObject *monitor_read_memory(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+    hl_monitor *m = (hl_monitor *)self;
+    nvmlReturn_t rc;
+    unsigned long long total = 0;
+    hl_memory_sample s = {0};
+    Py_BEGIN_ALLOW_THREADS
+    rc = read_memory(m, &s);
+    Py_END_ALLOW_THREADS
+    if (rc != NVML_SUCCESS) {
+        hl_raise_nvml(module_of(self), rc, m->nvml->error_string(rc),
+                      m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo", __FILE__, __LINE__);
+        return NULL;
+    }
+    total = s.used + s.reserved + s.free;
+    return Py_BuildValue("(KKKK)", (unsigned long long)s.used, (unsigned long long)s.reserved,
+                         (unsigned long long)s.free, total);
+}
+
+static PyObject *get_running(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(((hl_monitor *)self)->running);
+}
+
+static PyObject *get_device(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLong(((hl_monitor *)self)->index);
+}
+
+static PyObject *get_interval_ms(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyFloat_FromDouble((double)((hl_monitor *)self)->interval_ns * 1e-6);
+}
+
+static PyObject *get_capacity(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(((hl_monitor *)self)->capacity);
+}
+
+static PyObject *get_library(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyUnicode_FromString(((hl_monitor *)self)->nvml->path);
+}
+
+static PyObject *get_memory_v2(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(((hl_monitor *)self)->memory_v2);
+}
+
+static PyGetSetDef monitor_getset[] = {
+    {"running", get_running, NULL, "whether the sampler thread runs", NULL},
+    {"device", get_device, NULL, "the NVML device index sampled", NULL},
+    {"interval_ms", get_interval_ms, NULL, "the memory tick, milliseconds", NULL},
+    {"capacity", get_capacity, NULL, "memory samples the ring keeps", NULL},
+    {"library", get_library, NULL, "the NVML library in use", NULL},
+    {"memory_v2", get_memory_v2, NULL, "whether nvmlDeviceGetMemoryInfo_v2 (used and reserved) is read", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef monitor_methods[] = {
+    {"start", monitor_start, METH_NOARGS, start_doc},
+    {"stop", monitor_stop, METH_NOARGS, stop_doc},
+    {"snapshot", monitor_snapshot, METH_NOARGS, snapshot_doc},
+    {"check", monitor_check, METH_NOARGS, check_doc},
+    {"read_memory", monitor_read_memory, METH_NOARGS, read_memory_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+/* device: an NVML index, or a UUID string ("GPU-...") so Python can name the device torch uses
+   whatever CUDA_VISIBLE_DEVICES says */
+static int open_device(PyObject *module, const hl_nvml *n, PyObject *device, nvmlDevice_t *handle,
+                       unsigned int *index) {
+    nvmlReturn_t rc;
+    unsigned int count = 0;
+    rc = n->device_count(&count);
+    if (rc != NVML_SUCCESS)
+        return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetCount_v2", __FILE__, __LINE__);
+    if (PyUnicode_Check(device)) {
+        const char *uuid = PyUnicode_AsUTF8AndSize(device, NULL);
+        if (uuid == NULL)
+            return -1;
+        if (n->handle_by_uuid == NULL) {
+            PyErr_SetString(PyExc_ValueError, "device: this NVML cannot look devices up by UUID; pass an index");
+            return -1;
+        }
+        rc = n->handle_by_uuid(uuid, handle);
+        if (rc != NVML_SUCCESS)
+            return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetHandleByUUID", __FILE__, __LINE__);
+        *index = UINT32_MAX;
+        for (unsigned int i = 0; i < count; i++) { /* its index, for display */
+            nvmlDevice_t other;
+            if (n->handle_by_index(i, &other) == NVML_SUCCESS && other == *handle)
+                *index = i;
+        }
+        return 0;
+    }
+    long i = PyLong_AsLong(device);
+    if (i == -1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "device: expected an NVML index (int) or a UUID (str), got %R", device);
+        return -1;
+    }
+    if (i < 0 || (unsigned long)i >= count) {
+        PyErr_Format(PyExc_ValueError, "device: expected an NVML index from 0 to %u, got %ld", count - 1, i);
+        if (count == 0)
+            PyErr_Format(PyExc_ValueError, "device: NVML sees no GPU on this machine (asked for %ld)", i);
+        return -1;
+    }
+    rc = n->handle_by_index((unsigned int)i, handle);
+    if (rc != NVML_SUCCESS)
+        return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetHandleByIndex_v2", __FILE__, __LINE__);
+    *index = (unsigned int)i;
+    return 0;
+}
+
+static PyObject *monitor_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"device", "interval_ms", "slow_interval_ms", "pcie_interval_ms", "capacity", NULL};
+    PyObject *device = NULL;
+    double interval_ms = 1.0, slow_ms = 50.0, pcie_ms = 0.0;
+    Py_ssize_t capacity = 131072;
+    hl_monitor *m = NULL;
+    PyObject *module = PyType_GetModule(type);
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|Odddn:Monitor", keywords, &device, &interval_ms, &slow_ms,
+                                     &pcie_ms, &capacity))
+        return NULL;
+    if (!(interval_ms >= 0.01 && interval_ms <= 3.6e6)) {
+        char message[120];
+        snprintf(message, sizeof(message), "interval_ms: expected 0.01 to 3600000 milliseconds, got %g", interval_ms);
+        PyErr_SetString(PyExc_ValueError, message);
+        return NULL;
+    }
+    if (!(slow_ms >= interval_ms) || !(pcie_ms >= 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "slow_interval_ms: expected at least interval_ms; pcie_interval_ms: "
+                        "expected 0 (off) or a positive number of milliseconds");
+        return NULL;
+    }
+    if (capacity < 1 || capacity > ((Py_ssize_t)1 << 28)) {
+        PyErr_Format(PyExc_ValueError, "capacity: expected 1 to 2**28 samples, got %zd", capacity);
+        return NULL;
+    }
+    const hl_nvml *n = nvml_open_or_raise(module);
+    if (n == NULL)
+        return NULL;
+    nvmlDevice_t handle = NULL;
+    unsigned int index = 0;
+    PyObject *zero = NULL;
+    if (device == NULL || device == Py_None)
+        device = zero = PyLong_FromLong(0);
+    if (device == NULL)
+        return NULL;
+    int rc = open_device(module, n, device, &handle, &index);
+    Py_XDECREF(zero);
+    if (rc < 0)
+        return NULL;
+
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    m = (hl_monitor *)alloc(type, 0);
+    if (m == NULL)
+        return NULL;
+    m->nvml = n;
+    m->device = handle;
+    m->index = index;
+    m->interval_ns = (int64_t)(interval_ms * 1e6);
+    m->slow_interval_ns = (int64_t)(slow_ms * 1e6);
+    m->pcie_interval_ns = (int64_t)(pcie_ms * 1e6);
+    m->capacity = (size_t)capacity;
+    pthread_mutex_init(&m->lock, NULL);
+    atomic_init(&m->stop_requested, 0);
+    /* the slow and PCIe rings hold as many seconds as the memory ring, at their slower rates */
+    size_t slow_capacity = (size_t)((double)capacity * interval_ms / slow_ms) + 16;
+    size_t pcie_capacity = pcie_ms > 0 ? (size_t)((double)capacity * interval_ms / pcie_ms) + 16 : 1;
+    if (ring_init(&m->memory, sizeof(hl_memory_sample), (size_t)capacity) < 0 ||
+        ring_init(&m->slow, sizeof(hl_slow_sample), slow_capacity) < 0 ||
+        ring_init(&m->pcie, sizeof(hl_pcie_sample), pcie_capacity) < 0) {
+        Py_DECREF(m); /* dealloc frees what was allocated */
+        return PyErr_NoMemory();
+    }
+    /* prefer the v2 call (it splits the driver's reservation out of `used`); fall back when absent */
+    if (n->memory_v2 != NULL) {
+        nvmlMemory_v2_t mem = {.version = HL_NVML_MEMORY_V2_VERSION};
+        m->memory_v2 = n->memory_v2(handle, &mem) == NVML_SUCCESS || n->memory_v1 == NULL;
+    }
+    reset_statistics(m);
+    pthread_once(&atfork_once, install_fork_handlers);
+    pthread_mutex_lock(&registry_lock);
+    m->next = registry;
+    if (registry != NULL)
+        registry->prev = m;
+    registry = m;
+    pthread_mutex_unlock(&registry_lock);
+    return (PyObject *)m;
+}
+
+static void monitor_dealloc(PyObject *self) {
+    hl_monitor *m = (hl_monitor *)self;
+    PyTypeObject *type = Py_TYPE(self);
+    if (m->running || m->pcie_running) {
+        Py_BEGIN_ALLOW_THREADS
+        join_threads(m);
+        Py_END_ALLOW_THREADS
+    }
+    if (m->capacity > 0) { /* registered (construction got that far) */
+        pthread_mutex_lock(&registry_lock);
+        if (m->prev)
+            m->prev->next = m->next;
+        else if (registry == m)
+            registry = m->next;
+        if (m->next)
+            m->next->prev = m->prev;
+        pthread_mutex_unlock(&registry_lock);
+        pthread_mutex_destroy(&m->lock);
+    }
+    free(m->memory.data);
+    free(m->slow.data);
+    free(m->pcie.data);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
+}
+
+PyDoc_STRVAR(monitor_doc,
+             "Monitor(device=0, interval_ms=1.0, slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072)\n\n"
+             "An NVML sampler run by a C thread without the GIL: device memory every interval_ms; utilisation,\n"
+             "power, temperature, clocks and clock-event reasons every slow_interval_ms; PCIe throughput on a\n"
+             "thread of its own every pcie_interval_ms (0: off). `device` is an NVML index or a UUID. The ring\n"
+             "keeps the newest `capacity` memory samples; peaks and means cover every sample.\n"
+             "Raises hotloop.NvmlError when NVML is missing or fails.");
+
+static PyType_Slot monitor_slots[] = {
+    {Py_tp_new, monitor_new},
+    {Py_tp_dealloc, monitor_dealloc},
+    {Py_tp_methods, monitor_methods},
+    {Py_tp_getset, monitor_getset},
+    {Py_tp_doc, (void *)monitor_doc},
+    {0, NULL},
+};
+
+static PyType_Spec monitor_spec = {
+    .name = "hotloop._C.Monitor",
+    .basicsize = sizeof(hl_monitor),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = monitor_slots,
+};
+
+/* ---------------------------------------------------------------------------------------------
+   Module functions for doctor and the CLI */
+
+PyDoc_STRVAR(nvml_unavailable_reason_doc,
+             "nvml_unavailable_reason() -> str | None\n\nNone when NVML opens and initialises; else why not.");
+
+static PyObject *nvml_unavailable_reason(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    (void)module;
+    int code = 0;
+    char text[600] = "";
+    const char *call = "";
+    const hl_nvml *n;
+    Py_BEGIN_ALLOW_THREADS
+    n = hl_nvml_open(&code, text, sizeof(text), &call);
+    Py_END_ALLOW_THREADS
+    if (n != NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat("%s failed (NVML error %d): %s", call, code, text);
+}
+
+PyDoc_STRVAR(nvml_system_doc, "nvml_system() -> dict\n\n"
+             "library, driver_version, cuda_driver_version (e.g. 13000) and device_count; NvmlError without NVML.");
+
+static PyObject *nvml_system(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    const hl_nvml *n = nvml_open_or_raise(module);
+    if (n == NULL)
+        return NULL;
+    char driver[HL_NVML_STRING_LEN] = "";
+    int cuda = 0;
+    unsigned int count = 0;
+    nvmlReturn_t rc = n->device_count(&count);
+    if (rc != NVML_SUCCESS) {
+        hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetCount_v2", __FILE__, __LINE__);
+        return NULL;
+    }
+    int have_driver = n->driver_version && n->driver_version(driver, sizeof(driver)) == NVML_SUCCESS;
+    int have_cuda = n->cuda_driver_version && n->cuda_driver_version(&cuda) == NVML_SUCCESS;
+    PyObject *driver_obj = have_driver ? PyUnicode_FromString(driver) : Py_NewRef(Py_None);
+    PyObject *cuda_obj = have_cuda ? PyLong_FromLong(cuda) : Py_NewRef(Py_None);
+    return Py_BuildValue("{s:s, s:N, s:N, s:I}", "library", n->path, "driver_version", driver_obj,
+                         "cuda_driver_version", cuda_obj, "device_count", count);
+}
+
+static int set_item(PyObject *dict, const char *key, PyObject *value) {
+    if (value == NULL)
+        return -1;
+    int rc = PyDict_SetItemString(dict, key, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+static PyObject *uint_reading(nvmlDeviceGetUInt_fn f, nvmlDevice_t d) {
+    unsigned int v = 0;
+    if (f == NULL || f(d, &v) != NVML_SUCCESS)
+        return Py_NewRef(Py_None);
+    return PyLong_FromUnsignedLong(v);
+}
+
+PyDoc_STRVAR(nvml_device_info_doc,
+             "nvml_device_info(index) -> dict\n\n"
+             "What NVML says about one device now: name, uuid, memory (total/used/reserved/free bytes),\n"
+             "pcie (gen, gen_max, width, width_max), power_mw, power_limit_mw, power_default_limit_mw,\n"
+             "temperature_c, sm_clock_mhz, sm_clock_max_mhz, utilization_gpu, reasons, persistence_mode,\n"
+             "ecc (current, pending), mig (current, pending). None where the device does not say. Reads only.");
+
+static PyObject *nvml_device_info(PyObject *module, PyObject *arg) {
+    const hl_nvml *n = nvml_open_or_raise(module);
+    if (n == NULL)
+        return NULL;
+    nvmlDevice_t d;
+    unsigned int index = 0;
+    if (open_device(module, n, arg, &d, &index) < 0)
+        return NULL;
+    PyObject *info = PyDict_New();
+    if (info == NULL)
+        return NULL;
+    char text[HL_NVML_STRING_LEN];
+    unsigned int v = 0, v2 = 0;
+    int e = 0, e2 = 0;
+    unsigned long long reasons = 0;
+    nvmlUtilization_t util = {0};
+    nvmlMemory_v2_t mem2 = {.version = HL_NVML_MEMORY_V2_VERSION};
+    nvmlMemory_t mem1 = {0};
+    PyObject *memory;
+    if (n->memory_v2 && n->memory_v2(d, &mem2) == NVML_SUCCESS)
+        memory = Py_BuildValue("{s:K, s:K, s:K, s:K}", "total", mem2.total, "used", mem2.used, "reserved",
+                               mem2.reserved, "free", mem2.free);
+    else if (n->memory_v1 && n->memory_v1(d, &mem1) == NVML_SUCCESS)
+        memory = Py_BuildValue("{s:K, s:K, s:O, s:K}", "total", mem1.total, "used", mem1.used, "reserved", Py_None,
+                               "free", mem1.free);
+    else
+        memory = Py_NewRef(Py_None);
+    if (set_item(info, "index", PyLong_FromUnsignedLong(index)) < 0 ||
+        set_item(info, "name", n->name && n->name(d, text, sizeof(text)) == NVML_SUCCESS ? PyUnicode_FromString(text)
+                                                                                        : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "uuid", n->uuid && n->uuid(d, text, sizeof(text)) == NVML_SUCCESS ? PyUnicode_FromString(text)
+                                                                                        : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "memory", memory) < 0 ||
+        set_item(info, "pcie", Py_BuildValue("{s:N, s:N, s:N, s:N}", "gen", uint_reading(n->pcie_gen, d), "gen_max",
+                                             uint_reading(n->pcie_gen_max, d), "width", uint_reading(n->pcie_width, d),
+                                             "width_max", uint_reading(n->pcie_width_max, d))) < 0 ||
+        set_item(info, "power_mw", uint_reading(n->power_usage, d)) < 0 ||
+        set_item(info, "power_limit_mw", uint_reading(n->power_limit, d)) < 0 ||
+        set_item(info, "power_default_limit_mw", uint_reading(n->power_default_limit, d)) < 0 ||
+        set_item(info, "temperature_c", n->temperature && n->temperature(d, NVML_TEMPERATURE_GPU, &v) == NVML_SUCCESS
+                                            ? PyLong_FromUnsignedLong(v) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "sm_clock_mhz", n->clock && n->clock(d, NVML_CLOCK_SM, &v) == NVML_SUCCESS
+                                           ? PyLong_FromUnsignedLong(v) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "sm_clock_max_mhz", n->max_clock && n->max_clock(d, NVML_CLOCK_SM, &v) == NVML_SUCCESS
+                                               ? PyLong_FromUnsignedLong(v) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "utilization_gpu", n->utilization && n->utilization(d, &util) == NVML_SUCCESS
+                                              ? PyLong_FromUnsignedLong(util.gpu) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "reasons", n->reasons && n->reasons(d, &reasons) == NVML_SUCCESS
+                                      ? PyLong_FromUnsignedLongLong(reasons) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "persistence_mode", n->persistence && n->persistence(d, &e) == NVML_SUCCESS
+                                               ? PyBool_FromLong(e == NVML_FEATURE_ENABLED) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "ecc", n->ecc && n->ecc(d, &e, &e2) == NVML_SUCCESS
+                                  ? Py_BuildValue("(OO)", e ? Py_True : Py_False, e2 ? Py_True : Py_False)
+                                  : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "mig", n->mig && n->mig(d, &v, &v2) == NVML_SUCCESS
+                                  ? Py_BuildValue("(OO)", v ? Py_True : Py_False, v2 ? Py_True : Py_False)
+                                  : Py_NewRef(Py_None)) < 0) {
+        Py_DECREF(info);
+        return NULL;
+    }
+    return info;
+}
+
+static PyMethodDef monitor_module_methods[] = {
+    {"nvml_unavailable_reason", nvml_unavailable_reason, METH_NOARGS, nvml_unavailable_reason_doc},
+    {"nvml_system", nvml_system, METH_NOARGS, nvml_system_doc},
+    {"nvml_device_info", nvml_device_info, METH_O, nvml_device_info_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+int hl_monitor_exec(PyObject *module) {
+    hl_state *state = hl_state_of(module);
+    if (PyModule_AddFunctions(module, monitor_module_methods) < 0)
+        return -1;
+    state->monitor_type = PyType_FromModuleAndSpec(module, &monitor_spec, NULL);
+    if (state->monitor_type == NULL)
+        return -1;
+    if (PyModule_AddIntConstant(module, "MONITOR_MEMORY_SAMPLE_BYTES", sizeof(hl_memory_sample)) < 0 ||
+        PyModule_AddIntConstant(module, "MONITOR_SLOW_SAMPLE_BYTES", sizeof(hl_slow_sample)) < 0 ||
+        PyModule_AddIntConstant(module, "MONITOR_PCIE_SAMPLE_BYTES", sizeof(hl_pcie_sample)) < 0)
+        return -1;
+    return PyModule_AddObjectRef(module, "Monitor", state->monitor_type);
+}

@@ -1,0 +1,43 @@
+/* What monitor.c offers other C files: NVML, opened at run time, and the sample layouts the sampler writes. */
+#ifndef HOTLOOP_MONITOR_H
+#define HOTLOOP_MONITOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "nvml.h"
+
+/* The NVML library named by HOTLOOP_NVML_LIBRARY (else libnvidia-ml.so.1), opened and initialised
+   once per process and kept. NULL when that fails: then *code is an NVML return code
+   (NVML_ERROR_LIBRARY_NOT_FOUND when dlopen failed), `text` says why and *call names what failed.
+   Safe without the GIL. */
+const hl_nvml *hl_nvml_open(int *code, char *text, size_t text_len, const char **call);
+
+/* One memory reading, taken every tick. Times are CLOCK_MONOTONIC seconds (Python's
+   time.monotonic() on Linux), so Python can place its own events on the same axis. */
+typedef struct {
+    double t;
+    uint64_t used;     /* bytes; NVML v2: without the driver's reservation */
+    uint64_t reserved; /* bytes the driver/firmware set aside (0 with the v1 call) */
+    uint64_t free;
+} hl_memory_sample;
+
+#define HL_UNSUPPORTED UINT32_MAX /* a reading the device does not offer */
+
+/* Readings taken on the slower tick. */
+typedef struct {
+    double t;
+    uint32_t util_gpu, util_memory; /* percent */
+    uint32_t power_mw;
+    uint32_t temperature_c;
+    uint32_t sm_clock_mhz, memory_clock_mhz;
+    uint64_t reasons; /* clock-event (throttle) reason bits */
+} hl_slow_sample;
+
+/* PCIe throughput, read on its own thread because each reading blocks ~20 ms. */
+typedef struct {
+    double t;
+    uint32_t rx_kb_per_s, tx_kb_per_s;
+} hl_pcie_sample;
+
+#endif

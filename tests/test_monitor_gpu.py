@@ -1,0 +1,114 @@
+"""The memory monitor on a real GPU: NVML figures against torch's allocator, a short spike, OOM, the CLI."""
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import hotloop
+
+pytestmark = pytest.mark.gpu
+GiB = 1 << 30
+
+
+def settle():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def test_peak_device_used_covers_torch_reserved_plus_context():
+    settle()
+    sizes = np.random.randint(64, 1024, size=6) * (1 << 20)
+    with hotloop.MemoryMonitor(interval_ms=1.0, report=None) as mon:
+        tensors = [torch.randn(int(n) // 4, device="cuda") for n in sizes]
+        a = torch.randn(4096, 4096, device="cuda")
+        b = a @ a  # cuBLAS workspace: memory outside the tensors
+        torch.cuda.synchronize()
+        time.sleep(0.05)  # hold the peak for many ticks
+        del tensors, a, b
+    r = mon.report()
+    print(r)
+    assert r.nvml and r.torch_cuda
+    assert r.peak_allocated >= int(sizes.sum())
+    assert r.peak_reserved >= r.peak_allocated
+    assert r.context_baseline > 0  # the CUDA context is on the device before any tensor
+    assert r.peak_device_used >= r.peak_reserved + r.context_baseline
+    # the report's lines add up to the device's peak
+    assert r.context_baseline + r.peak_reserved + r.non_torch_at_peak == r.peak_device_used
+    assert r.samples > 30 and r.sample_rate_hz > 500
+    assert r.util_mean is not None and r.power_mean_w is not None and r.power_limit_w > 0
+    assert r.nvml_errors is None
+
+
+def test_a_50_ms_allocation_of_8_gb_is_caught():
+    settle()
+    with hotloop.MemoryMonitor(interval_ms=1.0, report=None) as mon:
+        time.sleep(0.05)
+        x = torch.empty(8 * GiB, dtype=torch.uint8, device="cuda")
+        x.fill_(7)
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+        del x
+        torch.cuda.empty_cache()
+        time.sleep(0.05)
+    r = mon.report()
+    tl = mon.timeline
+    baseline = int(tl.used[:10].min())
+    assert r.peak_device_used - baseline >= 8 * GiB
+    assert int(tl.used[-5:].max()) - baseline < GiB  # and it went away again
+    assert r.peak_reserved >= 8 * GiB and r.peak_allocated >= 8 * GiB
+
+
+def test_oom_report_attached_to_the_error():
+    settle()
+    free, total = torch.cuda.mem_get_info()
+
+    @hotloop.memory_monitor(report=None)
+    def greedy():
+        keep = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+        return torch.empty(2 * total, dtype=torch.uint8, device="cuda"), keep
+
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        greedy()
+    r = err.value.hotloop_report
+    print(r)
+    assert r.oom["requested_bytes"] is not None and abs(r.oom["requested_bytes"] - 2 * total) < 0.01 * total
+    assert 0 < r.oom["free_bytes"] <= total
+    assert r.oom["reserved_bytes"] >= GiB and r.oom["fragmentation_bytes"] >= 0
+    assert r.ooms == 1
+    assert any("out of memory" in a for a in r.advice)
+    settle()
+
+
+def test_model_hooks_measure_activations_on_the_gpu():
+    settle()
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+    x = torch.randn(2048, 1024, device="cuda")
+    with hotloop.MemoryMonitor(model=model, report=None) as mon:
+        model(x).sum().backward()
+    r = mon.report()
+    by_name = {m.name: m for m in r.modules}
+    # Linear 0 keeps its output (2048 x 4096 fp32 = 32 MiB), which GELU saves for backward
+    assert by_name["0"].activation_bytes >= 2048 * 4096 * 4
+    assert by_name["0"].output_bytes == 2048 * 4096 * 4
+    assert by_name["2"].backward_allocated_bytes > 0
+    assert r.fp32_matmul_seen and r.autocast_seen is False
+
+
+def test_cli_monitor_and_doctor_run():
+    p = subprocess.run([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "50", "--duration", "1"],
+                       capture_output=True, text=True, timeout=60)
+    print(p.stdout[-2000:], p.stderr[-2000:])
+    assert p.returncode == 0 and "summary gpu 0:" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "hotloop", "doctor", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    print(p.stdout[-6000:], p.stderr[-2000:])
+    report = json.loads(p.stdout)
+    assert p.returncode == report["exit_code"] in (0, 1, 2)
+    names = {c["name"]: c for c in report["checks"]}
+    assert names["driver"]["status"] == "PASS"
+    assert "gpu 0 PCIe link" in names and "gpu 0 H2D bandwidth" in names
+    assert report["facts"]["h2d_gbps"]["gpu 0"] > 1.0
