@@ -411,6 +411,35 @@ static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#ifdef HOTLOOP_WITH_CUDA
+/* work on one slot for hl_cuda_run: page-lock it, or copy parts of it to the device */
+typedef struct {
+    RingObject *ring;
+    uint32_t slot;
+    const int64_t *triples; /* (offset in the slot, device address, bytes) */
+    Py_ssize_t count;
+    cudaStream_t stream;
+} slot_copies;
+
+static cudaError_t run_register(void *ctx) {
+    slot_copies *job = (slot_copies *)ctx;
+    return cudaHostRegister(slot_data(job->ring, job->slot), job->ring->slot_bytes, cudaHostRegisterPortable);
+}
+
+static cudaError_t run_copies(void *ctx) {
+    slot_copies *job = (slot_copies *)ctx;
+    char *src = slot_data(job->ring, job->slot);
+    for (Py_ssize_t i = 0; i < job->count; i++) {
+        const int64_t *t = job->triples + 3 * i;
+        cudaError_t err = cudaMemcpyAsync((void *)(uintptr_t)t[1], src + t[0], (size_t)t[2], cudaMemcpyHostToDevice,
+                                          job->stream);
+        if (err != cudaSuccess)
+            return err;
+    }
+    return cudaSuccess;
+}
+#endif
+
 PyDoc_STRVAR(prefault_doc, "prefault(slot)\n\n"
              "Fault in (writable) every page of the slot in one call (MADV_POPULATE_WRITE, or a touch per page\n"
              "on older kernels), GIL released: the batch copy that follows runs at memory speed.");
@@ -454,16 +483,9 @@ static PyObject *ring_cuda_register_slot(PyObject *self, PyObject *args) {
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
-    hl_cuda_status status = {0};
-    char *p = slot_data(r, (uint32_t)slot);
-    Py_BEGIN_ALLOW_THREADS
-    hl_device_guard guard;
-    hl_device_enter(&guard, device, &status);
-    HL_CUDA(&status, cudaHostRegister(p, r->slot_bytes, cudaHostRegisterPortable));
-    hl_device_leave(&guard, &status);
-    Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(module, &status), NULL;
+    slot_copies job = {r, (uint32_t)slot, NULL, 0, NULL};
+    if (hl_cuda_run(module, device, run_register, &job) < 0)
+        return NULL;
     r->registered[slot] = 1;
     r->registered_device = device;
 #endif
@@ -492,18 +514,9 @@ static PyObject *ring_copy_to_device(PyObject *self, PyObject *args) {
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
-    char *src = slot_data(r, (uint32_t)slot);
-    hl_cuda_status status = {0};
-    Py_BEGIN_ALLOW_THREADS
-    hl_device_guard guard;
-    hl_device_enter(&guard, device, &status);
-    for (Py_ssize_t i = 0; i < n; i++)
-        HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)t[3 * i + 1], src + t[3 * i], (size_t)t[3 * i + 2],
-                                         cudaMemcpyHostToDevice, hl_stream(stream)));
-    hl_device_leave(&guard, &status);
-    Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(module, &status), NULL;
+    slot_copies job = {r, (uint32_t)slot, t, n, hl_stream(stream)};
+    if (hl_cuda_run(module, device, run_copies, &job) < 0)
+        return NULL;
 #else
     (void)stream;
 #endif
