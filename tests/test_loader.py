@@ -253,8 +253,9 @@ class Counting(Dataset):
         return torch.tensor([i, i * 3]), i
 
 
-def test_worker_killed_every_sample_once(tmp_path):
-    ds = Counting(50, victim=17, marker=str(tmp_path / "died"))
+@pytest.mark.parametrize("victim", [17, 2])  # 2: in a worker's first batch, before the ring exists
+def test_worker_killed_every_sample_once(tmp_path, victim):
+    ds = Counting(50, victim=victim, marker=str(tmp_path / "died"))
     loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
                                 generator=torch.Generator().manual_seed(1))
     got = list(loader)

@@ -459,7 +459,10 @@ class _Pool:
             task_w.send(self.ring_msg)
 
     def send(self, wid, msg):
-        self.task_conns[wid].send(msg)
+        try:
+            self.task_conns[wid].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the worker is dead: _check_workers restarts it and gives its tasks again
 
     def _drain(self, wid):
         """Read every complete message waiting in worker wid's pipe. False at EOF."""
@@ -538,6 +541,9 @@ class _Pool:
         self._forget(wid)
         self._start(wid)
         for t in lost:
+            self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
+            if t.slot < 0 and self.ring is not None:
+                t.slot = self.take_slot()
             self.send(wid, ("task", t.id, t.index, t.slot))
 
     def _forget(self, wid):

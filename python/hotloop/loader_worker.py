@@ -320,9 +320,9 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 continue
             if msg[0] == "place":
                 _, task_id, slot = msg
-                batch, busy = pending.pop(task_id)
-                if slot == -2:
-                    continue  # the epoch it belonged to is over
+                batch, busy = pending.pop(task_id, (None, 0.0))
+                if slot == -2 or batch is None:
+                    continue  # the epoch it belonged to is over, or it was given to this worker anew
                 if slot >= 0:
                     try:
                         writer = _SlotWriter(slot_tensor(slot), layout)
