@@ -20,6 +20,21 @@ from hotloop.loader import loader_stats_snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """A loader that stops making progress fails its test instead of blocking the suite."""
+    import signal as _signal
+
+    def on_alarm(signum, frame):
+        raise TimeoutError("test_loader: no result after 60 s (a hang in the loader?)")
+
+    previous = _signal.signal(_signal.SIGALRM, on_alarm)
+    _signal.alarm(60)
+    yield
+    _signal.alarm(0)
+    _signal.signal(_signal.SIGALRM, previous)
+
 Point = collections.namedtuple("Point", ["a", "b"])
 
 
@@ -272,9 +287,14 @@ def test_worker_killed_every_sample_once(tmp_path, victim):
 def test_worker_keeps_dying_raises(tmp_path):
     ds = Counting(30, victim=5, marker=str(tmp_path / "died"), always=True)
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, max_worker_restarts=2)
+    it = iter(loader)
+    pool = it._pool
     with pytest.raises(RuntimeError, match=r"pid \d+\) was killed by signal SIGKILL while holding the indices "
                                            r"\[\[4, 5, 6, 7\].*max_worker_restarts=2"):
-        list(loader)
+        list(it)
+    assert pool.closed and all(p is None for p in pool.procs)  # reaped at once, not at garbage collection
+    with pytest.raises(RuntimeError, match="ended with an error"):
+        next(it)
 
 
 class Faulty(Dataset):

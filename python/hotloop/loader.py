@@ -518,7 +518,11 @@ class _Pool:
 
     def _is_done(self, task):
         if task.slot >= 0:
-            return self.ring.state(task.slot) != _C.RING_ASSIGNED
+            state, _, _, _, flags = self.ring.info(task.slot)
+            if state == _C.RING_ASSIGNED:
+                return False
+            # an overflowing batch is done once its metadata came through the pipe
+            return not flags & _C.RING_FLAG_OVERFLOW or task.id in self.pipe_results
         return task.id in self.pipe_results
 
     def _on_death(self, wid):
@@ -530,11 +534,15 @@ class _Pool:
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         held = [list(t.index) if t.index is not None else None for t in lost]
         desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
+        fatal = None
         if self.kind == _DatasetKind.Iterable and lost:
-            raise RuntimeError(desc + "; an IterableDataset worker cannot be restarted (its position is lost)")
-        if self.restarts >= self.loader.max_worker_restarts:
-            raise RuntimeError(desc + f"; {self.restarts} worker(s) were restarted already "
-                               f"(max_worker_restarts={self.loader.max_worker_restarts})")
+            fatal = desc + "; an IterableDataset worker cannot be restarted (its position is lost)"
+        elif self.restarts >= self.loader.max_worker_restarts:
+            fatal = desc + (f"; {self.restarts} worker(s) were restarted already "
+                            f"(max_worker_restarts={self.loader.max_worker_restarts})")
+        if fatal is not None:
+            self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
+            raise RuntimeError(fatal)
         self.restarts += 1
         self.loader._hl_stats.worker_restarts += 1
         _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
@@ -544,6 +552,8 @@ class _Pool:
             self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
             if t.slot < 0 and self.ring is not None:
                 t.slot = self.take_slot()
+            elif t.slot >= 0:
+                self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
             self.send(wid, ("task", t.id, t.index, t.slot))
 
     def _forget(self, wid):
@@ -579,12 +589,8 @@ class _Pool:
             if tid != task.id:
                 raise AssertionError(f"slot {task.slot} holds task {tid}, expected {task.id}")
             if flags & _C.RING_FLAG_OVERFLOW:
-                while task.id not in self.pipe_results:
-                    if not self._drain(task.wid):
-                        self._check_workers()
-                    if task.id not in self.pipe_results:
-                        multiprocessing.connection.wait([self.result_conns[task.wid]], _POLL_S)
-                return self.pipe_results.pop(task.id)
+                self.drain_all()  # the metadata follows through the worker's pipe
+                return self.pipe_results.pop(task.id, None)
             view = self.ring.view(task.slot)
             try:
                 return pickle.loads(view[:meta_len])
@@ -601,24 +607,29 @@ class _Pool:
         return self.pipe_results.pop(task.id, None)
 
     def wait(self, task, timeout, batch_number):
+        """Block until the task is done; a dead worker is replaced meanwhile (or raises), and every
+        sleep is bounded, so that nothing here can wait for an event that will not come."""
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         while True:
             outcome = self.poll(task)
             if outcome is not None:
                 return outcome
             self._check_workers()
+            if self.layouts:
+                self._place_layouts()
             left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
                                    f"(worker {task.wid}, indices {task.index})")
-            if task.slot >= 0:
+            if task.slot >= 0 and self.ring.state(task.slot) == _C.RING_ASSIGNED:
                 # wake on any slot's change: a worker that flagged an overflow is now writing its
                 # metadata into its pipe and must be read, whichever task is awaited here
                 self.ring.wait(task.slot, _C.RING_ASSIGNED, left, True)
-                self.drain_all()
             else:
-                proc = self.procs[task.wid]
-                multiprocessing.connection.wait([self.result_conns[task.wid], proc.sentinel], left)
+                waitables = [c for c in self.result_conns if c is not None and not c.closed]
+                waitables += [p.sentinel for p in self.procs if p is not None]
+                multiprocessing.connection.wait(waitables, left)
+            self.drain_all()
 
     def drain_all(self):
         for wid in range(self.n):
@@ -1003,6 +1014,9 @@ class _MultiIter(_BaseDataLoaderIter):
         if self._pool is None:
             self._loader._hl_epoch_done = True
             raise StopIteration
+        if self._pool.closed:
+            raise RuntimeError("DataLoader: this epoch ended with an error in a worker (see above); start a new "
+                               "one with iter(loader)")
         while self._skip_batches:
             self._skip_batches -= 1
             out, _ = self._next_result()
