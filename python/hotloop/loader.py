@@ -498,18 +498,12 @@ class _Pool:
             del self.layouts[tid]
             task = self.tasks.get(tid)
             if task is None or self.resuming:
-                self.send_if_alive(tid, ("place", tid, -2))
+                wid = self.task_worker.get(tid)
+                if wid is not None and self.procs[wid] is not None:
+                    self.send(wid, ("place", tid, -2))
                 continue
             task.slot = self.take_slot() if self.ring is not None else -1
             self.send(task.wid, ("place", tid, task.slot))
-
-    def send_if_alive(self, tid, msg):
-        wid = self.task_worker.get(tid)
-        if wid is not None and self.procs[wid] is not None:
-            try:
-                self.send(wid, msg)
-            except OSError:
-                pass
 
     def _check_workers(self):
         for wid, proc in enumerate(self.procs):
