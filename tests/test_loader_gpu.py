@@ -8,23 +8,10 @@ from torch.utils.data import Dataset
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
+from test_loader import hang_guard  # noqa: F401  (autouse: a hang fails the test)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    """A loader that stops making progress fails its test instead of blocking the suite."""
-    import signal as _signal
-
-    def on_alarm(signum, frame):
-        raise TimeoutError("test_loader: no result after 90 s (a hang in the loader?)")
-
-    previous = _signal.signal(_signal.SIGALRM, on_alarm)
-    _signal.alarm(90)
-    yield
-    _signal.alarm(0)
-    _signal.signal(_signal.SIGALRM, previous)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
