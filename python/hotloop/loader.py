@@ -600,7 +600,7 @@ class _Pool:
             return self.poll(task)  # placed into the ring meanwhile
         return self.pipe_results.pop(task.id, None)
 
-    def wait(self, task, timeout, batch_number):
+    def wait(self, task, timeout, batch_number, on_idle=None):
         """Block until the task is done; a dead worker is replaced meanwhile (or raises), and every
         sleep is bounded, so that nothing here can wait for an event that will not come."""
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
@@ -611,6 +611,8 @@ class _Pool:
             self._check_workers()
             if self.layouts:
                 self._place_layouts()
+            if on_idle is not None:
+                on_idle()  # e.g. hand out more tasks as soon as the ring exists
             left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
@@ -964,7 +966,7 @@ class _MultiIter(_BaseDataLoaderIter):
                 raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
             if not block and not pool._is_done(task):
                 return None
-            outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared))
+            outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
             pool.finish(task)
             self._outstanding -= 1
             kind = outcome[0]
