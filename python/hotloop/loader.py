@@ -20,6 +20,7 @@ import array
 import atexit
 import collections
 import dataclasses
+import fcntl
 import itertools
 import logging
 import multiprocessing.connection
@@ -46,6 +47,7 @@ _PROCESS_STATS = {"wait_seconds": 0.0, "batches": 0, "samples": 0}
 _POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 _ALIGN = 4096
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 
 
 def loader_stats_snapshot() -> dict:
@@ -439,6 +441,11 @@ class _Pool:
     def _start(self, wid):
         task_r, task_w = self.ctx.Pipe(duplex=False)
         res_r, res_w = self.ctx.Pipe(duplex=False)
+        for conn in (task_w, res_r):
+            try:  # 1 MiB pipes (Linux): large index lists and side objects rarely fill them
+                fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
         kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
         # a forked worker inherits the main process's ends of the other workers' pipes (and the
         # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
