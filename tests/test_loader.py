@@ -692,3 +692,21 @@ def test_device_path_logic_with_fake_cuda(monkeypatch, num_workers, prefetch_bat
     assert 0 < len(fake.registered) <= num_workers * 2 + prefetch_batches + 3
     st = loader.stats
     assert st.batches == 22 and st.h2d_bytes == 2 * sum(x.numel() + i.numel() * 8 for x, i in ref)
+
+
+class SlowFirst(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if i == 0:
+            time.sleep(0.8)
+        return i
+
+
+def test_in_order_false_does_not_wait_for_a_slow_batch():
+    got = [b.tolist() for b in hotloop.DataLoader(SlowFirst(), batch_size=4, num_workers=2, in_order=False)]
+    assert got[0] != [0, 1, 2, 3]  # the slow batch came later, others went past it
+    assert sorted(x for b in got for x in b) == list(range(24))
+    ordered = [b.tolist() for b in hotloop.DataLoader(SlowFirst(), batch_size=4, num_workers=2)]
+    assert ordered == [list(range(k, k + 4)) for k in range(0, 24, 4)]

@@ -963,6 +963,31 @@ class _MultiIter(_BaseDataLoaderIter):
                     return task
         return self._order[self._rcvd_idx]
 
+    def _first_done(self, head):
+        """in_order=False: sleep until any outstanding task is done and return it (the head once
+        `timeout` passed: pool.wait then raises)."""
+        pool = self._pool
+        deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
+        while deadline is None or time.monotonic() < deadline:
+            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._workers_status[t.wid]]
+            for task in candidates:
+                if pool._is_done(task):
+                    return task
+            pool._check_workers()
+            if pool.layouts:
+                pool._place_layouts()
+            self._fill()
+            waiting = [t for t in candidates if t.slot >= 0 and pool.ring.state(t.slot) == _C.RING_ASSIGNED]
+            if waiting:
+                # any slot's change wakes it; pipe messages (layouts) do not, hence the short sleep
+                pool.ring.wait(waiting[0].slot, _C.RING_ASSIGNED, 0.02, True)
+            else:
+                waitables = [c for c in pool.result_conns if c is not None and not c.closed]
+                multiprocessing.connection.wait(waitables + [p.sentinel for p in pool.procs if p is not None],
+                                                _POLL_S)
+            pool.drain_all()
+        return head
+
     def _next_result(self, block=True):
         """The next batch, assembled (CPU) or with its copy queued (_Pending, CUDA). None when the
         next one is not ready and block is False."""
@@ -973,6 +998,8 @@ class _MultiIter(_BaseDataLoaderIter):
                 raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
             if not block and not pool._is_done(task):
                 return None
+            if not self._in_order and not pool._is_done(task):
+                task = self._first_done(task)
             outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
             pool.finish(task)
             self._outstanding -= 1
