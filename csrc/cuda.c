@@ -45,6 +45,17 @@ void hl_device_leave(hl_device_guard *guard, hl_cuda_status *status) {
     guard->changed = 0;
 }
 
+int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx) {
+    hl_cuda_status status = {0};
+    Py_BEGIN_ALLOW_THREADS
+    hl_device_guard guard;
+    hl_device_enter(&guard, device, &status);
+    HL_CUDA(&status, launch(ctx));
+    hl_device_leave(&guard, &status);
+    Py_END_ALLOW_THREADS
+    return status.code != 0 ? hl_raise_cuda(module, &status) : 0;
+}
+
 void hl_table_upload(const hl_table *table, void *device_dst, cudaStream_t stream, hl_cuda_status *status) {
     /* from pageable memory the runtime stages the bytes before it returns, without waiting for
        the device, so the host entries can go right after */
@@ -104,6 +115,13 @@ static PyObject *py_cuda_event_create(PyObject *m, PyObject *args) {
     return PyLong_FromVoidPtr(event);
 }
 
+/* None, or the CudaError naming the first failed call */
+static PyObject *none_or_raise(PyObject *m, const hl_cuda_status *status) {
+    if (status->code != 0)
+        return hl_raise_cuda(m, status), NULL;
+    Py_RETURN_NONE;
+}
+
 static int parse_event(PyObject *obj, cudaEvent_t *event) {
     *event = (cudaEvent_t)PyLong_AsVoidPtr(obj);
     if (*event == NULL) {
@@ -115,6 +133,12 @@ static int parse_event(PyObject *obj, cudaEvent_t *event) {
 }
 
 PyDoc_STRVAR(cuda_event_record_doc, "cuda_event_record(event, stream)\n\nRecord the event on `stream` (an int).");
+/* the one event argument of a call taking nothing else */
+static int parse_one_event(PyObject *args, const char *format, cudaEvent_t *event) {
+    PyObject *obj;
+    return PyArg_ParseTuple(args, format, &obj) ? parse_event(obj, event) : -1;
+}
+
 static PyObject *py_cuda_event_record(PyObject *m, PyObject *args) {
     PyObject *obj;
     unsigned long long stream;
@@ -123,16 +147,13 @@ static PyObject *py_cuda_event_record(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaEventRecord(event, hl_stream(stream)));
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 PyDoc_STRVAR(cuda_event_query_doc, "cuda_event_query(event) -> bool\n\nTrue once all work before the record completed.");
 static PyObject *py_cuda_event_query(PyObject *m, PyObject *args) {
-    PyObject *obj;
     cudaEvent_t event;
-    if (!PyArg_ParseTuple(args, "O:cuda_event_query", &obj) || parse_event(obj, &event) < 0)
+    if (parse_one_event(args, "O:cuda_event_query", &event) < 0)
         return NULL;
     cudaError_t err = cudaEventQuery(event);
     if (err == cudaErrorNotReady) {
@@ -148,17 +169,14 @@ static PyObject *py_cuda_event_query(PyObject *m, PyObject *args) {
 
 PyDoc_STRVAR(cuda_event_synchronize_doc, "cuda_event_synchronize(event)\n\nWait (GIL released) for the event.");
 static PyObject *py_cuda_event_synchronize(PyObject *m, PyObject *args) {
-    PyObject *obj;
     cudaEvent_t event;
-    if (!PyArg_ParseTuple(args, "O:cuda_event_synchronize", &obj) || parse_event(obj, &event) < 0)
+    if (parse_one_event(args, "O:cuda_event_synchronize", &event) < 0)
         return NULL;
     hl_cuda_status status = {0};
     Py_BEGIN_ALLOW_THREADS
     HL_CUDA(&status, cudaEventSynchronize(event));
     Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 PyDoc_STRVAR(cuda_event_elapsed_doc, "cuda_event_elapsed(start, end) -> float\n\n"
@@ -179,15 +197,12 @@ static PyObject *py_cuda_event_elapsed(PyObject *m, PyObject *args) {
 
 PyDoc_STRVAR(cuda_event_destroy_doc, "cuda_event_destroy(event)");
 static PyObject *py_cuda_event_destroy(PyObject *m, PyObject *args) {
-    PyObject *obj;
     cudaEvent_t event;
-    if (!PyArg_ParseTuple(args, "O:cuda_event_destroy", &obj) || parse_event(obj, &event) < 0)
+    if (parse_one_event(args, "O:cuda_event_destroy", &event) < 0)
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaEventDestroy(event));
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 PyDoc_STRVAR(cuda_stream_wait_event_doc, "cuda_stream_wait_event(stream, event)\n\n"
@@ -200,9 +215,7 @@ static PyObject *py_cuda_stream_wait_event(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaStreamWaitEvent(hl_stream(stream), event, 0));
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 PyDoc_STRVAR(cuda_memcpy_htod_async_doc, "cuda_memcpy_htod_async(dst, src, nbytes, stream)\n\n"
@@ -217,9 +230,7 @@ static PyObject *py_cuda_memcpy_htod_async(PyObject *m, PyObject *args) {
     HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes,
                                      cudaMemcpyHostToDevice, hl_stream(stream)));
     Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 PyDoc_STRVAR(cuda_host_register_doc, "cuda_host_register(ptr, nbytes)\n\ncudaHostRegister (portable) host memory.");
@@ -231,9 +242,7 @@ static PyObject *py_cuda_host_register(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     HL_CUDA(&status, cudaHostRegister((void *)(uintptr_t)ptr, (size_t)nbytes, cudaHostRegisterPortable));
     Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 PyDoc_STRVAR(cuda_host_unregister_doc, "cuda_host_unregister(ptr)");
@@ -245,9 +254,7 @@ static PyObject *py_cuda_host_unregister(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     HL_CUDA(&status, cudaHostUnregister((void *)(uintptr_t)ptr));
     Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
-    Py_RETURN_NONE;
+    return none_or_raise(m, &status);
 }
 
 #define HL_LOADER_CUDA_METHODS                                                                                 \

@@ -25,6 +25,11 @@ void hl_device_leave(hl_device_guard *guard, hl_cuda_status *status);
 /* a stream handle as Python passes it (torch.cuda.Stream.cuda_stream) */
 static inline cudaStream_t hl_stream(unsigned long long handle) { return (cudaStream_t)(uintptr_t)handle; }
 
+/* Run launch(ctx) with `device` current and the GIL released (the GIL must be held on entry);
+   0, or -1 with a CudaError naming the first failed call (the guard's included). */
+typedef cudaError_t (*hl_launch_fn)(void *ctx);
+int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx);
+
 /* Copy the table's entries to `device_dst` (at least count * sizeof(hl_table_entry) bytes of
    device memory) on `stream`. The host entries may be freed as soon as this returns. */
 void hl_table_upload(const hl_table *table, void *device_dst, cudaStream_t stream, hl_cuda_status *status);

@@ -68,6 +68,22 @@ static void cpu_normalize(const uint8_t *src, void *dst, int dtype, int64_t n, i
     }
 }
 
+#ifdef HOTLOOP_WITH_CUDA
+typedef struct {
+    const hl_tensor *src, *dst;
+    int channels_last;
+    const hl_normalize_params *params;
+    cudaStream_t stream;
+} normalize_launch;
+
+static cudaError_t run_normalize(void *ctx) {
+    const normalize_launch *l = (const normalize_launch *)ctx;
+    const int64_t *shape = l->src->shape;
+    return hl_launch_normalize((const uint8_t *)l->src->data, l->dst->data, l->dst->dtype, shape[0], shape[1], shape[2],
+                               shape[3], l->channels_last, *l->params, l->stream);
+}
+#endif
+
 static int read_floats(PyObject *seq, const char *argname, int64_t count, float *out) {
     PyObject *list = PySequence_List(seq);
     if (list == NULL)
@@ -138,18 +154,9 @@ static PyObject *normalize(PyObject *module, PyObject *args) {
         if (hl_cuda_require(module, src.device) < 0)
             goto error;
 #ifdef HOTLOOP_WITH_CUDA
-        hl_cuda_status status = {0};
-        Py_BEGIN_ALLOW_THREADS
-        hl_device_guard guard;
-        hl_device_enter(&guard, src.device, &status);
-        HL_CUDA(&status, hl_launch_normalize((const uint8_t *)src.data, dst.data, dst.dtype, n, h, w, c,
-                                             channels_last, params, hl_stream(stream)));
-        hl_device_leave(&guard, &status);
-        Py_END_ALLOW_THREADS
-        if (status.code != 0) {
-            hl_raise_cuda(module, &status);
+        normalize_launch launch = {&src, &dst, channels_last, &params, hl_stream(stream)};
+        if (hl_cuda_run(module, src.device, run_normalize, &launch) < 0)
             goto error;
-        }
 #endif
     }
     result = Py_NewRef(Py_None);

@@ -323,26 +323,29 @@ static PyObject *ring_info(PyObject *self, PyObject *args) {
     return Py_BuildValue("(ILiKI)", state, (long long)c->task, c->worker, (unsigned long long)c->meta_len, c->flags);
 }
 
-PyDoc_STRVAR(wait_doc, "wait(slot, not_state, timeout) -> int\n\n"
+PyDoc_STRVAR(wait_doc, "wait(slot, not_state, timeout, any_change=False) -> int\n\n"
              "Sleep (futex, GIL released) until the slot's state differs from not_state, or timeout seconds\n"
-             "passed; return the state then. A negative timeout waits without limit.");
+             "passed (with any_change: or any slot changed state); return the slot's state then. A negative\n"
+             "timeout waits without limit.");
 static PyObject *ring_wait(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
     unsigned int not_state, state;
     double timeout;
-    if (!PyArg_ParseTuple(args, "LId:wait", &slot, &not_state, &timeout) || check_slot(r, slot) < 0)
+    int any_change = 0;
+    if (!PyArg_ParseTuple(args, "LId|p:wait", &slot, &not_state, &timeout, &any_change) || check_slot(r, slot) < 0)
         return NULL;
     hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
     _Atomic uint32_t *word = &header_of(r)->completions;
     Py_BEGIN_ALLOW_THREADS
     double deadline = now_seconds() + timeout;
+    uint32_t first = atomic_load_explicit(word, memory_order_acquire);
     for (;;) {
         /* read the counter before the state: a change after this read bumps the counter, and the
            futex then refuses to sleep */
         uint32_t seen = atomic_load_explicit(word, memory_order_acquire);
         state = atomic_load_explicit(&c->state, memory_order_acquire);
-        if (state != not_state)
+        if (state != not_state || (any_change && seen != first))
             break;
         struct timespec ts, *tsp = NULL;
         if (timeout >= 0) {
@@ -408,6 +411,35 @@ static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+#ifdef HOTLOOP_WITH_CUDA
+/* work on one slot for hl_cuda_run: page-lock it, or copy parts of it to the device */
+typedef struct {
+    RingObject *ring;
+    uint32_t slot;
+    const int64_t *triples; /* (offset in the slot, device address, bytes) */
+    Py_ssize_t count;
+    cudaStream_t stream;
+} slot_copies;
+
+static cudaError_t run_register(void *ctx) {
+    slot_copies *job = (slot_copies *)ctx;
+    return cudaHostRegister(slot_data(job->ring, job->slot), job->ring->slot_bytes, cudaHostRegisterPortable);
+}
+
+static cudaError_t run_copies(void *ctx) {
+    slot_copies *job = (slot_copies *)ctx;
+    char *src = slot_data(job->ring, job->slot);
+    for (Py_ssize_t i = 0; i < job->count; i++) {
+        const int64_t *t = job->triples + 3 * i;
+        cudaError_t err = cudaMemcpyAsync((void *)(uintptr_t)t[1], src + t[0], (size_t)t[2], cudaMemcpyHostToDevice,
+                                          job->stream);
+        if (err != cudaSuccess)
+            return err;
+    }
+    return cudaSuccess;
+}
+#endif
+
 PyDoc_STRVAR(prefault_doc, "prefault(slot)\n\n"
              "Fault in (writable) every page of the slot in one call (MADV_POPULATE_WRITE, or a touch per page\n"
              "on older kernels), GIL released: the batch copy that follows runs at memory speed.");
@@ -451,16 +483,9 @@ static PyObject *ring_cuda_register_slot(PyObject *self, PyObject *args) {
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
-    hl_cuda_status status = {0};
-    char *p = slot_data(r, (uint32_t)slot);
-    Py_BEGIN_ALLOW_THREADS
-    hl_device_guard guard;
-    hl_device_enter(&guard, device, &status);
-    HL_CUDA(&status, cudaHostRegister(p, r->slot_bytes, cudaHostRegisterPortable));
-    hl_device_leave(&guard, &status);
-    Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(module, &status), NULL;
+    slot_copies job = {r, (uint32_t)slot, NULL, 0, NULL};
+    if (hl_cuda_run(module, device, run_register, &job) < 0)
+        return NULL;
     r->registered[slot] = 1;
     r->registered_device = device;
 #endif
@@ -489,18 +514,9 @@ static PyObject *ring_copy_to_device(PyObject *self, PyObject *args) {
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
-    char *src = slot_data(r, (uint32_t)slot);
-    hl_cuda_status status = {0};
-    Py_BEGIN_ALLOW_THREADS
-    hl_device_guard guard;
-    hl_device_enter(&guard, device, &status);
-    for (Py_ssize_t i = 0; i < n; i++)
-        HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)t[3 * i + 1], src + t[3 * i], (size_t)t[3 * i + 2],
-                                         cudaMemcpyHostToDevice, hl_stream(stream)));
-    hl_device_leave(&guard, &status);
-    Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(module, &status), NULL;
+    slot_copies job = {r, (uint32_t)slot, t, n, hl_stream(stream)};
+    if (hl_cuda_run(module, device, run_copies, &job) < 0)
+        return NULL;
 #else
     (void)stream;
 #endif

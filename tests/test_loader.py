@@ -20,6 +20,21 @@ from hotloop.loader import loader_stats_snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """A loader that stops making progress fails its test instead of blocking the suite."""
+    import signal as _signal
+
+    def on_alarm(signum, frame):
+        raise TimeoutError("test_loader: no result after 60 s (a hang in the loader?)")
+
+    previous = _signal.signal(_signal.SIGALRM, on_alarm)
+    _signal.alarm(60)
+    yield
+    _signal.alarm(0)
+    _signal.signal(_signal.SIGALRM, previous)
+
 Point = collections.namedtuple("Point", ["a", "b"])
 
 
@@ -221,6 +236,22 @@ def test_resume_mid_epoch(num_workers):
         assert_same(a[4], b[4])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_after_a_finished_epoch_starts_the_next(num_workers):
+    ds = Rows(30)
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
+    ref = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(5), **kwargs)
+    list(ref)
+    state = ref.state_dict()
+    second_epoch = list(ref)
+    other = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(77), **kwargs)
+    other.load_state_dict(state)
+    got = list(other)
+    assert len(got) == len(second_epoch) == 8
+    for a, b in zip(second_epoch, got):
+        assert_same(a, b)
+
+
 class Counting(Dataset):
     """Sample i is i; the worker that first loads `victim` kills itself with SIGKILL (once per marker)."""
 
@@ -237,8 +268,9 @@ class Counting(Dataset):
         return torch.tensor([i, i * 3]), i
 
 
-def test_worker_killed_every_sample_once(tmp_path):
-    ds = Counting(50, victim=17, marker=str(tmp_path / "died"))
+@pytest.mark.parametrize("victim", [17, 2])  # 2: in a worker's first batch, before the ring exists
+def test_worker_killed_every_sample_once(tmp_path, victim):
+    ds = Counting(50, victim=victim, marker=str(tmp_path / "died"))
     loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
                                 generator=torch.Generator().manual_seed(1))
     got = list(loader)
@@ -255,9 +287,14 @@ def test_worker_killed_every_sample_once(tmp_path):
 def test_worker_keeps_dying_raises(tmp_path):
     ds = Counting(30, victim=5, marker=str(tmp_path / "died"), always=True)
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, max_worker_restarts=2)
+    it = iter(loader)
+    pool = it._pool
     with pytest.raises(RuntimeError, match=r"pid \d+\) was killed by signal SIGKILL while holding the indices "
                                            r"\[\[4, 5, 6, 7\].*max_worker_restarts=2"):
-        list(loader)
+        list(it)
+    assert pool.closed and all(p is None for p in pool.procs)  # reaped at once, not at garbage collection
+    with pytest.raises(RuntimeError, match="ended with an error"):
+        next(it)
 
 
 class Faulty(Dataset):
@@ -565,3 +602,111 @@ def test_interpreter_exit_and_ctrl_c_reap_workers(tmp_path, how):
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids)
     assert _shm_files() <= shm
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda and of hotloop's CUDA helpers to run the loader's device path on the
+    CPU: copies are host memcpys, events complete at once. It checks the path's logic (prefetch,
+    slot reuse, end of epoch, transform), not the GPU's ordering (tests/test_loader_gpu.py does)."""
+
+    class Stream:
+        cuda_stream = 7
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __eq__(self, other):
+            return isinstance(other, _FakeCuda.Stream)
+
+        __hash__ = object.__hash__
+
+    def __init__(self, monkeypatch):
+        import types
+
+        import hotloop.loader as L
+
+        real_torch, real_c = L.torch, L._C
+        self.recorded, self.waited, self.copies, self.registered = 0, 0, 0, set()
+        fake = self
+        cuda = types.SimpleNamespace(Stream=_FakeCuda.Stream, current_stream=lambda device=None: _FakeCuda.Stream())
+
+        class Torch(types.ModuleType):
+            def __getattr__(self, name):
+                return cuda if name == "cuda" else getattr(real_torch, name)
+
+            def empty(self, *args, device=None, **kwargs):
+                return real_torch.empty(*args, **kwargs)
+
+        class Ring:
+            def __init__(self, *args, **kwargs):
+                self._ring = real_c.Ring(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(self._ring, name)
+
+            def cuda_register_slot(self, slot, device):
+                new = slot not in fake.registered
+                fake.registered.add(slot)
+                return new
+
+            def copy_to_device(self, slot, packed, stream, device):
+                fake.copies += 1
+                self._ring.copy_out(slot, packed)  # "device" memory is host memory here
+
+        def record(event, stream):
+            fake.recorded += 1
+
+        def wait(stream, event):
+            fake.waited += 1
+
+        c = types.SimpleNamespace(Ring=Ring, cuda_event_create=lambda device, timing=False: 1,
+                                  cuda_event_record=record, cuda_stream_wait_event=wait,
+                                  cuda_event_query=lambda e: True, cuda_event_synchronize=lambda e: None,
+                                  cuda_event_elapsed=lambda a, b: 0.5, cuda_event_destroy=lambda e: None,
+                                  normalize=real_c.normalize, RING_FREE=real_c.RING_FREE,
+                                  RING_ASSIGNED=real_c.RING_ASSIGNED, RING_READY=real_c.RING_READY,
+                                  RING_ERROR=real_c.RING_ERROR, RING_FLAG_OVERFLOW=real_c.RING_FLAG_OVERFLOW)
+        monkeypatch.setattr(L, "torch", Torch("torch"))
+        monkeypatch.setattr(L, "_C", c)
+
+
+@pytest.mark.parametrize("num_workers,prefetch_batches,transform", [(1, 0, False), (3, 2, True), (2, 3, False)])
+def test_device_path_logic_with_fake_cuda(monkeypatch, num_workers, prefetch_batches, transform):
+    import types
+
+    ds = Images(n=42, size=12)
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2)))
+    fake = _FakeCuda(monkeypatch)
+    tf = hotloop.Normalize((0.4, 0.5, 0.6), (0.2, 0.3, 0.25), dtype=torch.float16) if transform else None
+    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=num_workers, gpu_transform=tf,
+                                generator=torch.Generator().manual_seed(2), prefetch_batches=prefetch_batches)
+    loader.device = types.SimpleNamespace(type="cuda", index=0)  # what device="cuda" sets on a GPU machine
+    for epoch in range(2):
+        got = list(loader)
+        assert len(got) == len(ref) == 11  # every batch, the last ones after the prefetch included
+        for (x, i), (y, j) in zip(ref, got):
+            assert torch.equal(i, j)
+            assert torch.equal(y, tf.reference(x) if tf else x)
+        loader.generator.manual_seed(2)  # the next epoch in the same order as `ref` again
+    assert fake.copies == 2 * 11 and fake.waited >= 2 * 11 * 2  # copy stream and consumer stream both wait
+    assert 0 < len(fake.registered) <= num_workers * 2 + prefetch_batches + 3
+    st = loader.stats
+    assert st.batches == 22 and st.h2d_bytes == 2 * sum(x.numel() + i.numel() * 8 for x, i in ref)
+
+
+class SlowFirst(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if i == 0:
+            time.sleep(0.8)
+        return i
+
+
+def test_in_order_false_does_not_wait_for_a_slow_batch():
+    got = [b.tolist() for b in hotloop.DataLoader(SlowFirst(), batch_size=4, num_workers=2, in_order=False)]
+    assert got[0] != [0, 1, 2, 3]  # the slow batch came later, others went past it
+    assert sorted(x for b in got for x in b) == list(range(24))
+    ordered = [b.tolist() for b in hotloop.DataLoader(SlowFirst(), batch_size=4, num_workers=2)]
+    assert ordered == [list(range(k, k + 4)) for k in range(0, 24, 4)]

@@ -8,8 +8,10 @@ from torch.utils.data import Dataset
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
+from test_loader import hang_guard  # noqa: F401  (autouse: a hang fails the test)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
+
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

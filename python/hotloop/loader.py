@@ -20,6 +20,7 @@ import array
 import atexit
 import collections
 import dataclasses
+import fcntl
 import itertools
 import logging
 import multiprocessing.connection
@@ -46,6 +47,7 @@ _PROCESS_STATS = {"wait_seconds": 0.0, "batches": 0, "samples": 0}
 _POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 _ALIGN = 4096
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 
 
 def loader_stats_snapshot() -> dict:
@@ -205,6 +207,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._hl_pool = None  # persistent workers keep theirs here
         self._hl_resume = None  # a loaded state, applied by the next iterator
         self._hl_epoch = None  # the current epoch's (generator state, base seed)
+        self._hl_epoch_done = False  # its last batch was handed out
+        self._hl_yielded = 0  # batches handed out in it
         self._hl_iter = None  # weak reference to the live iterator
 
     @property
@@ -221,19 +225,33 @@ class DataLoader(torch.utils.data.DataLoader):
         return it
 
     def __iter__(self):
+        resume = self._hl_resume
+        if resume is not None and resume.get("epoch_done") and not (self.persistent_workers and self.num_workers):
+            # the saved epoch had ended: the next one starts from the generator as it was then
+            self._hl_resume = None
+            self._generator().set_state(resume["generator_state"])
         it = super().__iter__()
         self._hl_iter = weakref.ref(it)
         return it
 
+    def _generator(self):
+        return self.generator if self.generator is not None else torch.default_generator
+
     def state_dict(self) -> dict:
         """Where the current epoch stands: load it into a loader built the same way and the next batch
-        it yields is the one this loader would have yielded next."""
-        it = self._hl_iter() if self._hl_iter is not None else None
+        it yields is the one this loader would have yielded next (after a finished epoch: the first
+        batch of the next epoch). The loader's generator (torch's default one when generator=None)
+        is rewound to make the sampler draw the same order; random transforms inside workers draw
+        from fresh worker seeds, so they match only from the start of an epoch."""
         if self._hl_epoch is None:
-            return {"version": 1, "batches_yielded": 0, "generator_state": None, "base_seed": None}
+            return {"version": 1, "batches_yielded": 0, "generator_state": None, "base_seed": None,
+                    "epoch_done": False}
+        if self._hl_epoch_done:
+            return {"version": 1, "batches_yielded": 0, "generator_state": self._generator().get_state(),
+                    "base_seed": None, "epoch_done": True}
         gen_state, base_seed = self._hl_epoch
-        return {"version": 1, "batches_yielded": it._num_yielded if it is not None else 0,
-                "generator_state": gen_state.clone(), "base_seed": base_seed}
+        return {"version": 1, "batches_yielded": self._hl_yielded, "generator_state": gen_state.clone(),
+                "base_seed": base_seed, "epoch_done": False}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != 1:
@@ -243,14 +261,17 @@ class DataLoader(torch.utils.data.DataLoader):
     def _hl_begin_epoch(self, it):
         """Called by an iterator once its sampler iterator exists and before it draws from it: rewinds
         the generator for a resumed epoch, remembers where this epoch starts, returns batches to skip."""
-        gen = self.generator if self.generator is not None else torch.default_generator
+        gen = self._generator()
         resume, self._hl_resume = self._hl_resume, None
         skip = 0
         if resume is not None and resume.get("generator_state") is not None:
-            gen.set_state(resume["generator_state"])
-            it._base_seed = resume["base_seed"]
+            gen.set_state(resume["generator_state"])  # epoch_done with persistent workers: undo the seed draw
+            if resume.get("base_seed") is not None:
+                it._base_seed = resume["base_seed"]
             skip = int(resume["batches_yielded"])
         self._hl_epoch = (gen.get_state(), it._base_seed)
+        self._hl_epoch_done = False
+        self._hl_yielded = skip
         return skip
 
     def __del__(self):
@@ -261,6 +282,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
 def _record(loader, t0, samples):
     dt = time.perf_counter() - t0
+    loader._hl_yielded += 1
     st = loader._hl_stats
     st.wait_seconds += dt
     st.batches += 1
@@ -333,7 +355,11 @@ class _SingleIter(_SingleProcessDataLoaderIter):
 
     def _next_data(self):
         t0 = time.perf_counter()
-        batch = super()._next_data()  # torch pins it there when pin_memory
+        try:
+            batch = super()._next_data()  # torch pins it there when pin_memory
+        except StopIteration:
+            self._loader._hl_epoch_done = True
+            raise
         batch = _host_batch_out(self._loader, batch, False)
         _record(self._loader, t0, _batch_samples(batch, 1))
         _count_elapsed(self, self._loader, t0)
@@ -415,10 +441,22 @@ class _Pool:
     def _start(self, wid):
         task_r, task_w = self.ctx.Pipe(duplex=False)
         res_r, res_w = self.ctx.Pipe(duplex=False)
+        for conn in (task_w, res_r):
+            try:  # 1 MiB pipes (Linux): large index lists and side objects rarely fill them
+                fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
         kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
+        # a forked worker inherits the main process's ends of the other workers' pipes (and the
+        # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
+        inherited = []
+        if self.ctx.get_start_method() == "fork":
+            inherited = [c.fileno() for c in self.task_conns + self.result_conns if c is not None and not c.closed]
+            if self.ring is not None:
+                inherited.append(self.ring.fd)
         proc = self.ctx.Process(target=worker_main,
                                 args=(wid, self.n, kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn,
-                                      task_r, res_w, self.main_pid, True),
+                                      task_r, res_w, self.main_pid, True, inherited),
                                 daemon=True)
         proc.start()
         task_r.close()  # the worker's ends: closed here so that the worker's exit shows as EOF
@@ -428,7 +466,10 @@ class _Pool:
             task_w.send(self.ring_msg)
 
     def send(self, wid, msg):
-        self.task_conns[wid].send(msg)
+        try:
+            self.task_conns[wid].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the worker is dead: _check_workers restarts it and gives its tasks again
 
     def _drain(self, wid):
         """Read every complete message waiting in worker wid's pipe. False at EOF."""
@@ -464,18 +505,12 @@ class _Pool:
             del self.layouts[tid]
             task = self.tasks.get(tid)
             if task is None or self.resuming:
-                self.send_if_alive(tid, ("place", tid, -2))
+                wid = self.task_worker.get(tid)
+                if wid is not None and self.procs[wid] is not None:
+                    self.send(wid, ("place", tid, -2))
                 continue
             task.slot = self.take_slot() if self.ring is not None else -1
             self.send(task.wid, ("place", tid, task.slot))
-
-    def send_if_alive(self, tid, msg):
-        wid = self.task_worker.get(tid)
-        if wid is not None and self.procs[wid] is not None:
-            try:
-                self.send(wid, msg)
-            except OSError:
-                pass
 
     def _check_workers(self):
         for wid, proc in enumerate(self.procs):
@@ -484,7 +519,11 @@ class _Pool:
 
     def _is_done(self, task):
         if task.slot >= 0:
-            return self.ring.state(task.slot) != _C.RING_ASSIGNED
+            state, _, _, _, flags = self.ring.info(task.slot)
+            if state == _C.RING_ASSIGNED:
+                return False
+            # an overflowing batch is done once its metadata came through the pipe
+            return not flags & _C.RING_FLAG_OVERFLOW or task.id in self.pipe_results
         return task.id in self.pipe_results
 
     def _on_death(self, wid):
@@ -496,17 +535,26 @@ class _Pool:
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         held = [list(t.index) if t.index is not None else None for t in lost]
         desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
+        fatal = None
         if self.kind == _DatasetKind.Iterable and lost:
-            raise RuntimeError(desc + "; an IterableDataset worker cannot be restarted (its position is lost)")
-        if self.restarts >= self.loader.max_worker_restarts:
-            raise RuntimeError(desc + f"; {self.restarts} worker(s) were restarted already "
-                               f"(max_worker_restarts={self.loader.max_worker_restarts})")
+            fatal = desc + "; an IterableDataset worker cannot be restarted (its position is lost)"
+        elif self.restarts >= self.loader.max_worker_restarts:
+            fatal = desc + (f"; {self.restarts} worker(s) were restarted already "
+                            f"(max_worker_restarts={self.loader.max_worker_restarts})")
+        if fatal is not None:
+            self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
+            raise RuntimeError(fatal)
         self.restarts += 1
         self.loader._hl_stats.worker_restarts += 1
         _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
         self._forget(wid)
         self._start(wid)
         for t in lost:
+            self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
+            if t.slot < 0 and self.ring is not None:
+                t.slot = self.take_slot()
+            elif t.slot >= 0:
+                self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
             self.send(wid, ("task", t.id, t.index, t.slot))
 
     def _forget(self, wid):
@@ -542,12 +590,8 @@ class _Pool:
             if tid != task.id:
                 raise AssertionError(f"slot {task.slot} holds task {tid}, expected {task.id}")
             if flags & _C.RING_FLAG_OVERFLOW:
-                while task.id not in self.pipe_results:
-                    if not self._drain(task.wid):
-                        self._check_workers()
-                    if task.id not in self.pipe_results:
-                        multiprocessing.connection.wait([self.result_conns[task.wid]], _POLL_S)
-                return self.pipe_results.pop(task.id)
+                self.drain_all()  # the metadata follows through the worker's pipe
+                return self.pipe_results.pop(task.id, None)
             view = self.ring.view(task.slot)
             try:
                 return pickle.loads(view[:meta_len])
@@ -563,22 +607,37 @@ class _Pool:
             return self.poll(task)  # placed into the ring meanwhile
         return self.pipe_results.pop(task.id, None)
 
-    def wait(self, task, timeout, batch_number):
+    def wait(self, task, timeout, batch_number, on_idle=None):
+        """Block until the task is done; a dead worker is replaced meanwhile (or raises), and every
+        sleep is bounded, so that nothing here can wait for an event that will not come."""
         deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
         while True:
             outcome = self.poll(task)
             if outcome is not None:
                 return outcome
             self._check_workers()
+            if self.layouts:
+                self._place_layouts()
+            if on_idle is not None:
+                on_idle()  # e.g. hand out more tasks as soon as the ring exists
             left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
                                    f"(worker {task.wid}, indices {task.index})")
-            if task.slot >= 0:
-                self.ring.wait(task.slot, _C.RING_ASSIGNED, left)
+            if task.slot >= 0 and self.ring.state(task.slot) == _C.RING_ASSIGNED:
+                # wake on any slot's change: a worker that flagged an overflow is now writing its
+                # metadata into its pipe and must be read, whichever task is awaited here
+                self.ring.wait(task.slot, _C.RING_ASSIGNED, left, True)
             else:
-                proc = self.procs[task.wid]
-                multiprocessing.connection.wait([self.result_conns[task.wid], proc.sentinel], left)
+                waitables = [c for c in self.result_conns if c is not None and not c.closed]
+                waitables += [p.sentinel for p in self.procs if p is not None]
+                multiprocessing.connection.wait(waitables, left)
+            self.drain_all()
+
+    def drain_all(self):
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                self._drain(wid)
 
     def finish(self, task):
         """The task's result was taken: forget it (its slot is freed by whoever used the data)."""
@@ -904,6 +963,31 @@ class _MultiIter(_BaseDataLoaderIter):
                     return task
         return self._order[self._rcvd_idx]
 
+    def _first_done(self, head):
+        """in_order=False: sleep until any outstanding task is done and return it (the head once
+        `timeout` passed: pool.wait then raises)."""
+        pool = self._pool
+        deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
+        while deadline is None or time.monotonic() < deadline:
+            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._workers_status[t.wid]]
+            for task in candidates:
+                if pool._is_done(task):
+                    return task
+            pool._check_workers()
+            if pool.layouts:
+                pool._place_layouts()
+            self._fill()
+            waiting = [t for t in candidates if t.slot >= 0 and pool.ring.state(t.slot) == _C.RING_ASSIGNED]
+            if waiting:
+                # any slot's change wakes it; pipe messages (layouts) do not, hence the short sleep
+                pool.ring.wait(waiting[0].slot, _C.RING_ASSIGNED, 0.02, True)
+            else:
+                waitables = [c for c in pool.result_conns if c is not None and not c.closed]
+                multiprocessing.connection.wait(waitables + [p.sentinel for p in pool.procs if p is not None],
+                                                _POLL_S)
+            pool.drain_all()
+        return head
+
     def _next_result(self, block=True):
         """The next batch, assembled (CPU) or with its copy queued (_Pending, CUDA). None when the
         next one is not ready and block is False."""
@@ -914,7 +998,9 @@ class _MultiIter(_BaseDataLoaderIter):
                 raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
             if not block and not pool._is_done(task):
                 return None
-            outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared))
+            if not self._in_order and not pool._is_done(task):
+                task = self._first_done(task)
+            outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
             pool.finish(task)
             self._outstanding -= 1
             kind = outcome[0]
@@ -956,7 +1042,11 @@ class _MultiIter(_BaseDataLoaderIter):
     def _next_data(self):
         t0 = time.perf_counter()
         if self._pool is None:
+            self._loader._hl_epoch_done = True
             raise StopIteration
+        if self._pool.closed:
+            raise RuntimeError("DataLoader: this epoch ended with an error in a worker (see above); start a new "
+                               "one with iter(loader)")
         while self._skip_batches:
             self._skip_batches -= 1
             out, _ = self._next_result()
@@ -971,6 +1061,7 @@ class _MultiIter(_BaseDataLoaderIter):
                     self._prepared.append(self._next_result())
                 out, samples = self._prepared.popleft()
         except StopIteration:
+            self._loader._hl_epoch_done = True
             if not self._persistent_workers:
                 self._shutdown()
             raise

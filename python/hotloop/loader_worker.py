@@ -240,9 +240,14 @@ def _seed_like_torch(base_seed, worker_id):
 
 
 def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, collate_fn, drop_last, base_seed,
-                init_fn, task_conn, result_conn, main_pid, fast_ok):
+                init_fn, task_conn, result_conn, main_pid, fast_ok, inherited_fds=()):
     """The worker process: mirrors torch's _worker_loop, results go to the ring or the result pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    for fd in inherited_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     torch.set_num_threads(1)
     seed = _seed_like_torch(base_seed, worker_id)
     _utils.worker._worker_info = _utils.worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed,
@@ -315,9 +320,9 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 continue
             if msg[0] == "place":
                 _, task_id, slot = msg
-                batch, busy = pending.pop(task_id)
-                if slot == -2:
-                    continue  # the epoch it belonged to is over
+                batch, busy = pending.pop(task_id, (None, 0.0))
+                if slot == -2 or batch is None:
+                    continue  # the epoch it belonged to is over, or it was given to this worker anew
                 if slot >= 0:
                     try:
                         writer = _SlotWriter(slot_tensor(slot), layout)
