@@ -80,7 +80,7 @@ def test_monitor_cli_writes_rows_and_a_summary(fake_lib, tmp_path):
     out = tmp_path / "log.csv"
     env = {"HOTLOOP_NVML_LIBRARY": fake_lib, "FAKE_NVML_DEVICE_COUNT": "2", "FAKE_NVML_PCIE_DELAY_US": "500",
            "FAKE_NVML_USED": str(3 << 30), "FAKE_NVML_POWER_MW": "123456"}
-    p = run_cli("monitor", "--interval-ms", "20", "--duration", "0.3", "--device", "1", "--csv", str(out), env=env)
+    p = run_cli("monitor", "--interval-ms", "20", "--duration", "1.0", "--device", "1", "--csv", str(out), env=env)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("time") and "used MiB" in lines[0]

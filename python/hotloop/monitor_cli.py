@@ -79,12 +79,13 @@ def main(args) -> int:
                       "memMHz", "rx MB/s", "tx MB/s", "clock-event reasons"))
     # SIGTERM ends the logger like Ctrl-C does
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    t_start = time.monotonic()
-    wall_start = time.time()
+    t_start, wall_start = time.monotonic(), time.time()
     lines = 0
     try:
         for m in monitors:
             m.start()
+        # --duration counts from when sampling began, not from the (possibly slow) set-up
+        t_start, wall_start = time.monotonic(), time.time()
         next_print = t_start + interval / 1000.0
         while args.duration is None or time.monotonic() - t_start < args.duration:
             time.sleep(max(0.0, next_print - time.monotonic()))
