@@ -338,6 +338,18 @@ static int cuda_update(const void *args, void *stream) {
                                 a->adjust, stream);
 }
 #define CUDA_PASS(f) f
+
+/* one pass's launcher and arguments, in the shape hl_cuda_run calls */
+typedef struct {
+    int (*cuda)(const void *args, void *stream);
+    const void *args;
+    unsigned long long stream;
+} pass_launch;
+
+static cudaError_t launch_pass(void *ctx) {
+    const pass_launch *p = ctx;
+    return (cudaError_t)p->cuda(p->args, (void *)hl_stream(p->stream));
+}
 #else
 #define CUDA_PASS(f) NULL
 #endif
@@ -355,15 +367,9 @@ static PyObject *run_pass(PyObject *module, int device, unsigned long long strea
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
-    hl_cuda_status status = {0};
-    Py_BEGIN_ALLOW_THREADS
-    hl_device_guard guard;
-    hl_device_enter(&guard, device, &status);
-    HL_CUDA(&status, cuda(args, (void *)hl_stream(stream)));
-    hl_device_leave(&guard, &status);
-    Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(module, &status), NULL;
+    pass_launch launch = {cuda, args, stream};
+    if (hl_cuda_run(module, device, launch_pass, &launch) < 0)
+        return NULL;
 #else
     (void)cuda;
     (void)stream;
