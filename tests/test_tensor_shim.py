@@ -127,10 +127,25 @@ def test_table_malformed_bytes():
         _C.check_table(bytearray(32), FLOATING)
 
 
-def test_sparse_and_non_contiguous_refused_in_python():
+def test_sparse_and_gapped_refused_in_python():
     with pytest.raises(TypeError, match="dense"):
         ops.non_finite_check([torch.rand(3, 3).to_sparse()])
-    with pytest.raises(ValueError, match=r"tensors\[1\]: expected a contiguous tensor"):
-        ops.non_finite_check([torch.rand(3), torch.rand(3, 4).t()])
+    # every other column: the elements do not fill the memory they span
+    with pytest.raises(ValueError, match=r"tensors\[1\]: expected a dense tensor"):
+        ops.non_finite_check([torch.rand(3), torch.rand(3, 8)[:, ::2]])
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(6, 9).t(),
+                                  lambda: torch.randn(2, 3, 5, 7).contiguous(memory_format=torch.channels_last)])
+def test_dense_in_another_order_is_accepted(make):
+    # a transposed or channels_last tensor (as conv weight gradients are) is read in memory order
+    t = make()
+    assert not t.is_contiguous()
+    assert ops.non_finite_check([t]).item() == 0.0
+    flat = t.as_strided((t.numel(),), (1,))  # the same memory, in memory order
+    for pos in (0, t.numel() // 2, t.numel() - 1):
+        flat[pos] = float("nan")
+        assert ops.non_finite_check([t]).item() == 1.0
+        flat[pos] = 0.25
     with pytest.raises(TypeError, match=r"tensors\[0\]: expected a torch.Tensor, got float"):
         ops.non_finite_check([1.0])

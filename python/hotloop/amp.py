@@ -36,8 +36,7 @@ from enum import Enum
 
 import torch
 
-from . import _C
-from .tensor_table import DTYPE_CODES
+from . import _C, tensor_table
 
 _logger = logging.getLogger(__name__)
 
@@ -88,19 +87,6 @@ class OverflowReport:
                 f" (optimizer {self.optimizer}; {self.overflows} overflow(s) seen)")
 
 
-def _is_dense(t):
-    """Non-overlapping and dense (contiguous in some order of its dimensions), as kernels need."""
-    if t.is_contiguous():
-        return True
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class _Table:
     """The gradients of one optimizer as the kernels read them: uploaded once, reused every step."""
 
@@ -109,10 +95,7 @@ class _Table:
 
     def __init__(self, key, grads, param_index, device, stream):
         count = len(grads)
-        fields = []
-        for g in grads:
-            fields += (g.data_ptr(), g.numel(), DTYPE_CODES[g.dtype], g.get_device())
-        packed = struct.pack(f"{len(fields)}q", *fields)
+        packed = tensor_table.packed_bytes(grads)  # _build_table checked them, naming parameters
         index = struct.pack(f"{count}i", *param_index)
         nbytes = count * (_ENTRY_BYTES + 4)
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -340,7 +323,7 @@ class GradScaler:
             elif g.device != device:
                 raise ValueError(f"expected all gradients of one optimizer on one device; parameter "
                                  f"{index[0]} has its gradient on {device}, parameter {i} on {g.device}")
-            if not _is_dense(g):
+            if not tensor_table.is_dense(g):
                 raise ValueError(f"parameter {i}: expected a dense gradient, got one with strides {g.stride()} "
                                  f"for shape {tuple(g.shape)}")
             present.append(g)

@@ -1,7 +1,7 @@
 """Packs many tensors into the table that hotloop._C reads: (data pointer, element count, dtype, device).
 
 One bytes object per call lets one kernel launch walk any number of tensors. Only what C cannot see
-from a pointer is checked here (layout, sparsity); C checks dtypes, devices and pointers.
+from a pointer is checked here (layout, density); C checks dtypes, devices and pointers.
 """
 import struct
 
@@ -43,15 +43,37 @@ def as_tensor_list(tensors, argname="tensors"):
     return items
 
 
+def is_dense(t) -> bool:
+    """Non-overlapping and without gaps (contiguous in some order of its dimensions, e.g. a
+    channels_last gradient): its numel() elements are the ones from data_ptr() on, which is all an
+    elementwise kernel over the table needs."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((stride, size) for stride, size in zip(t.stride(), t.shape) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def pack(tensors, argname="tensors"):
-    """The packed table of `tensors` (a list of torch.Tensor) as bytes."""
-    fields = []
+    """The packed table of `tensors` (a list of torch.Tensor) as bytes, after checking each."""
     for i, t in enumerate(tensors):
         if t.layout is not torch.strided:
             raise TypeError(f"{argname}[{i}]: expected a dense (strided) tensor, got layout {t.layout}")
-        if not t.is_contiguous():
-            raise ValueError(f"{argname}[{i}]: expected a contiguous tensor, got one with strides "
-                             f"{t.stride()} for shape {tuple(t.shape)} (call .contiguous() first)")
+        if not is_dense(t):
+            raise ValueError(f"{argname}[{i}]: expected a dense tensor (contiguous in some order of its "
+                             f"dimensions), got strides {t.stride()} for shape {tuple(t.shape)} "
+                             f"(call .contiguous() first)")
+    return packed_bytes(tensors)
+
+
+def packed_bytes(tensors):
+    """The packed table of tensors the caller has already checked (strided and dense)."""
+    fields = []
+    for t in tensors:
         fields += (t.data_ptr(), t.numel(), DTYPE_CODES.get(t.dtype, UNKNOWN_DTYPE), t.get_device())
     return struct.pack(f"{len(fields)}q", *fields)
 
