@@ -10,8 +10,8 @@ def non_finite_check(tensors) -> torch.Tensor:
 
     `tensors` is a tensor or an iterable of float32, float16 and bfloat16 tensors (mixed is fine),
     all on one device and dense (contiguous in some order of their dimensions, channels_last
-    included). On CUDA one kernel on the current stream reads them all and
-    the host does not wait for it; on the CPU a C loop does the same. Tensors that require grad are
+    included). On CUDA one kernel on the current stream reads them all and the host does not wait
+    for it; on the CPU a C loop does the same. Tensors that require grad are
     read as they are (nothing is recorded for autograd).
     """
     tensors = tensor_table.as_tensor_list(tensors)
