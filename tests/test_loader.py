@@ -624,6 +624,8 @@ class _FakeCuda:
         import types
 
         import hotloop.loader as L
+        import hotloop.loader_pool as LP
+        import hotloop.normalize as N
 
         real_torch, real_c = L.torch, L._C
         self.recorded, self.waited, self.copies, self.registered = 0, 0, 0, set()
@@ -666,8 +668,9 @@ class _FakeCuda:
                                   normalize=real_c.normalize, RING_FREE=real_c.RING_FREE,
                                   RING_ASSIGNED=real_c.RING_ASSIGNED, RING_READY=real_c.RING_READY,
                                   RING_ERROR=real_c.RING_ERROR, RING_FLAG_OVERFLOW=real_c.RING_FLAG_OVERFLOW)
-        monkeypatch.setattr(L, "torch", Torch("torch"))
-        monkeypatch.setattr(L, "_C", c)
+        for module in (L, LP, N):  # the iterators, the pool they drive, the transform
+            monkeypatch.setattr(module, "torch", Torch("torch"))
+            monkeypatch.setattr(module, "_C", c)
 
 
 @pytest.mark.parametrize("num_workers,prefetch_batches,transform", [(1, 0, False), (3, 2, True), (2, 3, False)])

@@ -15,7 +15,7 @@ __all__ = ["CudaError", "DataLoader", "GradScaler", "MemoryMonitor", "MemoryRepo
 _LAZY_SUBMODULES = ("ops", "amp", "monitor", "doctor", "loader")
 # names offered at the top level, defined in a submodule that loads on first use
 _LAZY_ATTRIBUTES = {"GradScaler": "amp", "memory_monitor": "monitor", "MemoryMonitor": "monitor",
-                    "MemoryReport": "monitor", "DataLoader": "loader", "Normalize": "loader"}
+                    "MemoryReport": "monitor", "DataLoader": "loader", "Normalize": "normalize"}
 
 
 def build_info() -> dict:

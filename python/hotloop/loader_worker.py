@@ -14,7 +14,6 @@ over another pipe, pickled with plain pickle (never ForkingPickler, which would 
 busy) when there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit its slot,
 ("error", task_id, ExceptionWrapper), ("stop", task_id) and ("resumed", worker_id).
 """
-import collections.abc
 import os
 import pickle
 import random

@@ -1,0 +1,539 @@
+"""The worker pool behind hotloop.DataLoader: worker processes, their pipes, the shared ring, and the
+copies out of it (to the CPU, or to the GPU on a side stream). Persistent workers keep one pool across
+epochs; every other epoch makes its own. See loader_worker.py for the messages."""
+import array
+import atexit
+import collections
+import dataclasses
+import fcntl
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import time
+import warnings
+import weakref
+
+import torch
+from torch.utils.data.dataloader import _DatasetKind
+
+from . import _C
+from .loader_worker import unflatten, worker_main
+
+_logger = logging.getLogger("hotloop.loader")
+
+POLL_S = 0.1  # how often a waiting main process looks at its workers' health
+_META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
+_ALIGN = 4096
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
+
+
+@dataclasses.dataclass(eq=False)
+class Task:
+    id: int
+    wid: int
+    index: object
+    slot: int
+    consumed: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """A batch whose copy to the device is queued: its slot is freed once `event` completed."""
+
+    slot: int
+    event: int
+    result: object
+    keep: list  # staging buffers the copy stream still writes
+    stream: object  # the stream the device tensors were allocated for
+    tensors: list
+    nbytes: int
+    timing: tuple  # (start, end) timing events or None
+
+
+_LIVE_POOLS = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools():
+    for pool in list(_LIVE_POOLS):
+        pool.close()
+
+
+class Pool:
+    """Worker processes, their pipes, the ring and the copies out of it: what persistent workers keep."""
+
+    def __init__(self, loader, it):
+        self.loader = loader
+        self.ctx = loader.multiprocessing_context or torch.multiprocessing
+        self.n = loader.num_workers
+        self.kind = it._dataset_kind
+        self.worker_args = (it._dataset_kind, it._dataset, it._auto_collation, it._collate_fn, it._drop_last,
+                            it._base_seed, loader.worker_init_fn)
+        self.main_pid = os.getpid()
+        self.device = loader.device
+        self.ring = None
+        self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
+        self.ring_msg = None
+        self.layout = []
+        self.free_slots = []
+        self.tasks = {}
+        self.pipe_results = {}
+        self.layouts = {}  # task id -> (tensor bytes, spec bytes) of batches waiting for the ring
+        self.task_worker = {}  # task id -> worker, for every task not yet finished
+        self.resuming = False
+        self.resumed = set()
+        self.next_task_id = 0
+        self.restarts = 0
+        self.closed = False
+        self.procs = [None] * self.n
+        self.task_conns = [None] * self.n
+        self.result_conns = [None] * self.n
+        # CUDA state: a side stream for copies, events per slot, copies in flight
+        self.copy_stream = None
+        self.pin_slots = True
+        self.inflight = collections.deque()
+        self.event_pool = []
+        self.alloc_event = None
+        _LIVE_POOLS.add(self)
+        for wid in range(self.n):
+            self._start(wid)
+
+    # workers ---------------------------------------------------------------------------------------
+    def _start(self, wid):
+        task_r, task_w = self.ctx.Pipe(duplex=False)
+        res_r, res_w = self.ctx.Pipe(duplex=False)
+        for conn in (task_w, res_r):
+            try:  # 1 MiB pipes (Linux): large index lists and side objects rarely fill them
+                fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
+        kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
+        # a forked worker inherits the main process's ends of the other workers' pipes (and the
+        # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
+        inherited = []
+        if self.ctx.get_start_method() == "fork":
+            inherited = [c.fileno() for c in self.task_conns + self.result_conns if c is not None and not c.closed]
+            if self.ring is not None:
+                inherited.append(self.ring.fd)
+        proc = self.ctx.Process(target=worker_main,
+                                args=(wid, self.n, kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn,
+                                      task_r, res_w, self.main_pid, True, inherited),
+                                daemon=True)
+        proc.start()
+        task_r.close()  # the worker's ends: closed here so that the worker's exit shows as EOF
+        res_w.close()
+        self.procs[wid], self.task_conns[wid], self.result_conns[wid] = proc, task_w, res_r
+        if self.ring_msg is not None:
+            task_w.send(self.ring_msg)
+
+    def send(self, wid, msg):
+        try:
+            self.task_conns[wid].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the worker is dead: _check_workers restarts it and gives its tasks again
+
+    def _drain(self, wid):
+        """Read every complete message waiting in worker wid's pipe. False at EOF."""
+        conn = self.result_conns[wid]
+        try:
+            while conn.poll():
+                self._on_message(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _on_message(self, msg):
+        kind = msg[0]
+        if kind == "resumed":
+            self.resumed.add(msg[1])
+        elif kind == "batch":
+            self.pipe_results[msg[1]] = ("batch", msg[2], msg[3])
+        elif kind == "error":
+            self.pipe_results[msg[1]] = ("error", msg[2], 0.0)
+        elif kind == "stop":
+            self.pipe_results[msg[1]] = ("stop", 0.0)
+        elif kind == "meta":
+            self.pipe_results[msg[1]] = pickle.loads(msg[2])
+        elif kind == "layout":
+            self.layouts[msg[1]] = (msg[2], msg[3])
+            self._place_layouts()
+
+    def _place_layouts(self):
+        """Batches made before the ring existed: size the ring from the first, then give each a slot."""
+        if self.ring is None and not self.ring_unused and self.layouts and not self.resuming:
+            self.make_ring(*self.layouts[min(self.layouts)])
+        for tid in sorted(self.layouts):
+            del self.layouts[tid]
+            task = self.tasks.get(tid)
+            if task is None or self.resuming:
+                wid = self.task_worker.get(tid)
+                if wid is not None and self.procs[wid] is not None:
+                    self.send(wid, ("place", tid, -2))
+                continue
+            task.slot = self.take_slot() if self.ring is not None else -1
+            self.send(task.wid, ("place", tid, task.slot))
+
+    def _check_workers(self):
+        for wid, proc in enumerate(self.procs):
+            if proc is not None and proc.exitcode is not None:
+                self._on_death(wid)
+
+    def _is_done(self, task):
+        if task.slot >= 0:
+            state, _, _, _, flags = self.ring.info(task.slot)
+            if state == _C.RING_ASSIGNED:
+                return False
+            # an overflowing batch is done once its metadata came through the pipe
+            return not flags & _C.RING_FLAG_OVERFLOW or task.id in self.pipe_results
+        return task.id in self.pipe_results
+
+    def _on_death(self, wid):
+        proc = self.procs[wid]
+        self._drain(wid)
+        lost = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed and not self._is_done(t)),
+                      key=lambda t: t.id)
+        code = proc.exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        held = [list(t.index) if t.index is not None else None for t in lost]
+        desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
+        fatal = None
+        if self.kind == _DatasetKind.Iterable and lost:
+            fatal = desc + "; an IterableDataset worker cannot be restarted (its position is lost)"
+        elif self.restarts >= self.loader.max_worker_restarts:
+            fatal = desc + (f"; {self.restarts} worker(s) were restarted already "
+                            f"(max_worker_restarts={self.loader.max_worker_restarts})")
+        if fatal is not None:
+            self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
+            raise RuntimeError(fatal)
+        self.restarts += 1
+        self.loader._hl_stats.worker_restarts += 1
+        _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
+        self._forget(wid)
+        self._start(wid)
+        for t in lost:
+            self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
+            if t.slot < 0 and self.ring is not None:
+                t.slot = self.take_slot()
+            elif t.slot >= 0:
+                self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
+            self.send(wid, ("task", t.id, t.index, t.slot))
+
+    def _forget(self, wid):
+        for conn in (self.task_conns[wid], self.result_conns[wid]):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        proc = self.procs[wid]
+        proc.join(0)
+        try:
+            proc.close()
+        except ValueError:
+            pass
+        self.procs[wid] = None
+
+    # tasks -----------------------------------------------------------------------------------------
+    def new_task(self, wid, index):
+        slot = self.take_slot() if self.ring is not None else -1
+        task = Task(self.next_task_id, wid, index, slot)
+        self.next_task_id += 1
+        self.tasks[task.id] = task
+        self.task_worker[task.id] = wid
+        self.send(wid, ("task", task.id, index, slot))
+        return task
+
+    def poll(self, task):
+        """The task's outcome if it is done, else None (never blocks for long)."""
+        if task.slot >= 0:
+            state, tid, wid, meta_len, flags = self.ring.info(task.slot)
+            if state == _C.RING_ASSIGNED:
+                return None
+            if tid != task.id:
+                raise AssertionError(f"slot {task.slot} holds task {tid}, expected {task.id}")
+            if flags & _C.RING_FLAG_OVERFLOW:
+                self.drain_all()  # the metadata follows through the worker's pipe
+                return self.pipe_results.pop(task.id, None)
+            view = self.ring.view(task.slot)
+            try:
+                return pickle.loads(view[:meta_len])
+            finally:
+                view.release()
+        if self.ring is None and not self.ring_unused:
+            for wid in range(self.n):  # layouts of any worker may make the ring
+                if self.procs[wid] is not None:
+                    self._drain(wid)
+        else:
+            self._drain(task.wid)
+        if task.slot >= 0:
+            return self.poll(task)  # placed into the ring meanwhile
+        return self.pipe_results.pop(task.id, None)
+
+    def wait(self, task, timeout, batch_number, on_idle=None):
+        """Block until the task is done; a dead worker is replaced meanwhile (or raises), and every
+        sleep is bounded, so that nothing here can wait for an event that will not come."""
+        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        while True:
+            outcome = self.poll(task)
+            if outcome is not None:
+                return outcome
+            self._check_workers()
+            if self.layouts:
+                self._place_layouts()
+            if on_idle is not None:
+                on_idle()  # e.g. hand out more tasks as soon as the ring exists
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
+                                   f"(worker {task.wid}, indices {task.index})")
+            if task.slot >= 0 and self.ring.state(task.slot) == _C.RING_ASSIGNED:
+                # wake on any slot's change: a worker that flagged an overflow is now writing its
+                # metadata into its pipe and must be read, whichever task is awaited here
+                self.ring.wait(task.slot, _C.RING_ASSIGNED, left, True)
+            else:
+                waitables = [c for c in self.result_conns if c is not None and not c.closed]
+                waitables += [p.sentinel for p in self.procs if p is not None]
+                multiprocessing.connection.wait(waitables, left)
+            self.drain_all()
+
+    def drain_all(self):
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                self._drain(wid)
+
+    def finish(self, task):
+        """The task's result was taken: forget it (its slot is freed by whoever used the data)."""
+        task.consumed = True
+        self.tasks.pop(task.id, None)
+        self.task_worker.pop(task.id, None)
+
+    def drop(self, task):
+        """A task whose result will never be used (exhausted iterable worker)."""
+        self.finish(task)
+        if task.slot >= 0 and self.procs[task.wid] is not None:
+            # the worker skips tasks after its end, but may still be in the middle of this one
+            self.ring.wait(task.slot, _C.RING_ASSIGNED, 0)
+            self.release_slot(task.slot)
+
+    def resume(self):
+        """New epoch with persistent workers: let every worker finish what it had, then drop it."""
+        self.resumed.clear()
+        self.resuming = True
+        for wid in range(self.n):
+            self.send(wid, ("resume",))
+        while len(self.resumed) < self.n:
+            for wid in range(self.n):
+                if wid not in self.resumed and not self._drain(wid):
+                    self._check_workers()
+            if len(self.resumed) < self.n:
+                self._check_workers()
+                multiprocessing.connection.wait([c for w, c in enumerate(self.result_conns) if w not in self.resumed],
+                                                POLL_S)
+        for task in list(self.tasks.values()):
+            if task.slot >= 0:
+                self.release_slot(task.slot)
+        self.tasks.clear()
+        self.task_worker.clear()
+        self.pipe_results.clear()
+        self.layouts.clear()
+        self.resuming = False
+
+    # the ring --------------------------------------------------------------------------------------
+    def make_ring(self, sizes, spec_bytes):
+        """Size the ring from the first batch's layout and tell every worker about it."""
+        if not sizes:
+            self.ring_unused = True
+            return
+        meta_cap = _round(max(_META_MIN, 8 * spec_bytes + 4096), _ALIGN)
+        layout, offset = [], meta_cap
+        for nbytes in sizes:
+            cap = _round(max(nbytes, 1), _ALIGN)
+            layout.append((offset, cap))
+            offset += cap
+        loader = self.loader
+        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else 0)
+        ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
+        self.ring, self.layout = ring, layout
+        self.free_slots = list(range(nslots))
+        loader._hl_stats.ring_bytes = ring.nbytes
+        self.ring_msg = ("ring", f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                self.send(wid, self.ring_msg)
+
+    def take_slot(self):
+        if not self.free_slots:
+            self.reclaim(block=True)
+        if not self.free_slots:
+            raise AssertionError("hotloop.DataLoader: no free slot in the ring")
+        slot = self.free_slots.pop()
+        self.ring.set_state(slot, _C.RING_ASSIGNED)
+        return slot
+
+    def release_slot(self, slot):
+        self.ring.set_state(slot, _C.RING_FREE)
+        self.free_slots.append(slot)
+
+    def copy_out(self, slot, spec, leaves, pin):
+        """CPU delivery: copy (or normalise) each leaf out of the slot, then free the slot."""
+        tf = self.loader.gpu_transform
+        outs, triples = [], []
+        view = None
+        try:
+            for off, dtype, shape in leaves:
+                if tf is not None and tf.applies_to(dtype, shape):
+                    if view is None:
+                        view = self.ring.view(slot)
+                    nbytes = torch.Size(shape).numel()
+                    src = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=off).view(shape)
+                    out, mem = tf.empty_output(shape, "cpu")
+                    tf.run(src, mem)
+                    del src
+                    outs.append(out)
+                    continue
+                t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                triples += (off, t.data_ptr(), t.numel() * t.element_size())
+                outs.append(t)
+            if triples:
+                self.ring.copy_out(slot, array.array("q", triples).tobytes())
+        finally:
+            if view is not None:
+                view.release()
+        self.release_slot(slot)
+        return unflatten(spec, outs)
+
+    # CUDA ------------------------------------------------------------------------------------------
+    def _event(self, timing=False):
+        if not timing and self.event_pool:
+            return self.event_pool.pop()
+        return _C.cuda_event_create(self.device.index, timing)
+
+    def copy_to_device(self, slot, spec, leaves):
+        """Queue the slot's copy to the device on the side stream; the result is usable once the
+        consumer's stream waited on the returned _Pending's event."""
+        dev = self.device
+        tf = self.loader.gpu_transform
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(dev)
+            self.alloc_event = _C.cuda_event_create(dev.index, False)
+        consumer = torch.cuda.current_stream(dev)
+        outs, triples, staged, keep, nbytes = [], [], [], [], 0
+        for off, dtype, shape in leaves:
+            size = torch.Size(shape).numel() * dtype.itemsize
+            nbytes += size
+            if tf is not None and tf.applies_to(dtype, shape):
+                staging = torch.empty(shape, dtype=torch.uint8, device=dev)
+                out, mem = tf.empty_output(shape, dev)
+                staged.append((staging, mem))
+                keep.append(staging)
+                triples += (off, staging.data_ptr(), size)
+                outs.append(out)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=dev)
+                triples += (off, t.data_ptr(), size)
+                outs.append(t)
+        if self.pin_slots:
+            t0 = time.perf_counter()
+            try:
+                if self.ring.cuda_register_slot(slot, dev.index):
+                    self.loader._hl_stats.register_seconds += time.perf_counter() - t0
+            except Exception as exc:  # still correct without pinning, only slower
+                self.pin_slots = False
+                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
+                              "slower", stacklevel=4)
+        side = self.copy_stream.cuda_stream
+        # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
+        # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
+        _C.cuda_event_record(self.alloc_event, consumer.cuda_stream)
+        _C.cuda_stream_wait_event(side, self.alloc_event)
+        timing = (_C.cuda_event_create(dev.index, True), _C.cuda_event_create(dev.index, True))
+        _C.cuda_event_record(timing[0], side)
+        if triples:
+            self.ring.copy_to_device(slot, array.array("q", triples).tobytes(), side, dev.index)
+        _C.cuda_event_record(timing[1], side)
+        for staging, mem in staged:
+            tf.run(staging, mem, side)
+        event = self._event()
+        _C.cuda_event_record(event, side)
+        return Pending(slot, event, unflatten(spec, outs), keep, consumer, outs, nbytes, timing)
+
+    def deliver(self, pending):
+        consumer = torch.cuda.current_stream(self.device)
+        _C.cuda_stream_wait_event(consumer.cuda_stream, pending.event)
+        if consumer != pending.stream:
+            for t in pending.tensors:
+                t.record_stream(consumer)
+        # the staging buffers go back to the allocator now: later work on the consumer's stream is
+        # ordered after the event, so it cannot overwrite them while the copy stream reads them
+        pending.keep = None
+        pending.tensors = None
+        result, pending.result = pending.result, None
+        self.inflight.append(pending)
+        self.reclaim(block=False)
+        return result
+
+    def reclaim(self, block):
+        """Free the slots whose copies finished (with block: wait for the oldest if none did)."""
+        st = self.loader._hl_stats
+        while self.inflight:
+            p = self.inflight[0]
+            if not _C.cuda_event_query(p.event):
+                if not block:
+                    return
+                _C.cuda_event_synchronize(p.event)
+            self.inflight.popleft()
+            block = False
+            self.release_slot(p.slot)
+            self.event_pool.append(p.event)
+            if p.timing is not None:
+                st.h2d_seconds += _C.cuda_event_elapsed(*p.timing) / 1e3
+                st.h2d_bytes += p.nbytes
+                for e in p.timing:
+                    _C.cuda_event_destroy(e)
+
+    # shutdown --------------------------------------------------------------------------------------
+    def close(self):
+        if self.closed or os.getpid() != self.main_pid:
+            return  # a forked worker may hold a copy of this object: it owns none of it
+        self.closed = True
+        _LIVE_POOLS.discard(self)
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                try:
+                    self.send(wid, None)
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + 2.0  # then SIGTERM, as torch does after its 5 s
+        for wid, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(1.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+            self._forget(wid)
+        try:
+            for p in self.inflight:  # DMA must be over before the memory is unregistered
+                _C.cuda_event_synchronize(p.event)
+                self.event_pool.append(p.event)
+                if p.timing is not None:
+                    for e in p.timing:
+                        _C.cuda_event_destroy(e)
+            self.inflight.clear()
+            for e in self.event_pool + ([self.alloc_event] if self.alloc_event else []):
+                _C.cuda_event_destroy(e)
+        except Exception:  # at interpreter exit CUDA may already be torn down
+            pass
+        self.event_pool = []
+        self.alloc_event = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+
+def _round(x, to):
+    return (x + to - 1) // to * to
