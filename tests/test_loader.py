@@ -284,6 +284,43 @@ def test_worker_killed_every_sample_once(tmp_path, victim):
     assert loader.stats.worker_restarts == 1
 
 
+def test_launcher_killed_every_sample_once():
+    # the first workers are forked by a launcher process; if it dies they are replaced like dead workers
+    ds = Counting(60, victim=-1, marker="")
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=3, shuffle=True,
+                                generator=torch.Generator().manual_seed(3))
+    it = iter(loader)
+    zygote = it._pool.zygote
+    os.kill(zygote.pid, signal.SIGKILL)
+    got = list(it)
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    assert len(got) == len(ref) == 15
+    for a, b in zip(ref, got):
+        assert_same(a, b)
+    assert zygote.pid is None and zygote.lost and loader.stats.worker_restarts == 3
+
+
+@pytest.mark.parametrize("zygote", [True, False])
+def test_every_process_reaped(monkeypatch, zygote):
+    import hotloop.loader_pool as LP
+
+    monkeypatch.setattr(LP, "USE_ZYGOTE", zygote)
+    loader = hotloop.DataLoader(Rows(40), batch_size=4, num_workers=3)
+    it = iter(loader)
+    next(it)
+    pool = it._pool
+    pids = [p.pid for p in pool.procs]
+    launcher = pool.zygote.pid if zygote else None
+    assert (pool.zygote is not None) == zygote and len(set(pids)) == 3
+    del it
+    gc.collect()
+    assert pool.closed and all(p is None for p in pool.procs)
+    for pid in pids + ([launcher] if launcher else []):
+        assert not _alive(pid)
+    if zygote:
+        assert pool.zygote.pid is None  # reaped: no zombie left behind
+
+
 def test_worker_keeps_dying_raises(tmp_path):
     ds = Counting(30, victim=5, marker=str(tmp_path / "died"), always=True)
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, max_worker_restarts=2)
@@ -298,11 +335,14 @@ def test_worker_keeps_dying_raises(tmp_path):
 
 
 class Faulty(Dataset):
+    def __init__(self, bad=13):
+        self.bad = bad
+
     def __len__(self):
         return 20
 
     def __getitem__(self, i):
-        if i == 13:
+        if i == self.bad:
             raise ValueError(f"bad sample {i}")
         return torch.ones(2) * i
 
@@ -317,6 +357,22 @@ def test_exception_in_dataset(num_workers):
     if num_workers:
         text = str(info.value)
         assert "Original Traceback" in text and "dataset[13]" in text and "in __getitem__" in text
+
+
+@pytest.mark.parametrize("bad", [0, 2, 5])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_exception_in_a_first_batch(num_workers, bad):
+    # the first batches of each worker are made before the ring exists: a worker sends their layout
+    # from their first sample, so a later sample can still fail after the ring was sized from it
+    loader = hotloop.DataLoader(Faulty(bad), batch_size=4, num_workers=num_workers)
+    it = iter(loader)
+    if bad >= 4:
+        assert_same(next(it), torch.ones(4, 2) * torch.arange(4.0).view(4, 1))
+    with pytest.raises(ValueError, match=f"bad sample {bad}") as info:
+        next(it)
+    assert f"dataset[{bad}]" in str(info.value)
+    good = hotloop.DataLoader(Faulty(-1), batch_size=4, num_workers=num_workers)
+    assert_same(torch.cat(list(good)), torch.ones(20, 2) * torch.arange(20.0).view(20, 1))
 
 
 class Slow(Dataset):

@@ -323,6 +323,7 @@ class _MultiIter(_BaseDataLoaderIter):
         else:
             self._skip_batches = skip
         self._fill()
+        pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
 
     def _fill(self):
         while self._try_put_index():
@@ -388,7 +389,7 @@ class _MultiIter(_BaseDataLoaderIter):
                 pool.ring.wait(waiting[0].slot, _C.RING_ASSIGNED, 0.02, True)
             else:
                 waitables = [c for c in pool.result_conns if c is not None and not c.closed]
-                multiprocessing.connection.wait(waitables + [p.sentinel for p in pool.procs if p is not None],
+                multiprocessing.connection.wait(waitables + pool.sentinels(),
                                                 POLL_S)
             pool.drain_all()
         return head

@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from . import _C
 from .loader_worker import unflatten, worker_main
+from .loader_zygote import Zygote, ZygoteWorker
 
 _logger = logging.getLogger("hotloop.loader")
 
@@ -27,6 +28,7 @@ POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 _ALIGN = 4096
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
+USE_ZYGOTE = True  # fork the first workers through a launcher process (tests turn it off to cover both ways)
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,12 +98,51 @@ class Pool:
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
+        self.started = [False] * self.n
+        self.zygote = None  # the launcher that forked the first workers (loader_zygote.py)
         _LIVE_POOLS.add(self)
-        for wid in range(self.n):
-            self._start(wid)
 
     # workers ---------------------------------------------------------------------------------------
-    def _start(self, wid):
+    def start_worker(self, wid):
+        """Fork worker wid unless it was started already. The iterator starts each worker as it sends
+        it its first task and the rest after its first round of tasks: a fork of a process holding
+        CUDA and a model takes ~20 ms, so worker 0 computes its batch while the others are forked."""
+        if not self.started[wid] and self._zygote_ok():
+            self._start_all_by_zygote()
+        if not self.started[wid]:
+            self.started[wid] = True
+            self._start(wid)
+            # the workers forked so far may have sent their first layout: the ring is made from the
+            # first one now, not after the last fork, so the workers' first batches go straight in
+            self.drain_all()
+            if self.layouts:
+                self._place_layouts()
+
+    def start_all(self):
+        for wid in range(self.n):
+            self.start_worker(wid)
+
+    def _zygote_ok(self):
+        # the first start of a forking pool with several workers (a restart forks one worker itself)
+        return (USE_ZYGOTE and self.zygote is None and self.n > 1 and not any(self.started)
+                and self.ctx.get_start_method() == "fork")
+
+    def _start_all_by_zygote(self):
+        specs = []
+        kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
+        for wid in range(self.n):
+            task_r, task_w, res_r, res_w = self._pipes()
+            self.task_conns[wid], self.result_conns[wid] = task_w, res_r
+            specs.append((task_r, res_w, (wid, self.n, kind, dataset, auto, collate_fn, drop_last, base_seed,
+                                          init_fn), (True, ())))
+        self.zygote = Zygote(self.ctx, specs, self.task_conns + self.result_conns)
+        for wid in range(self.n):
+            self.procs[wid] = ZygoteWorker(self.zygote, wid)
+            self.started[wid] = True
+            if self.ring_msg is not None:
+                self.task_conns[wid].send(self.ring_msg)
+
+    def _pipes(self):
         task_r, task_w = self.ctx.Pipe(duplex=False)
         res_r, res_w = self.ctx.Pipe(duplex=False)
         for conn in (task_w, res_r):
@@ -109,6 +150,10 @@ class Pool:
                 fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, 1 << 20)
             except OSError:
                 pass
+        return task_r, task_w, res_r, res_w
+
+    def _start(self, wid):
+        task_r, task_w, res_r, res_w = self._pipes()
         kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
         # a forked worker inherits the main process's ends of the other workers' pipes (and the
         # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
@@ -127,6 +172,10 @@ class Pool:
         self.procs[wid], self.task_conns[wid], self.result_conns[wid] = proc, task_w, res_r
         if self.ring_msg is not None:
             task_w.send(self.ring_msg)
+
+    def sentinels(self):
+        """What becomes readable when a worker dies (the launcher's one status pipe counts once)."""
+        return list({id(s): s for s in (p.sentinel for p in self.procs if p is not None)}.values())
 
     def send(self, wid, msg):
         try:
@@ -236,6 +285,7 @@ class Pool:
 
     # tasks -----------------------------------------------------------------------------------------
     def new_task(self, wid, index):
+        self.start_worker(wid)
         slot = self.take_slot() if self.ring is not None else -1
         task = Task(self.next_task_id, wid, index, slot)
         self.next_task_id += 1
@@ -293,7 +343,7 @@ class Pool:
                 self.ring.wait(task.slot, _C.RING_ASSIGNED, left, True)
             else:
                 waitables = [c for c in self.result_conns if c is not None and not c.closed]
-                waitables += [p.sentinel for p in self.procs if p is not None]
+                waitables += self.sentinels()
                 multiprocessing.connection.wait(waitables, left)
             self.drain_all()
 
@@ -357,6 +407,10 @@ class Pool:
         self.ring, self.layout = ring, layout
         self.free_slots = list(range(nslots))
         loader._hl_stats.ring_bytes = ring.nbytes
+        if self.device is not None:
+            # fault the pages in on a C thread, in the order take_slot hands slots out: then neither
+            # a worker's first write nor the page-locking of a slot has to allocate them
+            ring.populate_all(self.free_slots[::-1])
         self.ring_msg = ("ring", f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
         for wid in range(self.n):
             if self.procs[wid] is not None:
@@ -533,6 +587,8 @@ class Pool:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+        if self.zygote is not None:
+            self.zygote.close()  # it exits once its last worker did
 
 
 def _round(x, to):

@@ -225,6 +225,34 @@ def write_fast(samples, writer):
     return build(plan, samples)
 
 
+def plan_layout(plan, first, n):
+    """(bytes of each ring leaf, in the order write_fast places them; bytes of the side objects) of a
+    batch of n samples shaped like `first`, from its _sample_plan: what the ring is sized from."""
+    sizes, side = [], [0]
+
+    def walk(p, value):
+        kind = p[0]
+        if kind == "row":
+            sizes.append(n * torch.Size(p[1]).numel() * p[2].itemsize)
+        elif kind == "scalar":
+            out = p[1]([value])
+            if is_ring_tensor(out):
+                sizes.append(n * out.element_size())
+            else:
+                side[0] += n * len(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        elif kind == "list":
+            side[0] += n * len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        elif kind == "dict":
+            for key, sub in p[1]:
+                walk(sub, value[key])
+        else:
+            for sub, v in zip(p[2], value):
+                walk(sub, v)
+
+    walk(plan, first)
+    return sizes, side[0]
+
+
 def _seed_like_torch(base_seed, worker_id):
     seed = base_seed + worker_id
     random.seed(seed)
@@ -272,7 +300,10 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
     layout = []
     meta_cap = 0
     iteration_end = False
-    pending = {}  # task id -> (batch, busy seconds) while the ring is being made
+    # task id -> (outcome, busy seconds) of batches made before the ring existed: they wait for "place";
+    # an outcome is ("samples", list) (fast path, not collated yet), ("batch", collated) or ("error", ...)
+    pending = {}
+    early = set()  # tasks whose layout was sent from their first sample, before the batch was complete
 
     faulted = set()  # slots whose pages this process has faulted in
 
@@ -299,6 +330,59 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
             # publish first, then send: the main process reads the pipe once it sees the flag
             ring.publish(slot, task_id, worker_id, 0, _C.RING_FLAG_OVERFLOW)
             send(("meta", task_id, meta))
+
+    def load_samples(index, on_first=None):
+        """("samples", [dataset[i] for i in index]), or ("error", ...) naming the index that raised."""
+        samples = []
+        for i in index:
+            try:
+                samples.append(dataset[i])
+            except Exception:
+                return ("error", ExceptionWrapper(where=f"{where} at dataset[{i!r}]"))
+            if on_first is not None and len(samples) == 1:
+                on_first(samples[0])
+        return ("samples", samples)
+
+    def write_samples(samples, slot):
+        """The batch default_collate would make of `samples`, written into the slot: its spec."""
+        writer = _SlotWriter(slot_tensor(slot), layout)
+        try:
+            return write_fast(samples, writer), writer.leaves
+        except _Abort:
+            writer = _SlotWriter(slot_u8[slot], layout)
+            return write_general(collate_no_shm(samples), writer), writer.leaves
+
+    def send_early_layout(task_id, n, first):
+        # the ring is sized from the first sample's layout, while the rest of the batch is still being
+        # made: the main process makes (and page-locks) it meanwhile, and this batch goes straight in
+        try:
+            sizes, side_bytes = plan_layout(_sample_plan(first), first, n)
+        except _Abort:
+            return
+        send(("layout", task_id, sizes, side_bytes))
+        early.add(task_id)
+
+    def place(task_id, slot):
+        """The main process named the slot for a batch made before the ring existed (-1: no ring)."""
+        outcome, busy = pending.pop(task_id, (None, 0.0))
+        early.discard(task_id)
+        if slot == -2 or outcome is None:
+            return  # the epoch it belonged to is over, or it was given to this worker anew
+        kind = outcome[0]
+        if kind == "samples" and slot < 0:
+            outcome = ("batch", collate_no_shm(outcome[1]))
+        elif kind != "error" and slot >= 0:
+            try:
+                if kind == "samples":
+                    spec, leaves = write_samples(outcome[1], slot)
+                else:
+                    writer = _SlotWriter(slot_tensor(slot), layout)
+                    spec, leaves = write_general(outcome[1], writer), writer.leaves
+                outcome = ("ok", spec, leaves)
+            except Exception:
+                outcome = ("error", ExceptionWrapper(where=where))
+        finish(task_id, slot, outcome, busy)
+
     try:
         while True:
             if not task_conn.poll(1.0):
@@ -318,24 +402,11 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 slot_u8 = [torch.frombuffer(v, dtype=torch.uint8) for v in views]
                 continue
             if msg[0] == "place":
-                _, task_id, slot = msg
-                batch, busy = pending.pop(task_id, (None, 0.0))
-                if slot == -2 or batch is None:
-                    continue  # the epoch it belonged to is over, or it was given to this worker anew
-                if slot >= 0:
-                    try:
-                        writer = _SlotWriter(slot_tensor(slot), layout)
-                        outcome = ("ok", write_general(batch, writer), writer.leaves)
-                    except Exception:
-                        outcome = ("error", ExceptionWrapper(where=where))
-                else:
-                    outcome = ("batch", batch)
-                del batch
-                finish(task_id, slot, outcome, busy)
-                del outcome
+                place(msg[1], msg[2])
                 continue
             if msg[0] == "resume":
                 pending.clear()
+                early.clear()
                 iteration_end = False
                 fetcher = _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, fetch_collate,
                                                       drop_last)
@@ -350,27 +421,15 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 outcome, init_exception = ("error", init_exception), None
             else:
                 try:
-                    if slot >= 0:
+                    if fast and slot >= 0:
+                        outcome = load_samples(index)
+                        if outcome[0] == "samples":
+                            outcome = ("ok",) + write_samples(outcome[1], slot)
+                    elif slot >= 0:
                         writer = _SlotWriter(slot_tensor(slot), layout)
-                        spec = None
-                        if fast:
-                            try:
-                                samples = []
-                                for i in index:
-                                    try:
-                                        samples.append(dataset[i])
-                                    except Exception:
-                                        outcome = ("error", ExceptionWrapper(where=f"{where} at dataset[{i!r}]"))
-                                        break
-                                if outcome is None:
-                                    spec = write_fast(samples, writer)
-                            except _Abort:
-                                writer = _SlotWriter(slot_u8[slot], layout)
-                                spec = write_general(collate_no_shm(samples), writer)
-                        if outcome is None:
-                            if spec is None:
-                                spec = write_general(fetcher.fetch(index), writer)
-                            outcome = ("ok", spec, writer.leaves)
+                        outcome = ("ok", write_general(fetcher.fetch(index), writer), writer.leaves)
+                    elif fast and ring is None:
+                        outcome = load_samples(index, lambda first: send_early_layout(task_id, len(index), first))
                     else:
                         outcome = ("batch", fetcher.fetch(index))
                 except StopIteration:
@@ -382,13 +441,18 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 except Exception:
                     outcome = ("error", ExceptionWrapper(where=f"{where} while loading indices {_short(index)}"))
             busy = time.perf_counter() - t0
+            if task_id in early:
+                pending[task_id] = (outcome, busy)  # its layout is on its way: wait for "place"
+                continue
+            if outcome[0] == "samples":
+                outcome = ("batch", collate_no_shm(outcome[1]))  # no early layout (the fast plan gave up)
             if slot < 0 and ring is None and outcome[0] == "batch":
                 # no ring yet: say what the batch looks like and keep it until the main process has
                 # sized the ring from it and names the slot ("place")
                 tensors = []
                 spec = flatten(outcome[1], tensors)
                 sizes = [t.numel() * t.element_size() for t in tensors]
-                pending[task_id] = (outcome[1], busy)
+                pending[task_id] = (outcome, busy)
                 send(("layout", task_id, sizes, len(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))))
                 continue
             finish(task_id, slot, outcome, busy)

@@ -1,0 +1,230 @@
+"""Start DataLoader workers from one forked launcher, so the main process pays for one fork, not one per worker.
+
+A fork copies the page tables of the process that forks. A training process holding CUDA, a model and
+pinned buffers takes 15-20 ms per fork on an H200 host, on the thread that also launches the training
+step: 12 workers cost the GPU ~230 ms before anything else happens. Here the main process forks once,
+a launcher (the zygote), and the launcher forks the workers while the main thread goes on. The
+launcher is a fork of a single thread, so every worker is forked from a process with no other
+threads, the safest state a fork can start from. It stays alive as the workers' parent, reaps them
+and reports each start (pid) and exit (code) through a status pipe, which is also what the main
+process sleeps on to notice a death. A worker replaced after a death is forked by the main process
+as before (loader_pool.Pool._start).
+"""
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait as wait_for
+
+from .loader_worker import worker_main
+
+_STARTED, _EXITED = 1, 2
+_RECORD = struct.Struct("<iii")  # kind, worker id, pid (started) or exit code (exited)
+
+
+class Zygote:
+    """The launcher process and what it reported. `specs[wid]` is (task_r, res_w, args-before-pipes,
+    args-after-pipes) of worker_main; every pipe end is closed here once the launcher has it."""
+
+    def __init__(self, ctx, specs, close_in_launcher):
+        self.n = len(specs)
+        self.pids = [None] * self.n
+        self.exit_codes = [None] * self.n
+        self.lost = False  # the launcher died before reporting every exit
+        status_r, status_w = ctx.Pipe(duplex=False)
+        self.status = status_r
+        pid = os.fork()
+        if pid == 0:  # the launcher: never returns into the caller's code
+            code = 1
+            try:
+                status_r.close()
+                for conn in close_in_launcher:
+                    conn.close()
+                _launch(specs, status_w)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        self.pid = pid
+        status_w.close()
+        for task_r, res_w, _, _ in specs:
+            task_r.close()
+            res_w.close()
+
+    def poll(self):
+        """Read what the launcher reported so far (never blocks)."""
+        try:
+            while self.status.poll():
+                kind, wid, value = _RECORD.unpack(self.status.recv_bytes())
+                if kind == _STARTED:
+                    self.pids[wid] = value
+                else:
+                    self.exit_codes[wid] = value
+        except (EOFError, OSError):
+            self._launcher_gone()
+
+    def _launcher_gone(self):
+        """The status pipe closed: the launcher exited (after its last worker) or was killed."""
+        if not self.status.closed:
+            self.status.close()
+        self._reap(0)
+        for wid in range(self.n):
+            if self.exit_codes[wid] is None:
+                # orphaned or never forked: reparented workers exit once they see their parent
+                # gone; make sure of it, and count them as killed
+                self.lost = True
+                if self.pids[wid] is not None:
+                    _kill_and_wait(self.pids[wid])
+                self.exit_codes[wid] = -signal.SIGKILL
+
+    def _reap(self, timeout):
+        deadline = time.monotonic() + timeout
+        while self.pid is not None:
+            try:
+                pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid = self.pid
+            if pid == self.pid:
+                self.pid = None
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self):
+        """After the workers were told to exit: wait for the launcher, kill it if it lingers."""
+        if not self._reap(2.0):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._reap(5.0)
+        if not self.status.closed:
+            self.status.close()
+
+
+class ZygoteWorker:
+    """What Pool uses of a multiprocessing.Process, for a worker the launcher forked."""
+
+    def __init__(self, zygote, wid):
+        self.zygote, self.wid = zygote, wid
+
+    @property
+    def pid(self):
+        deadline = time.monotonic() + 5.0
+        while self.zygote.pids[self.wid] is None and self.exitcode is None and time.monotonic() < deadline:
+            self._wait(0.05)
+        return self.zygote.pids[self.wid]
+
+    @property
+    def exitcode(self):
+        if not self.zygote.status.closed:
+            self.zygote.poll()
+        return self.zygote.exit_codes[self.wid]
+
+    @property
+    def sentinel(self):
+        # readable whenever the launcher reports something (an exit among them) or dies; the callers
+        # then look at every worker's exitcode, which reads the report
+        return self.zygote.status
+
+    def _wait(self, timeout):
+        if not self.zygote.status.closed:
+            wait_for([self.zygote.status], timeout)
+
+    def join(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self._wait(left)
+
+    def _signal(self, sig):
+        if self.exitcode is None and self.zygote.pids[self.wid] is not None:
+            try:
+                os.kill(self.zygote.pids[self.wid], sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self):
+        self._signal(signal.SIGTERM)
+
+    def kill(self):
+        self._signal(signal.SIGKILL)
+
+    def close(self):
+        pass
+
+
+def _kill_and_wait(pid, timeout=2.0):
+    """SIGKILL a process that is not our child and wait until it is gone (init reaps it), so that its
+    replacement never races it for a ring slot."""
+    deadline = time.monotonic() + timeout
+    try:
+        os.kill(pid, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.002)
+    except ProcessLookupError:
+        pass
+
+
+def _launch(specs, status_w):
+    """The launcher's life: fork each worker, report it, then reap them all and report each exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    me = os.getpid()
+    wid_of = {}
+    for wid, (task_r, res_w, head, tail) in enumerate(specs):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                status_w.close()
+                for later_task_r, later_res_w, _, _ in specs[wid + 1:]:  # the next workers' ends
+                    later_task_r.close()
+                    later_res_w.close()
+                _as_multiprocessing_child()
+                worker_main(*head, task_r, res_w, me, *tail)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:
+                        pass
+                os._exit(code)
+        task_r.close()
+        res_w.close()
+        wid_of[pid] = wid
+        status_w.send_bytes(_RECORD.pack(_STARTED, wid, pid))
+    while wid_of:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        wid = wid_of.pop(pid, None)
+        if wid is not None:
+            try:
+                status_w.send_bytes(_RECORD.pack(_EXITED, wid, os.waitstatus_to_exitcode(status)))
+            except OSError:
+                pass  # the main process is gone; keep reaping
+
+
+def _as_multiprocessing_child():
+    """What multiprocessing does at the start of a forked child that user code may notice."""
+    import multiprocessing.util
+
+    multiprocessing.util._finalizer_registry.clear()
+    multiprocessing.util._run_after_forkers()
+    try:
+        sys.stdin.close()
+        sys.stdin = open(os.devnull)
+    except (OSError, ValueError):
+        pass
