@@ -3,7 +3,6 @@ copies out of it (to the CPU, or to the GPU on a side stream). Persistent worker
 epochs; every other epoch makes its own. See loader_worker.py for the messages."""
 import array
 import atexit
-import collections
 import dataclasses
 import fcntl
 import logging
@@ -12,13 +11,13 @@ import os
 import pickle
 import signal
 import time
-import warnings
 import weakref
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from . import _C
+from .loader_device import DeviceCopies, Pending  # noqa: F401  (Pending: for loader.py)
 from .loader_worker import unflatten, worker_main
 
 _logger = logging.getLogger("hotloop.loader")
@@ -36,20 +35,6 @@ class Task:
     index: object
     slot: int
     consumed: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class Pending:
-    """A batch whose copy to the device is queued: its slot is freed once `event` completed."""
-
-    slot: int
-    event: int
-    result: object
-    keep: list  # staging buffers the copy stream still writes
-    stream: object  # the stream the device tensors were allocated for
-    tensors: list
-    nbytes: int
-    timing: tuple  # (start, end) timing events or None
 
 
 _LIVE_POOLS = weakref.WeakSet()
@@ -90,12 +75,7 @@ class Pool:
         self.procs = [None] * self.n
         self.task_conns = [None] * self.n
         self.result_conns = [None] * self.n
-        # CUDA state: a side stream for copies, events per slot, copies in flight
-        self.copy_stream = None
-        self.pin_slots = True
-        self.inflight = collections.deque()
-        self.event_pool = []
-        self.alloc_event = None
+        self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
         _LIVE_POOLS.add(self)
         for wid in range(self.n):
             self._start(wid)
@@ -403,94 +383,17 @@ class Pool:
         self.release_slot(slot)
         return unflatten(spec, outs)
 
-    # CUDA ------------------------------------------------------------------------------------------
-    def _event(self, timing=False):
-        if not timing and self.event_pool:
-            return self.event_pool.pop()
-        return _C.cuda_event_create(self.device.index, timing)
-
+    # CUDA: the side stream, events and copies in flight live in loader_device.DeviceCopies ----------
     def copy_to_device(self, slot, spec, leaves):
-        """Queue the slot's copy to the device on the side stream; the result is usable once the
-        consumer's stream waited on the returned _Pending's event."""
-        dev = self.device
-        tf = self.loader.gpu_transform
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(dev)
-            self.alloc_event = _C.cuda_event_create(dev.index, False)
-        consumer = torch.cuda.current_stream(dev)
-        outs, triples, staged, keep, nbytes = [], [], [], [], 0
-        for off, dtype, shape in leaves:
-            size = torch.Size(shape).numel() * dtype.itemsize
-            nbytes += size
-            if tf is not None and tf.applies_to(dtype, shape):
-                staging = torch.empty(shape, dtype=torch.uint8, device=dev)
-                out, mem = tf.empty_output(shape, dev)
-                staged.append((staging, mem))
-                keep.append(staging)
-                triples += (off, staging.data_ptr(), size)
-                outs.append(out)
-            else:
-                t = torch.empty(shape, dtype=dtype, device=dev)
-                triples += (off, t.data_ptr(), size)
-                outs.append(t)
-        if self.pin_slots:
-            t0 = time.perf_counter()
-            try:
-                if self.ring.cuda_register_slot(slot, dev.index):
-                    self.loader._hl_stats.register_seconds += time.perf_counter() - t0
-            except Exception as exc:  # still correct without pinning, only slower
-                self.pin_slots = False
-                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
-                              "slower", stacklevel=4)
-        side = self.copy_stream.cuda_stream
-        # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
-        # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
-        _C.cuda_event_record(self.alloc_event, consumer.cuda_stream)
-        _C.cuda_stream_wait_event(side, self.alloc_event)
-        timing = (_C.cuda_event_create(dev.index, True), _C.cuda_event_create(dev.index, True))
-        _C.cuda_event_record(timing[0], side)
-        if triples:
-            self.ring.copy_to_device(slot, array.array("q", triples).tobytes(), side, dev.index)
-        _C.cuda_event_record(timing[1], side)
-        for staging, mem in staged:
-            tf.run(staging, mem, side)
-        event = self._event()
-        _C.cuda_event_record(event, side)
-        return Pending(slot, event, unflatten(spec, outs), keep, consumer, outs, nbytes, timing)
+        return self.copies.copy_to_device(self.ring, slot, spec, leaves)
 
     def deliver(self, pending):
-        consumer = torch.cuda.current_stream(self.device)
-        _C.cuda_stream_wait_event(consumer.cuda_stream, pending.event)
-        if consumer != pending.stream:
-            for t in pending.tensors:
-                t.record_stream(consumer)
-        # the staging buffers go back to the allocator now: later work on the consumer's stream is
-        # ordered after the event, so it cannot overwrite them while the copy stream reads them
-        pending.keep = None
-        pending.tensors = None
-        result, pending.result = pending.result, None
-        self.inflight.append(pending)
-        self.reclaim(block=False)
-        return result
+        return self.copies.deliver(pending, self.release_slot)
 
     def reclaim(self, block):
         """Free the slots whose copies finished (with block: wait for the oldest if none did)."""
-        st = self.loader._hl_stats
-        while self.inflight:
-            p = self.inflight[0]
-            if not _C.cuda_event_query(p.event):
-                if not block:
-                    return
-                _C.cuda_event_synchronize(p.event)
-            self.inflight.popleft()
-            block = False
-            self.release_slot(p.slot)
-            self.event_pool.append(p.event)
-            if p.timing is not None:
-                st.h2d_seconds += _C.cuda_event_elapsed(*p.timing) / 1e3
-                st.h2d_bytes += p.nbytes
-                for e in p.timing:
-                    _C.cuda_event_destroy(e)
+        if self.copies is not None:
+            self.copies.reclaim(block, self.release_slot)
 
     # shutdown --------------------------------------------------------------------------------------
     def close(self):
@@ -516,20 +419,8 @@ class Pool:
                 proc.kill()
                 proc.join()
             self._forget(wid)
-        try:
-            for p in self.inflight:  # DMA must be over before the memory is unregistered
-                _C.cuda_event_synchronize(p.event)
-                self.event_pool.append(p.event)
-                if p.timing is not None:
-                    for e in p.timing:
-                        _C.cuda_event_destroy(e)
-            self.inflight.clear()
-            for e in self.event_pool + ([self.alloc_event] if self.alloc_event else []):
-                _C.cuda_event_destroy(e)
-        except Exception:  # at interpreter exit CUDA may already be torn down
-            pass
-        self.event_pool = []
-        self.alloc_event = None
+        if self.copies is not None:
+            self.copies.close()
         if self.ring is not None:
             self.ring.close()
             self.ring = None
