@@ -589,6 +589,8 @@ static PyType_Slot ring_slots[] = {
     {0, NULL},
 };
 
+static int hl_ring_leases_exec(PyObject *module); /* the leases, at the end of this file */
+
 static PyType_Spec ring_spec = {
     .name = "hotloop._C.Ring",
     .basicsize = sizeof(RingObject),
@@ -601,7 +603,8 @@ int hl_ring_exec(PyObject *module) {
     state->ring_type = PyType_FromModuleAndSpec(module, &ring_spec, NULL);
     if (state->ring_type == NULL)
         return -1;
-    if (PyModule_AddType(module, (PyTypeObject *)state->ring_type) < 0 || hl_normalize_exec(module) < 0)
+    if (PyModule_AddType(module, (PyTypeObject *)state->ring_type) < 0 || hl_normalize_exec(module) < 0 ||
+        hl_ring_leases_exec(module) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "RING_FREE", HL_SLOT_FREE) < 0 ||
                    PyModule_AddIntConstant(module, "RING_ASSIGNED", HL_SLOT_ASSIGNED) < 0 ||
@@ -610,4 +613,240 @@ int hl_ring_exec(PyObject *module) {
                    PyModule_AddIntConstant(module, "RING_FLAG_OVERFLOW", HL_SLOT_FLAG_OVERFLOW) < 0
                ? -1
                : 0;
+}
+
+/* ---- leases: slots handed to the consumer as tensors, zero-copy --------------------------------
+
+   RingLeases(ring).lease(slot) returns a DLPack capsule ("dltensor", uint8, the whole slot) for
+   torch.from_dlpack. torch calls the capsule's deleter when the storage dies, i.e. once no tensor,
+   view, storage or numpy array made from it is left, from whichever thread drops the last one,
+   usually without the GIL. The deleter marks the slot returned with an atomic store; the main
+   process collects returned slots with returned(). Each lease holds a reference to the RingLeases,
+   which holds the ring, so the mapping outlives every leased tensor even after the pool closed.
+   (The limited API of 3.10 cannot define a buffer exporter, hence DLPack.) */
+
+#include "dlpack.h"
+
+enum { HL_LEASE_NONE = 0, HL_LEASE_OUT = 1, HL_LEASE_BACK = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    RingObject *ring;          /* strong */
+    _Atomic uint32_t *state;   /* per slot: enum above (malloc'd, nslots words) */
+    _Atomic uint32_t out;      /* leases whose tensors are still alive */
+    uint32_t nslots;
+    int close_pending;         /* close_ring() came while leases were out: the last one closes it */
+} LeasesObject;
+
+typedef struct {
+    dl_managed managed;
+    int64_t shape[1];
+    LeasesObject *owner; /* strong */
+    uint32_t slot;
+} hl_lease;
+
+static void lease_deleter(dl_managed *m) {
+    hl_lease *l = (hl_lease *)m->manager_ctx;
+    LeasesObject *o = l->owner;
+    atomic_fetch_sub_explicit(&o->out, 1, memory_order_acq_rel);
+    atomic_store_explicit(&o->state[l->slot], HL_LEASE_BACK, memory_order_release);
+    free(l);
+    /* the last lease may hold the last reference to the ring: its dealloc unmaps, under the GIL */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (o->close_pending && atomic_load(&o->out) == 0) {
+        o->close_pending = 0;
+        release_ring(o->ring);
+    }
+    Py_DECREF(o);
+    PyGILState_Release(gil);
+}
+
+static void lease_capsule_destructor(PyObject *capsule) {
+    /* a capsule torch never consumed still owns its lease */
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+        dl_managed *m = (dl_managed *)PyCapsule_GetPointer(capsule, "dltensor");
+        if (m != NULL && m->deleter != NULL)
+            m->deleter(m);
+    }
+}
+
+static PyObject *leases_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"ring", NULL};
+    PyObject *ring;
+    LeasesObject *o = NULL;
+    PyObject *module = PyType_GetModule(type);
+    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "O:RingLeases", kwlist, &ring))
+        return NULL;
+    if (!PyObject_TypeCheck(ring, (PyTypeObject *)hl_state_of(module)->ring_type)) {
+        PyErr_Format(PyExc_TypeError, "RingLeases: expected a hotloop._C.Ring, got %R", (PyObject *)Py_TYPE(ring));
+        return NULL;
+    }
+    if (check_open((RingObject *)ring) < 0)
+        return NULL;
+    o = (LeasesObject *)PyType_GenericAlloc(type, 0);
+    if (o == NULL)
+        return NULL;
+    o->nslots = ((RingObject *)ring)->nslots;
+    o->state = (_Atomic uint32_t *)calloc(o->nslots, sizeof(uint32_t));
+    if (o->state == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    Py_INCREF(ring);
+    o->ring = (RingObject *)ring;
+    atomic_store(&o->out, 0);
+    return (PyObject *)o;
+error:
+    Py_DECREF(o);
+    return NULL;
+}
+
+static void leases_dealloc(PyObject *self) {
+    LeasesObject *o = (LeasesObject *)self;
+    PyTypeObject *type = Py_TYPE(self);
+    free((void *)o->state);
+    Py_XDECREF(o->ring);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
+}
+
+PyDoc_STRVAR(lease_doc, "lease(slot) -> DLPack capsule\n\n"
+             "The whole slot as a uint8 CPU tensor for torch.from_dlpack, without a copy. The slot counts as\n"
+             "returned (see returned()) once the last tensor, view or array made from it is gone; until\n"
+             "then it must not be written. A slot is leased once at a time.");
+static PyObject *leases_lease(PyObject *self, PyObject *args) {
+    LeasesObject *o = (LeasesObject *)self;
+    long long slot;
+    hl_lease *l = NULL;
+    PyObject *capsule = NULL;
+    if (!PyArg_ParseTuple(args, "L:lease", &slot) || check_slot(o->ring, slot) < 0)
+        return NULL;
+    uint32_t expected = HL_LEASE_NONE;
+    if (!atomic_compare_exchange_strong(&o->state[slot], &expected, HL_LEASE_OUT)) {
+        PyErr_Format(PyExc_ValueError, "lease: slot %lld is %s", slot,
+                     expected == HL_LEASE_OUT ? "leased already" : "returned but not collected by returned()");
+        return NULL;
+    }
+    l = (hl_lease *)calloc(1, sizeof(hl_lease));
+    if (l == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    l->shape[0] = (int64_t)o->ring->slot_bytes;
+    l->slot = (uint32_t)slot;
+    l->managed.tensor.data = slot_data(o->ring, (uint32_t)slot);
+    l->managed.tensor.device.device_type = DL_CPU;
+    l->managed.tensor.device.device_id = 0;
+    l->managed.tensor.ndim = 1;
+    l->managed.tensor.dtype.code = DL_UINT;
+    l->managed.tensor.dtype.bits = 8;
+    l->managed.tensor.dtype.lanes = 1;
+    l->managed.tensor.shape = l->shape;
+    l->managed.tensor.strides = NULL;
+    l->managed.manager_ctx = l;
+    l->managed.deleter = lease_deleter;
+    capsule = PyCapsule_New(&l->managed, "dltensor", lease_capsule_destructor);
+    if (capsule == NULL)
+        goto error;
+    Py_INCREF(self);
+    l->owner = o;
+    atomic_fetch_add_explicit(&o->out, 1, memory_order_acq_rel);
+    return capsule;
+error:
+    free(l);
+    atomic_store(&o->state[slot], HL_LEASE_NONE);
+    return NULL;
+}
+
+PyDoc_STRVAR(returned_doc, "returned() -> list of int\n\n"
+             "The slots whose leases ended since the last call (each once); they may be leased again.");
+static PyObject *leases_returned(PyObject *self, PyObject *Py_UNUSED(a)) {
+    LeasesObject *o = (LeasesObject *)self;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < o->nslots; i++) {
+        uint32_t expected = HL_LEASE_BACK;
+        if (atomic_load_explicit(&o->state[i], memory_order_acquire) != HL_LEASE_BACK ||
+            !atomic_compare_exchange_strong(&o->state[i], &expected, HL_LEASE_NONE))
+            continue;
+        PyObject *n = PyLong_FromUnsignedLong(i);
+        if (n == NULL || PyList_Append(out, n) < 0) {
+            Py_XDECREF(n);
+            atomic_store(&o->state[i], HL_LEASE_BACK); /* collected by the next call */
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(n);
+    }
+    return out;
+}
+
+PyDoc_STRVAR(close_ring_doc, "close_ring()\n\n"
+             "Close the ring now if no leased tensor is left, else once the last one is gone.");
+static PyObject *leases_close_ring(PyObject *self, PyObject *Py_UNUSED(a)) {
+    LeasesObject *o = (LeasesObject *)self;
+    /* the deleter decrements `out` before it takes the GIL, which this holds: a deleter that
+       finds close_pending unset has not yet looked, and will see it */
+    if (atomic_load(&o->out) == 0)
+        release_ring(o->ring);
+    else
+        o->close_pending = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *leases_get_outstanding(PyObject *self, void *c) {
+    (void)c;
+    return PyLong_FromUnsignedLong(atomic_load(&((LeasesObject *)self)->out));
+}
+
+static PyObject *leases_get_ring(PyObject *self, void *c) {
+    (void)c;
+    PyObject *ring = (PyObject *)((LeasesObject *)self)->ring;
+    Py_INCREF(ring);
+    return ring;
+}
+
+static PyGetSetDef leases_getset[] = {
+    {"outstanding", leases_get_outstanding, NULL, "leases whose tensors are still alive", NULL},
+    {"ring", leases_get_ring, NULL, "the ring whose slots are leased", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef leases_methods[] = {
+    {"lease", leases_lease, METH_VARARGS, lease_doc},
+    {"returned", leases_returned, METH_NOARGS, returned_doc},
+    {"close_ring", leases_close_ring, METH_NOARGS, close_ring_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(leases_doc, "RingLeases(ring)\n\n"
+             "Slots of a ring lent out as zero-copy tensors (lease), and the slots whose tensors are all\n"
+             "gone (returned). Keeps the ring mapped while any leased tensor lives: close it with\n"
+             "close_ring(), not with the ring's close().");
+
+static PyType_Slot leases_slots[] = {
+    {Py_tp_new, leases_new},
+    {Py_tp_dealloc, leases_dealloc},
+    {Py_tp_methods, leases_methods},
+    {Py_tp_getset, leases_getset},
+    {Py_tp_doc, (void *)leases_doc},
+    {0, NULL},
+};
+
+static PyType_Spec leases_spec = {
+    .name = "hotloop._C.RingLeases",
+    .basicsize = sizeof(LeasesObject),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = leases_slots,
+};
+
+static int hl_ring_leases_exec(PyObject *module) {
+    PyObject *type = PyType_FromModuleAndSpec(module, &leases_spec, NULL);
+    if (type == NULL)
+        return -1;
+    int rc = PyModule_AddType(module, (PyTypeObject *)type);
+    Py_DECREF(type);
+    return rc;
 }

@@ -192,6 +192,8 @@ def test_in_order_false_and_persistent_workers():
     ring = loader._hl_pool.ring
     del loader
     gc.collect()
+    assert not ring.closed  # the batches in `ours` are views of its slots
+    del ours, a, b
     assert ring.closed
     for pid in pids:
         assert not _alive(pid)
@@ -474,7 +476,7 @@ def test_no_shm_files_fds_threads_and_rss_stable(persistent):
             assert torch.equal(x, ds.data[i])
             if k == 2:
                 assert _shm_files() <= shm  # nothing appears while batches flow
-        del it
+        del it, x, i  # the last batch is a view of its epoch's ring: it keeps the ring open
     gc.collect()
     assert _shm_files() <= shm
     assert threading.active_count() == threads

@@ -57,6 +57,7 @@ class LoaderStats:
     h2d_seconds: float = 0.0  # CUDA-event time of the host-to-device copies
     worker_busy_seconds: float = 0.0  # time workers spent producing batches
     ring_bytes: int = 0
+    view_batches: int = 0  # CPU batches handed out as views of their ring slot (no copy out of the ring)
     register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
     worker_restarts: int = 0
 

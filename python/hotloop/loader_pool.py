@@ -25,6 +25,7 @@ _logger = logging.getLogger("hotloop.loader")
 POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 _ALIGN = 4096
+LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 
 
@@ -76,6 +77,7 @@ class Pool:
         self.task_conns = [None] * self.n
         self.result_conns = [None] * self.n
         self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
+        self.leases = None  # CPU batches lent out as views of their slots (copy_out)
         _LIVE_POOLS.add(self)
         for wid in range(self.n):
             self._start(wid)
@@ -332,7 +334,7 @@ class Pool:
             layout.append((offset, cap))
             offset += cap
         loader = self.loader
-        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else 0)
+        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else LEASE_SLOTS)
         ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
         self.ring, self.layout = ring, layout
         self.free_slots = list(range(nslots))
@@ -356,10 +358,23 @@ class Pool:
         self.free_slots.append(slot)
 
     def copy_out(self, slot, spec, leaves, pin):
-        """CPU delivery: copy (or normalise) each leaf out of the slot, then free the slot."""
+        """CPU delivery. Without pin the leaves are views of the slot (zero-copy): the slot is leased
+        and comes back once the last tensor, view, storage or numpy array made from them is gone;
+        past LEASE_SLOTS leases (a consumer that keeps batches) they are copied out instead, so that
+        the workers always find free slots. With pin they are copied into torch's pinned memory: a
+        view of the slot could not be pinned once, and a later .to(non_blocking=True) from it would
+        still read the slot after its tensors died and the slot went back to a worker (torch's
+        pinned allocator keeps a block until the copies queued from it ended; a lease knows nothing
+        of queued copies). Leaves the transform applies to are normalised into new tensors."""
         tf = self.loader.gpu_transform
         outs, triples = [], []
-        view = None
+        view = base = None
+        if not pin and any(tf is None or not tf.applies_to(dtype, shape) for _, dtype, shape in leaves):
+            self.collect_leases()
+            if self.leases is None:
+                self.leases = _C.RingLeases(self.ring)
+            if self.leases.outstanding < LEASE_SLOTS:
+                base = torch.from_dlpack(self.leases.lease(slot))
         try:
             for off, dtype, shape in leaves:
                 if tf is not None and tf.applies_to(dtype, shape):
@@ -372,6 +387,10 @@ class Pool:
                     del src
                     outs.append(out)
                     continue
+                if base is not None:
+                    nbytes = torch.Size(shape).numel() * dtype.itemsize
+                    outs.append(base[off:off + nbytes].view(dtype).view(shape))
+                    continue
                 t = torch.empty(shape, dtype=dtype, pin_memory=pin)
                 triples += (off, t.data_ptr(), t.numel() * t.element_size())
                 outs.append(t)
@@ -380,8 +399,18 @@ class Pool:
         finally:
             if view is not None:
                 view.release()
-        self.release_slot(slot)
+        if base is None:
+            self.release_slot(slot)
+        else:
+            self.loader._hl_stats.view_batches += 1
+            del base  # the leaves hold the lease now
         return unflatten(spec, outs)
+
+    def collect_leases(self):
+        """Free the slots whose leased tensors are all gone."""
+        if self.leases is not None:
+            for slot in self.leases.returned():
+                self.release_slot(slot)
 
     # CUDA: the side stream, events and copies in flight live in loader_device.DeviceCopies ----------
     def copy_to_device(self, slot, spec, leaves):
@@ -391,7 +420,9 @@ class Pool:
         return self.copies.deliver(pending, self.release_slot)
 
     def reclaim(self, block):
-        """Free the slots whose copies finished (with block: wait for the oldest if none did)."""
+        """Free the slots whose copies finished (with block: wait for the oldest if none did) or
+        whose leased tensors are gone."""
+        self.collect_leases()
         if self.copies is not None:
             self.copies.reclaim(block, self.release_slot)
 
@@ -422,8 +453,12 @@ class Pool:
         if self.copies is not None:
             self.copies.close()
         if self.ring is not None:
-            self.ring.close()
+            if self.leases is not None:
+                self.leases.close_ring()  # batches handed out as views may still read it: the last one closes it
+            else:
+                self.ring.close()
             self.ring = None
+            self.leases = None
 
 
 def _round(x, to):
