@@ -152,3 +152,55 @@ def test_fds_rss_and_no_shm_over_epochs(persistent):
     del keep, loader
     gc.collect()
     assert set(_fds()) <= fds
+
+
+def test_ring_leases_directly():
+    from hotloop import _C
+
+    ring = _C.Ring(3, 5000)
+    leases = _C.RingLeases(ring)
+    with pytest.raises(TypeError, match="expected a hotloop._C.Ring"):
+        _C.RingLeases(object())
+    with pytest.raises(IndexError, match="out of range"):
+        leases.lease(3)
+    t = torch.from_dlpack(leases.lease(1))
+    assert t.dtype == torch.uint8 and t.shape == (ring.slot_bytes,) and t.data_ptr() == ring.slot_address(1)
+    with pytest.raises(ValueError, match="leased already"):
+        leases.lease(1)
+    leases.lease(2)  # a capsule torch never took: its destructor returns the lease
+    assert leases.returned() == [2] and leases.returned() == []
+    assert leases.outstanding == 1
+    del t
+    assert leases.outstanding == 0 and leases.returned() == [1]
+    t = torch.from_dlpack(leases.lease(1))  # a returned slot may be lent again
+    leases.close_ring()
+    assert not ring.closed  # t still reads it
+    values = t[:8].clone()
+    assert torch.equal(t[:8], values)
+    del t
+    assert ring.closed
+
+
+def test_lease_returned_by_a_thread_without_the_gil():
+    """torch runs the deleter wherever the storage dies, often without the GIL: call it that way
+    (ctypes releases the GIL around a foreign call) and check that it takes the GIL itself."""
+    import ctypes
+
+    from hotloop import _C
+
+    ring = _C.Ring(2, 4096)
+    leases = _C.RingLeases(ring)
+    capsule = leases.lease(0)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    managed = get(capsule, b"dltensor")
+    used = ctypes.c_char_p(b"used_dltensor")  # outlives the capsule below
+    ctypes.pythonapi.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    ctypes.pythonapi.PyCapsule_SetName(capsule, used)  # consumed, as torch marks it
+    deleter = ctypes.c_void_p.from_address(managed + 56).value  # dl_tensor (48 bytes), manager_ctx, deleter
+    assert leases.outstanding == 1
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(managed)  # GIL released during the call
+    assert leases.outstanding == 0 and leases.returned() == [0]
+    del capsule
+    leases.close_ring()
+    assert ring.closed

@@ -33,7 +33,7 @@ class DeviceCopies:
 
     def __init__(self, device, loader):
         self.device = device
-        self.loader = loader  # its gpu_transform and stats
+        self.loader = weakref.proxy(loader)  # its gpu_transform and stats; a proxy: the loader owns a LocalRing
         self.copy_stream = None
         self.pin_slots = True
         self.inflight = collections.deque()
