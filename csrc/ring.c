@@ -617,13 +617,14 @@ int hl_ring_exec(PyObject *module) {
 
 /* ---- leases: slots handed to the consumer as tensors, zero-copy --------------------------------
 
-   RingLeases(ring).lease(slot) returns a DLPack capsule ("dltensor", uint8, the whole slot) for
-   torch.from_dlpack. torch calls the capsule's deleter when the storage dies, i.e. once no tensor,
-   view, storage or numpy array made from it is left, from whichever thread drops the last one,
-   usually without the GIL. The deleter marks the slot returned with an atomic store; the main
-   process collects returned slots with returned(). Each lease holds a reference to the RingLeases,
-   which holds the ring, so the mapping outlives every leased tensor even after the pool closed.
-   (The limited API of 3.10 cannot define a buffer exporter, hence DLPack.) */
+   RingLeases(ring).lease(slot, parts) returns one DLPack capsule ("dltensor", uint8) per part of
+   the slot, for torch.from_dlpack: each leaf gets a storage of its own bytes, as a collated tensor
+   has. torch calls a capsule's deleter when its storage dies, i.e. once no tensor, view, storage or
+   numpy array made from it is left, from whichever thread drops the last one, often without the
+   GIL. When the last part of a slot is gone the slot is marked returned with an atomic store; the
+   main process collects returned slots with returned(). Each lease holds a reference to the
+   RingLeases, which holds the ring, so the mapping outlives every leased tensor even after the pool
+   closed. (The limited API of 3.10 cannot define a buffer exporter, hence DLPack.) */
 
 #include "dlpack.h"
 
@@ -633,24 +634,34 @@ typedef struct {
     PyObject_HEAD
     RingObject *ring;          /* strong */
     _Atomic uint32_t *state;   /* per slot: enum above (malloc'd, nslots words) */
-    _Atomic uint32_t out;      /* leases whose tensors are still alive */
+    _Atomic uint32_t out;      /* leases with a tensor still alive */
     uint32_t nslots;
     int close_pending;         /* close_ring() came while leases were out: the last one closes it */
 } LeasesObject;
 
+struct hl_lease;
+
 typedef struct {
     dl_managed managed;
     int64_t shape[1];
-    LeasesObject *owner; /* strong */
+    struct hl_lease *lease;
+} hl_lease_part;
+
+typedef struct hl_lease {
+    _Atomic uint32_t refs; /* parts alive, plus one while lease() builds them */
+    LeasesObject *owner;   /* strong */
     uint32_t slot;
+    hl_lease_part parts[];
 } hl_lease;
 
-static void lease_deleter(dl_managed *m) {
-    hl_lease *l = (hl_lease *)m->manager_ctx;
+static void lease_unref(hl_lease *l) {
+    if (atomic_fetch_sub_explicit(&l->refs, 1, memory_order_acq_rel) != 1)
+        return;
     LeasesObject *o = l->owner;
-    atomic_fetch_sub_explicit(&o->out, 1, memory_order_acq_rel);
-    atomic_store_explicit(&o->state[l->slot], HL_LEASE_BACK, memory_order_release);
+    uint32_t slot = l->slot;
     free(l);
+    atomic_fetch_sub_explicit(&o->out, 1, memory_order_acq_rel);
+    atomic_store_explicit(&o->state[slot], HL_LEASE_BACK, memory_order_release);
     /* the last lease may hold the last reference to the ring: its dealloc unmaps, under the GIL */
     PyGILState_STATE gil = PyGILState_Ensure();
     if (o->close_pending && atomic_load(&o->out) == 0) {
@@ -661,8 +672,10 @@ static void lease_deleter(dl_managed *m) {
     PyGILState_Release(gil);
 }
 
+static void lease_part_deleter(dl_managed *m) { lease_unref(((hl_lease_part *)m->manager_ctx)->lease); }
+
 static void lease_capsule_destructor(PyObject *capsule) {
-    /* a capsule torch never consumed still owns its lease */
+    /* a capsule torch never consumed still holds its part */
     if (PyCapsule_IsValid(capsule, "dltensor")) {
         dl_managed *m = (dl_managed *)PyCapsule_GetPointer(capsule, "dltensor");
         if (m != NULL && m->deleter != NULL)
@@ -711,51 +724,77 @@ static void leases_dealloc(PyObject *self) {
     Py_DECREF(type);
 }
 
-PyDoc_STRVAR(lease_doc, "lease(slot) -> DLPack capsule\n\n"
-             "The whole slot as a uint8 CPU tensor for torch.from_dlpack, without a copy. The slot counts as\n"
-             "returned (see returned()) once the last tensor, view or array made from it is gone; until\n"
+PyDoc_STRVAR(lease_doc, "lease(slot, parts) -> list of DLPack capsules\n\n"
+             "The slot's bytes as uint8 CPU tensors for torch.from_dlpack, without a copy: parts holds int64\n"
+             "pairs (offset in the slot, bytes), one capsule each. The slot counts as returned (see\n"
+             "returned()) once the last tensor, view, storage or array made from any of them is gone; until\n"
              "then it must not be written. A slot is leased once at a time.");
 static PyObject *leases_lease(PyObject *self, PyObject *args) {
     LeasesObject *o = (LeasesObject *)self;
     long long slot;
+    PyObject *packed, *out = NULL;
     hl_lease *l = NULL;
-    PyObject *capsule = NULL;
-    if (!PyArg_ParseTuple(args, "L:lease", &slot) || check_slot(o->ring, slot) < 0)
+    if (!PyArg_ParseTuple(args, "LO:lease", &slot, &packed) || check_slot(o->ring, slot) < 0)
         return NULL;
+    if (!PyBytes_Check(packed) || PyBytes_Size(packed) % (2 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_TypeError, "parts: expected bytes of int64 (offset, bytes) pairs, got %R",
+                     (PyObject *)Py_TYPE(packed));
+        return NULL;
+    }
+    const int64_t *pairs = (const int64_t *)PyBytes_AsString(packed);
+    Py_ssize_t n = PyBytes_Size(packed) / (2 * (Py_ssize_t)sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (check_range(o->ring, pairs[2 * i], pairs[2 * i + 1]) < 0)
+            return NULL;
     uint32_t expected = HL_LEASE_NONE;
     if (!atomic_compare_exchange_strong(&o->state[slot], &expected, HL_LEASE_OUT)) {
         PyErr_Format(PyExc_ValueError, "lease: slot %lld is %s", slot,
                      expected == HL_LEASE_OUT ? "leased already" : "returned but not collected by returned()");
         return NULL;
     }
-    l = (hl_lease *)calloc(1, sizeof(hl_lease));
+    l = (hl_lease *)calloc(1, sizeof(hl_lease) + (size_t)n * sizeof(hl_lease_part));
     if (l == NULL) {
-        PyErr_NoMemory();
-        goto error;
+        atomic_store(&o->state[slot], HL_LEASE_NONE);
+        return PyErr_NoMemory();
     }
-    l->shape[0] = (int64_t)o->ring->slot_bytes;
-    l->slot = (uint32_t)slot;
-    l->managed.tensor.data = slot_data(o->ring, (uint32_t)slot);
-    l->managed.tensor.device.device_type = DL_CPU;
-    l->managed.tensor.device.device_id = 0;
-    l->managed.tensor.ndim = 1;
-    l->managed.tensor.dtype.code = DL_UINT;
-    l->managed.tensor.dtype.bits = 8;
-    l->managed.tensor.dtype.lanes = 1;
-    l->managed.tensor.shape = l->shape;
-    l->managed.tensor.strides = NULL;
-    l->managed.manager_ctx = l;
-    l->managed.deleter = lease_deleter;
-    capsule = PyCapsule_New(&l->managed, "dltensor", lease_capsule_destructor);
-    if (capsule == NULL)
-        goto error;
+    /* from here on the lease owns the slot: every way out goes through lease_unref */
+    atomic_store(&l->refs, 1);
     Py_INCREF(self);
     l->owner = o;
+    l->slot = (uint32_t)slot;
     atomic_fetch_add_explicit(&o->out, 1, memory_order_acq_rel);
-    return capsule;
+    out = PyList_New(0);
+    if (out == NULL)
+        goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hl_lease_part *p = &l->parts[i];
+        p->lease = l;
+        p->shape[0] = pairs[2 * i + 1];
+        p->managed.tensor.data = slot_data(o->ring, (uint32_t)slot) + pairs[2 * i];
+        p->managed.tensor.device.device_type = DL_CPU;
+        p->managed.tensor.ndim = 1;
+        p->managed.tensor.dtype.code = DL_UINT;
+        p->managed.tensor.dtype.bits = 8;
+        p->managed.tensor.dtype.lanes = 1;
+        p->managed.tensor.shape = p->shape;
+        p->managed.manager_ctx = p;
+        p->managed.deleter = lease_part_deleter;
+        atomic_fetch_add_explicit(&l->refs, 1, memory_order_acq_rel);
+        PyObject *capsule = PyCapsule_New(&p->managed, "dltensor", lease_capsule_destructor);
+        if (capsule == NULL) {
+            atomic_fetch_sub_explicit(&l->refs, 1, memory_order_acq_rel); /* never handed out */
+            goto error;
+        }
+        int rc = PyList_Append(out, capsule);
+        Py_DECREF(capsule);
+        if (rc < 0)
+            goto error;
+    }
+    lease_unref(l); /* the parts hold it now (none: returned at once) */
+    return out;
 error:
-    free(l);
-    atomic_store(&o->state[slot], HL_LEASE_NONE);
+    Py_XDECREF(out); /* capsules made so far give their parts back */
+    lease_unref(l);
     return NULL;
 }
 

@@ -41,6 +41,11 @@ def test_view_batches_equal_torch(kind):
     assert len(theirs) == len(ours) == 10
     for a, b in zip(theirs, ours):
         assert_same(a, b)
+    for batch in ours:  # each tensor has a storage of its own bytes, as a collated one has
+        tensors = []
+        hotloop.loader.flatten(batch, tensors)
+        for t in tensors:
+            assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def test_batches_are_views_and_slots_come_back():
@@ -133,13 +138,17 @@ def test_a_batch_dropped_in_another_thread():
 def test_fds_rss_and_no_shm_over_epochs(persistent):
     ds = Blocks(n=48, numel=1 << 16)
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+
+    def same(x, i):  # row by row: ds.data[i] would allocate a batch per check (and ASan keeps those)
+        return all(torch.equal(x[r], ds.data[int(k)]) for r, k in enumerate(i))
+
     list(loader)  # warm up
     gc.collect()
     shm, fds, rss = _shm_files(), set(_fds()), _rss_kb()
     keep = None
     for epoch in range(6):
         for k, (x, i) in enumerate(loader):
-            assert torch.equal(x, ds.data[i])
+            assert same(x, i)
             if k == 5:
                 keep = (x, i)  # one batch of each epoch survives into the next one
                 assert _shm_files() <= shm
@@ -147,7 +156,7 @@ def test_fds_rss_and_no_shm_over_epochs(persistent):
         gc.collect()
         assert _shm_files() <= shm
         assert len(set(_fds()) - fds) == (0 if persistent else 1)  # non-persistent: the kept batch's ring
-        assert torch.equal(keep[0], ds.data[keep[1]])
+        assert same(*keep)
     assert _rss_kb() - rss < 20 << 10  # kB: flat, not growing by epochs
     del keep, loader
     gc.collect()
@@ -162,23 +171,37 @@ def test_ring_leases_directly():
     with pytest.raises(TypeError, match="expected a hotloop._C.Ring"):
         _C.RingLeases(object())
     with pytest.raises(IndexError, match="out of range"):
-        leases.lease(3)
-    t = torch.from_dlpack(leases.lease(1))
-    assert t.dtype == torch.uint8 and t.shape == (ring.slot_bytes,) and t.data_ptr() == ring.slot_address(1)
+        leases.lease(3, _pairs())
+    with pytest.raises(ValueError, match="do not lie inside a slot"):
+        leases.lease(0, _pairs(4096, 4096 + 1))
+    with pytest.raises(TypeError, match="int64"):
+        leases.lease(0, b"123")
+    t, u = (torch.from_dlpack(c) for c in leases.lease(1, _pairs(0, 16, 4096, 100)))
+    assert t.dtype == torch.uint8 and t.shape == (16,) and t.data_ptr() == ring.slot_address(1)
+    assert u.shape == (100,) and u.data_ptr() == ring.slot_address(1) + 4096
     with pytest.raises(ValueError, match="leased already"):
-        leases.lease(1)
-    leases.lease(2)  # a capsule torch never took: its destructor returns the lease
+        leases.lease(1, _pairs(0, 1))
+    leases.lease(2, _pairs(0, 1, 5, 5))  # capsules torch never took: their destructors return the lease
     assert leases.returned() == [2] and leases.returned() == []
+    assert leases.lease(0, _pairs()) == [] and leases.returned() == [0]  # nothing lent: back at once
     assert leases.outstanding == 1
     del t
+    assert leases.outstanding == 1 and leases.returned() == []  # u still holds slot 1
+    del u
     assert leases.outstanding == 0 and leases.returned() == [1]
-    t = torch.from_dlpack(leases.lease(1))  # a returned slot may be lent again
+    t = torch.from_dlpack(leases.lease(1, _pairs(0, 8))[0])  # a returned slot may be lent again
     leases.close_ring()
     assert not ring.closed  # t still reads it
-    values = t[:8].clone()
-    assert torch.equal(t[:8], values)
+    values = t.clone()
+    assert torch.equal(t, values)
     del t
     assert ring.closed
+
+
+def _pairs(*values):
+    import array
+
+    return array.array("q", values).tobytes()
 
 
 def test_lease_returned_by_a_thread_without_the_gil():
@@ -190,7 +213,7 @@ def test_lease_returned_by_a_thread_without_the_gil():
 
     ring = _C.Ring(2, 4096)
     leases = _C.RingLeases(ring)
-    capsule = leases.lease(0)
+    capsule = leases.lease(0, _pairs(0, 64))[0]
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     managed = get(capsule, b"dltensor")

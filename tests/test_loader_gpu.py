@@ -272,3 +272,21 @@ def _is_driver_fd(fd):
     # the CUDA driver may open more /dev/nvidia* files lazily (pinned memory); they are not the loader's
     return _describe(fd).split(" -> ")[-1].startswith("/dev/nvidia")
 
+
+
+def test_pin_memory_batches_are_pinned_copies_not_views():
+    """pin_memory=True: batches are copied into torch's pinned memory (a view of a slot could be read
+    by a queued non_blocking copy after the slot went back to a worker); without it they are views."""
+    ds = Images(n=20)
+    torch.manual_seed(0)
+    ref = list(TorchDataLoader(ds, batch_size=4, num_workers=2, pin_memory=True))
+    for pin in (True, False):
+        torch.manual_seed(0)
+        loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, pin_memory=pin)
+        got = [(x.is_pinned(), x.cuda(non_blocking=True), i, meta) for x, i, meta in loader]
+        torch.cuda.synchronize()
+        assert len(got) == len(ref) == 5
+        for (x, i, meta), (pinned, y, j, meta2) in zip(ref, got):
+            assert pinned == pin
+            assert torch.equal(y.cpu(), x) and torch.equal(i, j) and meta["name"] == meta2["name"]
+        assert loader.stats.view_batches == (0 if pin else 5)

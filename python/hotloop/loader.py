@@ -9,6 +9,12 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 * with `device="cuda"` the ring is page-locked once (`cudaHostRegister`) and each batch goes to the
   GPU with one `cudaMemcpyAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
   stream waits on an event, and a slot is reused only once its copy finished;
+* with num_workers=0 and a device, the main thread makes each batch as torch does but writes it
+  straight into a small page-locked ring of its own, and the copies run on the side stream as
+  above: the copy of one batch overlaps the making of the next;
+* without a device (and without pin_memory) a batch's tensors are views of its slot, not copies: the
+  slot goes back to the workers once the last tensor, view or numpy array made from them is gone
+  (a consumer that keeps many batches gets copies past a few, so the workers never starve);
 * `gpu_transform=hotloop.Normalize(mean, std)` turns uint8 HWC image batches into normalised
   float16/bfloat16/float32 NCHW or channels_last in one kernel, on the copy stream.
 
@@ -95,7 +101,8 @@ class DataLoader(torch.utils.data.DataLoader):
     a shared ring. Extra keyword arguments:
 
     device: a CUDA device: batches arrive there as tensors usable on the current stream.
-    prefetch_batches: batches copied to the device ahead of the one being consumed (default 2).
+    prefetch_batches: batches copied to the device ahead of the one being consumed (default 2); with
+        num_workers=0, batches made and queued ahead of the one returned (0: one at a time).
     gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
         too when device is None).
     max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.

@@ -368,13 +368,16 @@ class Pool:
         of queued copies). Leaves the transform applies to are normalised into new tensors."""
         tf = self.loader.gpu_transform
         outs, triples = [], []
-        view = base = None
-        if not pin and any(tf is None or not tf.applies_to(dtype, shape) for _, dtype, shape in leaves):
+        view = parts = None
+        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for off, dtype, shape in leaves
+                if tf is None or not tf.applies_to(dtype, shape)]
+        if not pin and lent:
             self.collect_leases()
             if self.leases is None:
                 self.leases = _C.RingLeases(self.ring)
             if self.leases.outstanding < LEASE_SLOTS:
-                base = torch.from_dlpack(self.leases.lease(slot))
+                # one capsule per leaf: each tensor gets a storage of its own bytes, as collated ones do
+                parts = iter(self.leases.lease(slot, array.array("q", [x for p in lent for x in p]).tobytes()))
         try:
             for off, dtype, shape in leaves:
                 if tf is not None and tf.applies_to(dtype, shape):
@@ -386,24 +389,21 @@ class Pool:
                     tf.run(src, mem)
                     del src
                     outs.append(out)
-                    continue
-                if base is not None:
-                    nbytes = torch.Size(shape).numel() * dtype.itemsize
-                    outs.append(base[off:off + nbytes].view(dtype).view(shape))
-                    continue
-                t = torch.empty(shape, dtype=dtype, pin_memory=pin)
-                triples += (off, t.data_ptr(), t.numel() * t.element_size())
-                outs.append(t)
+                elif parts is not None:
+                    outs.append(torch.from_dlpack(next(parts)).view(dtype).view(shape))
+                else:
+                    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                    triples += (off, t.data_ptr(), t.numel() * t.element_size())
+                    outs.append(t)
             if triples:
                 self.ring.copy_out(slot, array.array("q", triples).tobytes())
         finally:
             if view is not None:
                 view.release()
-        if base is None:
+        if parts is None:
             self.release_slot(slot)
         else:
-            self.loader._hl_stats.view_batches += 1
-            del base  # the leaves hold the lease now
+            self.loader._hl_stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
 
     def collect_leases(self):
