@@ -361,11 +361,15 @@ class Pool:
         """CPU delivery. Without pin the leaves are views of the slot (zero-copy): the slot is leased
         and comes back once the last tensor, view, storage or numpy array made from them is gone;
         past LEASE_SLOTS leases (a consumer that keeps batches) they are copied out instead, so that
-        the workers always find free slots. With pin they are copied into torch's pinned memory: a
-        view of the slot could not be pinned once, and a later .to(non_blocking=True) from it would
-        still read the slot after its tensors died and the slot went back to a worker (torch's
-        pinned allocator keeps a block until the copies queued from it ended; a lease knows nothing
-        of queued copies). Leaves the transform applies to are normalised into new tensors."""
+        the workers always find free slots. Leaves the transform applies to are normalised into new
+        tensors.
+
+        With pin the leaves are copied into torch's pinned memory, as torch does. A view of the slot
+        is not page-locked, and even if the ring were, a `.to(device, non_blocking=True)` from it is
+        a DMA that runs after the call returned: the consumer may drop the batch right after queuing
+        it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
+        it. torch's pinned allocator keeps a block until events recorded on the streams that used it
+        completed; a lease sees no such event."""
         tf = self.loader.gpu_transform
         outs, triples = [], []
         view = parts = None
