@@ -192,6 +192,8 @@ def test_in_order_false_and_persistent_workers():
     ring = loader._hl_pool.ring
     del loader
     gc.collect()
+    assert not ring.closed  # the batches in `ours` are views of its slots
+    del ours, a, b
     assert ring.closed
     for pid in pids:
         assert not _alive(pid)
@@ -530,7 +532,7 @@ def test_no_shm_files_fds_threads_and_rss_stable(persistent):
             assert torch.equal(x, ds.data[i])
             if k == 2:
                 assert _shm_files() <= shm  # nothing appears while batches flow
-        del it
+        del it, x, i  # the last batch is a view of its epoch's ring: it keeps the ring open
     gc.collect()
     assert _shm_files() <= shm
     assert threading.active_count() == threads
@@ -631,6 +633,7 @@ if sys.argv[1] == "interrupt":
     except KeyboardInterrupt:
         print("interrupted", flush=True)
     time.sleep(0.1)  # let the timer thread end
+    _ = None  # the last batch, if one came: a view of the ring, it would keep the ring's fd open
     del it
     gc.collect()
     print("fds", "same" if sorted(os.listdir("/proc/self/fd")) == fds else "differ", flush=True)
@@ -680,6 +683,7 @@ class _FakeCuda:
         import types
 
         import hotloop.loader as L
+        import hotloop.loader_device as LD
         import hotloop.loader_pool as LP
         import hotloop.normalize as N
 
@@ -724,12 +728,13 @@ class _FakeCuda:
                                   normalize=real_c.normalize, RING_FREE=real_c.RING_FREE,
                                   RING_ASSIGNED=real_c.RING_ASSIGNED, RING_READY=real_c.RING_READY,
                                   RING_ERROR=real_c.RING_ERROR, RING_FLAG_OVERFLOW=real_c.RING_FLAG_OVERFLOW)
-        for module in (L, LP, N):  # the iterators, the pool they drive, the transform
+        for module in (L, LP, LD, N):  # the iterators, the pool they drive, the copies, the transform
             monkeypatch.setattr(module, "torch", Torch("torch"))
             monkeypatch.setattr(module, "_C", c)
 
 
-@pytest.mark.parametrize("num_workers,prefetch_batches,transform", [(1, 0, False), (3, 2, True), (2, 3, False)])
+@pytest.mark.parametrize("num_workers,prefetch_batches,transform",
+                         [(1, 0, False), (3, 2, True), (2, 3, False), (0, 0, False), (0, 2, True), (0, 3, False)])
 def test_device_path_logic_with_fake_cuda(monkeypatch, num_workers, prefetch_batches, transform):
     import types
 
@@ -751,6 +756,66 @@ def test_device_path_logic_with_fake_cuda(monkeypatch, num_workers, prefetch_bat
     assert 0 < len(fake.registered) <= num_workers * 2 + prefetch_batches + 3
     st = loader.stats
     assert st.batches == 22 and st.h2d_bytes == 2 * sum(x.numel() + i.numel() * 8 for x, i in ref)
+
+
+@pytest.mark.parametrize("prefetch_batches", [0, 2])
+def test_single_process_device_resume_and_errors_with_fake_cuda(monkeypatch, prefetch_batches):
+    """num_workers=0 with a device: batches made ahead do not move the resume point, and an error
+    in a batch made ahead is raised when that batch is due, after the batches before it."""
+    import types
+
+    ds = Images(n=42, size=12)
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    fake = _FakeCuda(monkeypatch)
+
+    def make(dataset):
+        loader = hotloop.DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3),
+                                    prefetch_batches=prefetch_batches)
+        loader.device = types.SimpleNamespace(type="cuda", index=0)
+        return loader
+
+    loader = make(ds)
+    it = iter(loader)
+    first = [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    assert state["batches_yielded"] == 4
+    again = make(ds)
+    again.load_state_dict(state)
+    rest = list(again)
+    assert len(first) + len(rest) == len(ref)
+    for (x, i), (y, j) in zip(ref, first + rest):
+        assert torch.equal(i, j) and torch.equal(x, y)
+    assert fake.copies == 11 + prefetch_batches and loader.stats.samples == 16  # made ahead: copied, not counted
+    assert again.stats.samples == 42 - 16
+    del it
+
+    bad = FailsAt(ds, 21)  # in batch 5 of the sequential order
+    got = []
+    with pytest.raises(ValueError, match="sample 21"):
+        for batch in _device_loader(bad, prefetch_batches):
+            got.append(batch)
+    assert len(got) == 5 and all(torch.equal(x, ds.data[4 * k:4 * k + 4]) for k, (x, _) in enumerate(got))
+
+
+def _device_loader(dataset, prefetch_batches):
+    import types
+
+    loader = hotloop.DataLoader(dataset, batch_size=4, prefetch_batches=prefetch_batches)
+    loader.device = types.SimpleNamespace(type="cuda", index=0)
+    return loader
+
+
+class FailsAt(Dataset):
+    def __init__(self, base, bad):
+        self.base, self.bad = base, bad
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"sample {i}")
+        return self.base[i]
 
 
 class SlowFirst(Dataset):

@@ -121,6 +121,92 @@ class Marked(Dataset):
         return torch.full((self.numel,), i, dtype=torch.int32)
 
 
+@pytest.mark.parametrize("prefetch_batches", [0, 2])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_single_process_device_batches_equal_torch(prefetch_batches, normalize):
+    """num_workers=0 with device=: the main process writes into its local ring, copies run on a side
+    stream; every batch equals torch's DataLoader + .to(device) (+ the transform), epoch after epoch."""
+    ds = Images(n=43)
+    tf = hotloop.Normalize(MEAN, STD, dtype=torch.bfloat16) if normalize else None
+    torch.manual_seed(0)
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)))
+    torch.manual_seed(0)
+    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7),
+                                device="cuda", prefetch_batches=prefetch_batches, gpu_transform=tf)
+    for epoch in range(2):
+        got = list(loader)
+        assert len(got) == len(ref) == 11
+        for k, ((x, i, meta), (y, j, meta2)) in enumerate(zip(ref, got)):
+            if tf is not None:
+                want = tf.reference(x.cuda())
+                assert y.device.type == "cuda" and y.dtype == want.dtype and y.shape == want.shape
+                assert torch.equal(y, want), f"epoch {epoch} batch {k}: x differs"
+            else:
+                check_equal(x, y, f"epoch {epoch} batch {k} x")
+            check_equal(i, j, f"epoch {epoch} batch {k} i")
+            check_equal(meta, meta2, f"epoch {epoch} batch {k} meta")
+        torch.manual_seed(0)
+        loader.generator.manual_seed(7)
+    ring = loader._hl_local_ring.ring
+    assert ring.registered  # the batches went through the page-locked ring
+    st = loader.stats
+    assert st.batches == 22 and st.samples == 86 and st.h2d_bytes > 0 and st.h2d_seconds > 0
+    del loader, got
+    gc.collect()
+    assert ring.closed and not ring.registered  # the loader's end unregisters and unmaps it
+
+
+class Growing(Dataset):
+    """Samples that grow: later batches no longer fit the ring sized from the first one."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full(((i + 1) * 300,), i, dtype=torch.int32), torch.randn(3)  # batch 1 > batch 0's 8 kB slot
+
+
+def _cat(samples):
+    return torch.cat([a for a, _ in samples]), torch.stack([b for _, b in samples]), "tag"
+
+
+@pytest.mark.parametrize("collate", ["default", "custom"])
+def test_single_process_device_fallbacks(collate):
+    """Batches that do not fit the local ring sized from the first one (custom collate, growing
+    shapes) take the plain .to(device) path, a short last batch takes the ring; all equal torch's."""
+    ds = Growing()
+    kw = dict(batch_size=3, collate_fn=_cat) if collate == "custom" else dict(batch_size=3)
+    if collate == "default":
+        ds = Images(n=17)  # 17 = 5 * 3 + 2: a short last batch
+    torch.manual_seed(0)
+    ref = list(TorchDataLoader(ds, **kw))
+    torch.manual_seed(0)
+    got = list(hotloop.DataLoader(ds, device="cuda", prefetch_batches=2, **kw))
+    assert len(got) == len(ref)
+    for k, (a, b) in enumerate(zip(ref, got)):
+        check_equal(a, b, f"batch {k}")
+
+
+@pytest.mark.parametrize("prefetch_batches", [0, 4])
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_single_process_no_early_reuse(side_stream, prefetch_batches):
+    """The reuse race below with num_workers=0: the main thread rewrites a slot of the local ring only
+    once the copy out of it finished, and prefetch copies never overwrite device memory the
+    consumer's queued reads still need."""
+    loader = hotloop.DataLoader(Marked(), batch_size=2, device="cuda", prefetch_batches=prefetch_batches)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    copies = []
+    with torch.cuda.stream(stream):
+        for batch in loader:
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the read below can run
+            copies.append(batch.sum(dtype=torch.int64, dim=1))
+            del batch
+    torch.cuda.synchronize()
+    got = torch.cat(copies).cpu()
+    want = torch.arange(96, dtype=torch.int64) * (1 << 18)
+    assert torch.equal(got, want), f"early reuse: first bad batch {int((got != want).nonzero()[0]) // 2}"
+
+
 @pytest.mark.parametrize("side_stream", [False, True])
 def test_no_early_reuse_of_slots_or_device_buffers(side_stream):
     """timm #2781: the consumer's stream is kept busy (a sleep kernel) before each batch is read and
@@ -186,3 +272,22 @@ def _is_driver_fd(fd):
     # the CUDA driver may open more /dev/nvidia* files lazily (pinned memory); they are not the loader's
     return _describe(fd).split(" -> ")[-1].startswith("/dev/nvidia")
 
+
+
+def test_pin_memory_batches_are_pinned_copies_not_views():
+    """pin_memory=True: batches are copied into torch's pinned memory (a view of a slot could be read
+    by a queued non_blocking copy after the slot went back to a worker); without it they are views."""
+    ds = Images(n=20)
+    torch.manual_seed(0)
+    ref = list(TorchDataLoader(ds, batch_size=4, num_workers=2, pin_memory=True))
+    for pin in (True, False):
+        torch.manual_seed(0)
+        loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, pin_memory=pin)
+        # nothing of a batch is kept but copies: with pin=False each batch's slot comes back at once
+        got = [(x.is_pinned(), x.cuda(non_blocking=True), i.clone(), meta["name"]) for x, i, meta in loader]
+        torch.cuda.synchronize()
+        assert len(got) == len(ref) == 5
+        for (x, i, meta), (pinned, y, j, meta2) in zip(ref, got):
+            assert pinned == pin
+            assert torch.equal(y.cpu(), x) and torch.equal(i, j) and meta["name"] == meta2
+        assert loader.stats.view_batches == (0 if pin else 5)

@@ -9,6 +9,12 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 * with `device="cuda"` the ring is page-locked once (`cudaHostRegister`) and each batch goes to the
   GPU with one `cudaMemcpyAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
   stream waits on an event, and a slot is reused only once its copy finished;
+* with num_workers=0 and a device, the main thread makes each batch as torch does but writes it
+  straight into a small page-locked ring of its own, and the copies run on the side stream as
+  above: the copy of one batch overlaps the making of the next;
+* without a device (and without pin_memory) a batch's tensors are views of its slot, not copies: the
+  slot goes back to the workers once the last tensor, view or numpy array made from them is gone
+  (a consumer that keeps many batches gets copies past a few, so the workers never starve);
 * `gpu_transform=hotloop.Normalize(mean, std)` turns uint8 HWC image batches into normalised
   float16/bfloat16/float32 NCHW or channels_last in one kernel, on the copy stream.
 
@@ -24,11 +30,13 @@ import time
 import weakref
 
 import torch
+from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _SingleProcessDataLoaderIter
 
 from . import _C
-from .loader_pool import POLL_S, Pending, Pool
-from .loader_worker import flatten, unflatten
+from .loader_device import LocalRing, Pending
+from .loader_pool import POLL_S, Pool
+from .loader_worker import _Abort, _SlotWriter, flatten, unflatten, write_fast, write_general
 from .normalize import Normalize
 
 __all__ = ["DataLoader", "Normalize", "LoaderStats", "loader_stats_snapshot"]
@@ -55,6 +63,7 @@ class LoaderStats:
     h2d_seconds: float = 0.0  # CUDA-event time of the host-to-device copies
     worker_busy_seconds: float = 0.0  # time workers spent producing batches
     ring_bytes: int = 0
+    view_batches: int = 0  # CPU batches handed out as views of their ring slot (no copy out of the ring)
     register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
     worker_restarts: int = 0
 
@@ -92,7 +101,8 @@ class DataLoader(torch.utils.data.DataLoader):
     a shared ring. Extra keyword arguments:
 
     device: a CUDA device: batches arrive there as tensors usable on the current stream.
-    prefetch_batches: batches copied to the device ahead of the one being consumed (default 2).
+    prefetch_batches: batches copied to the device ahead of the one being consumed (default 2); with
+        num_workers=0, batches made and queued ahead of the one returned (0: one at a time).
     gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
         too when device is None).
     max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.
@@ -120,6 +130,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.max_worker_restarts = max_worker_restarts
         self._hl_stats = LoaderStats()
         self._hl_pool = None  # persistent workers keep theirs here
+        self._hl_local_ring = None  # num_workers=0 with a device: the ring batches go through
         self._hl_resume = None  # a loaded state, applied by the next iterator
         self._hl_epoch = None  # the current epoch's (generator state, base seed)
         self._hl_epoch_done = False  # its last batch was handed out
@@ -193,6 +204,9 @@ class DataLoader(torch.utils.data.DataLoader):
         pool = getattr(self, "_hl_pool", None)
         if pool is not None:
             pool.close()
+        ring = getattr(self, "_hl_local_ring", None)
+        if ring is not None:
+            ring.close()
 
 
 def _record(loader, t0, samples):
@@ -248,12 +262,21 @@ def _host_batch_out(loader, batch, pin):
 
 
 class _SingleIter(_SingleProcessDataLoaderIter):
-    """num_workers=0: torch's own single-process iterator, plus device, transform, stats and resume."""
+    """num_workers=0: torch's own single-process iterator, plus device, transform, stats and resume.
+
+    With a device, batches are made in the main thread as torch makes them (the dataset need not be
+    thread-safe), but written straight into a slot of a small page-locked ring (LocalRing) and copied
+    to the device asynchronously on a side stream: the copy of batch k overlaps the making of batch
+    k+1. `prefetch_batches` batches are made and queued ahead of the one returned."""
 
     def __init__(self, loader):
         super().__init__(loader)
         self._loader = loader
         self._last_return = None
+        self._prepared = collections.deque()  # (Pending or batch or _Raise, samples), oldest first
+        self._exhausted = False
+        self._fast = (self._dataset_kind == _DatasetKind.Map and self._auto_collation
+                      and self._collate_fn is default_collate and not getattr(self._dataset, "__getitems__", None))
         skip = loader._hl_begin_epoch(self)
         self._skip(skip)
 
@@ -270,15 +293,101 @@ class _SingleIter(_SingleProcessDataLoaderIter):
 
     def _next_data(self):
         t0 = time.perf_counter()
-        try:
-            batch = super()._next_data()  # torch pins it there when pin_memory
-        except StopIteration:
-            self._loader._hl_epoch_done = True
-            raise
-        batch = _host_batch_out(self._loader, batch, False)
-        _record(self._loader, t0, _batch_samples(batch, 1))
-        _count_elapsed(self, self._loader, t0)
+        loader = self._loader
+        if loader.device is None:
+            try:
+                batch = super()._next_data()  # torch pins it there when pin_memory
+            except StopIteration:
+                loader._hl_epoch_done = True
+                raise
+            batch = _host_batch_out(loader, batch, False)
+            _record(loader, t0, _batch_samples(batch, 1))
+        else:
+            try:
+                if not self._prepared:
+                    if self._exhausted:
+                        raise StopIteration
+                    self._prepared.append(self._produce())
+            except StopIteration:
+                self._exhausted = True
+                loader._hl_epoch_done = True
+                raise
+            batch, samples = self._prepared.popleft()
+            if isinstance(batch, _Raise):
+                raise batch.exc
+            if isinstance(batch, Pending):
+                ring = loader._hl_local_ring
+                batch = ring.copies.deliver(batch, ring.release_slot)
+            # the next batches are made while the copy of this one runs
+            while not self._exhausted and len(self._prepared) < loader.prefetch_batches:
+                try:
+                    self._prepared.append(self._produce())
+                except StopIteration:
+                    self._exhausted = True
+                except Exception as exc:  # raised when its batch's turn comes, as torch would
+                    self._prepared.append((_Raise(exc), 0))
+                    break
+            _record(loader, t0, samples)
+        _count_elapsed(self, loader, t0)
         return batch
+
+    def _produce(self):
+        """The next batch: made as torch makes it, written into a slot of the local ring and its copy
+        to the device queued (a Pending), or, when it does not fit the ring, sent to the device as
+        the plain path does. Returns (batch, samples)."""
+        loader = self._loader
+        index = self._next_index()
+        ring = loader._hl_local_ring
+        if ring is not None and ring.ring is None:
+            ring = loader._hl_local_ring = None  # closed (interpreter exit)
+        if self._fast:
+            samples = [self._dataset[i] for i in index]
+            if ring is not None:
+                slot = ring.take_slot()
+                if slot is not None:
+                    writer = _SlotWriter(ring.slot(slot), ring.layout)
+                    try:
+                        spec = write_fast(samples, writer)
+                    except _Abort:
+                        ring.release_slot(slot)
+                    except BaseException:
+                        ring.release_slot(slot)
+                        raise
+                    else:
+                        return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), len(index)
+            batch = self._collate_fn(samples)
+        else:
+            batch = self._dataset_fetcher.fetch(index)
+        tensors = []
+        flatten(batch, tensors)
+        if not self._auto_collation:
+            n = 1
+        else:  # an iterable's last batch may be short
+            n = len(index) if self._dataset_kind == _DatasetKind.Map else _batch_samples(batch, 1)
+        if tensors and ring is None:
+            ring = loader._hl_local_ring = LocalRing(loader, [t.numel() * t.element_size() for t in tensors])
+        if tensors and ring.fits(tensors):
+            slot = ring.take_slot()
+            if slot is not None:
+                writer = _SlotWriter(ring.slot(slot), ring.layout)
+                spec = write_general(batch, writer)  # every tensor fits: none stays in the spec
+                return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), n
+        return _host_batch_out(loader, batch, False), n
+
+    def __del__(self):
+        # copies queued for batches never handed out: their slots are freed once those end
+        ring = getattr(self._loader, "_hl_local_ring", None) if hasattr(self, "_loader") else None
+        for batch, _ in getattr(self, "_prepared", ()):
+            if isinstance(batch, Pending) and ring is not None and ring.ring is not None:
+                ring.copies.inflight.append(batch)
+        self._prepared = collections.deque()
+
+
+class _Raise:
+    """An exception of a batch made ahead, raised when that batch is due."""
+
+    def __init__(self, exc):
+        self.exc = exc
 
 
 class _MultiIter(_BaseDataLoaderIter):
@@ -306,7 +415,7 @@ class _MultiIter(_BaseDataLoaderIter):
             pool.loader = loader
         for old in getattr(self, "_prepared", ()):  # copies of an abandoned epoch: free their slots later
             if isinstance(old[0], Pending):
-                pool.inflight.append(old[0])
+                pool.copies.inflight.append(old[0])
         self._pool = pool
         self._last_return = None
         self._order = []  # tasks of this epoch in the order torch would return them
@@ -491,7 +600,7 @@ class _MultiIter(_BaseDataLoaderIter):
         if pool is not None and not self._persistent_workers:
             for old in self._prepared:  # their copies must end before the ring is unregistered
                 if isinstance(old[0], Pending):
-                    pool.inflight.append(old[0])
+                    pool.copies.inflight.append(old[0])
             self._prepared.clear()
             pool.close()
 

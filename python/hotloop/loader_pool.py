@@ -3,7 +3,6 @@ copies out of it (to the CPU, or to the GPU on a side stream). Persistent worker
 epochs; every other epoch makes its own. See loader_worker.py for the messages."""
 import array
 import atexit
-import collections
 import dataclasses
 import fcntl
 import logging
@@ -12,13 +11,13 @@ import os
 import pickle
 import signal
 import time
-import warnings
 import weakref
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from . import _C
+from .loader_device import DeviceCopies
 from .loader_worker import unflatten, worker_main
 from .loader_zygote import Zygote, ZygoteWorker
 
@@ -27,6 +26,7 @@ _logger = logging.getLogger("hotloop.loader")
 POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 _ALIGN = 4096
+LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 USE_ZYGOTE = True  # fork the first workers through a launcher process (tests turn it off to cover both ways)
 
@@ -38,20 +38,6 @@ class Task:
     index: object
     slot: int
     consumed: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class Pending:
-    """A batch whose copy to the device is queued: its slot is freed once `event` completed."""
-
-    slot: int
-    event: int
-    result: object
-    keep: list  # staging buffers the copy stream still writes
-    stream: object  # the stream the device tensors were allocated for
-    tensors: list
-    nbytes: int
-    timing: tuple  # (start, end) timing events or None
 
 
 _LIVE_POOLS = weakref.WeakSet()
@@ -76,6 +62,7 @@ class Pool:
         self.main_pid = os.getpid()
         self.device = loader.device
         self.ring = None
+        self.pin_order = []
         self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
         self.ring_msg = None
         self.layout = []
@@ -92,12 +79,8 @@ class Pool:
         self.procs = [None] * self.n
         self.task_conns = [None] * self.n
         self.result_conns = [None] * self.n
-        # CUDA state: a side stream for copies, events per slot, copies in flight
-        self.copy_stream = None
-        self.pin_slots = True
-        self.inflight = collections.deque()
-        self.event_pool = []
-        self.alloc_event = None
+        self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
+        self.leases = None  # CPU batches lent out as views of their slots (copy_out)
         self.started = [False] * self.n
         self.zygote = None  # the launcher that forked the first workers (loader_zygote.py)
         _LIVE_POOLS.add(self)
@@ -337,6 +320,8 @@ class Pool:
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
                                    f"(worker {task.wid}, indices {task.index})")
+            if self.copies is not None and self.ring is not None and self.copies.pin_ahead(self.ring, self.pin_order):
+                continue  # a slot page-locked while nothing else needed the main thread; look again
             if task.slot >= 0 and self.ring.state(task.slot) == _C.RING_ASSIGNED:
                 # wake on any slot's change: a worker that flagged an overflow is now writing its
                 # metadata into its pipe and must be read, whichever task is awaited here
@@ -402,15 +387,16 @@ class Pool:
             layout.append((offset, cap))
             offset += cap
         loader = self.loader
-        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else 0)
+        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else LEASE_SLOTS)
         ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
         self.ring, self.layout = ring, layout
         self.free_slots = list(range(nslots))
         loader._hl_stats.ring_bytes = ring.nbytes
+        self.pin_order = self.free_slots[::-1]  # the order take_slot hands slots out
         if self.device is not None:
-            # fault the pages in on a C thread, in the order take_slot hands slots out: then neither
-            # a worker's first write nor the page-locking of a slot has to allocate them
-            ring.populate_all(self.free_slots[::-1])
+            # fault the pages in on a C thread, in that order: then neither a worker's first write
+            # nor the page-locking of a slot has to allocate them
+            ring.populate_all(self.pin_order)
         self.ring_msg = ("ring", f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
         for wid in range(self.n):
             if self.procs[wid] is not None:
@@ -430,10 +416,30 @@ class Pool:
         self.free_slots.append(slot)
 
     def copy_out(self, slot, spec, leaves, pin):
-        """CPU delivery: copy (or normalise) each leaf out of the slot, then free the slot."""
+        """CPU delivery. Without pin the leaves are views of the slot (zero-copy): the slot is leased
+        and comes back once the last tensor, view, storage or numpy array made from them is gone;
+        past LEASE_SLOTS leases (a consumer that keeps batches) they are copied out instead, so that
+        the workers always find free slots. Leaves the transform applies to are normalised into new
+        tensors.
+
+        With pin the leaves are copied into torch's pinned memory, as torch does. A view of the slot
+        is not page-locked, and even if the ring were, a `.to(device, non_blocking=True)` from it is
+        a DMA that runs after the call returned: the consumer may drop the batch right after queuing
+        it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
+        it. torch's pinned allocator keeps a block until events recorded on the streams that used it
+        completed; a lease sees no such event."""
         tf = self.loader.gpu_transform
         outs, triples = [], []
-        view = None
+        view = parts = None
+        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for off, dtype, shape in leaves
+                if tf is None or not tf.applies_to(dtype, shape)]
+        if not pin and lent:
+            self.collect_leases()
+            if self.leases is None:
+                self.leases = _C.RingLeases(self.ring)
+            if self.leases.outstanding < LEASE_SLOTS:
+                # one capsule per leaf: each tensor gets a storage of its own bytes, as collated ones do
+                parts = iter(self.leases.lease(slot, array.array("q", [x for p in lent for x in p]).tobytes()))
         try:
             for off, dtype, shape in leaves:
                 if tf is not None and tf.applies_to(dtype, shape):
@@ -445,106 +451,42 @@ class Pool:
                     tf.run(src, mem)
                     del src
                     outs.append(out)
-                    continue
-                t = torch.empty(shape, dtype=dtype, pin_memory=pin)
-                triples += (off, t.data_ptr(), t.numel() * t.element_size())
-                outs.append(t)
+                elif parts is not None:
+                    outs.append(torch.from_dlpack(next(parts)).view(dtype).view(shape))
+                else:
+                    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                    triples += (off, t.data_ptr(), t.numel() * t.element_size())
+                    outs.append(t)
             if triples:
                 self.ring.copy_out(slot, array.array("q", triples).tobytes())
         finally:
             if view is not None:
                 view.release()
-        self.release_slot(slot)
+        if parts is None:
+            self.release_slot(slot)
+        else:
+            self.loader._hl_stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
 
-    # CUDA ------------------------------------------------------------------------------------------
-    def _event(self, timing=False):
-        if not timing and self.event_pool:
-            return self.event_pool.pop()
-        return _C.cuda_event_create(self.device.index, timing)
+    def collect_leases(self):
+        """Free the slots whose leased tensors are all gone."""
+        if self.leases is not None:
+            for slot in self.leases.returned():
+                self.release_slot(slot)
 
+    # CUDA: the side stream, events and copies in flight live in loader_device.DeviceCopies ----------
     def copy_to_device(self, slot, spec, leaves):
-        """Queue the slot's copy to the device on the side stream; the result is usable once the
-        consumer's stream waited on the returned _Pending's event."""
-        dev = self.device
-        tf = self.loader.gpu_transform
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(dev)
-            self.alloc_event = _C.cuda_event_create(dev.index, False)
-        consumer = torch.cuda.current_stream(dev)
-        outs, triples, staged, keep, nbytes = [], [], [], [], 0
-        for off, dtype, shape in leaves:
-            size = torch.Size(shape).numel() * dtype.itemsize
-            nbytes += size
-            if tf is not None and tf.applies_to(dtype, shape):
-                staging = torch.empty(shape, dtype=torch.uint8, device=dev)
-                out, mem = tf.empty_output(shape, dev)
-                staged.append((staging, mem))
-                keep.append(staging)
-                triples += (off, staging.data_ptr(), size)
-                outs.append(out)
-            else:
-                t = torch.empty(shape, dtype=dtype, device=dev)
-                triples += (off, t.data_ptr(), size)
-                outs.append(t)
-        if self.pin_slots:
-            t0 = time.perf_counter()
-            try:
-                if self.ring.cuda_register_slot(slot, dev.index):
-                    self.loader._hl_stats.register_seconds += time.perf_counter() - t0
-            except Exception as exc:  # still correct without pinning, only slower
-                self.pin_slots = False
-                warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
-                              "slower", stacklevel=4)
-        side = self.copy_stream.cuda_stream
-        # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
-        # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
-        _C.cuda_event_record(self.alloc_event, consumer.cuda_stream)
-        _C.cuda_stream_wait_event(side, self.alloc_event)
-        timing = (_C.cuda_event_create(dev.index, True), _C.cuda_event_create(dev.index, True))
-        _C.cuda_event_record(timing[0], side)
-        if triples:
-            self.ring.copy_to_device(slot, array.array("q", triples).tobytes(), side, dev.index)
-        _C.cuda_event_record(timing[1], side)
-        for staging, mem in staged:
-            tf.run(staging, mem, side)
-        event = self._event()
-        _C.cuda_event_record(event, side)
-        return Pending(slot, event, unflatten(spec, outs), keep, consumer, outs, nbytes, timing)
+        return self.copies.copy_to_device(self.ring, slot, spec, leaves)
 
     def deliver(self, pending):
-        consumer = torch.cuda.current_stream(self.device)
-        _C.cuda_stream_wait_event(consumer.cuda_stream, pending.event)
-        if consumer != pending.stream:
-            for t in pending.tensors:
-                t.record_stream(consumer)
-        # the staging buffers go back to the allocator now: later work on the consumer's stream is
-        # ordered after the event, so it cannot overwrite them while the copy stream reads them
-        pending.keep = None
-        pending.tensors = None
-        result, pending.result = pending.result, None
-        self.inflight.append(pending)
-        self.reclaim(block=False)
-        return result
+        return self.copies.deliver(pending, self.release_slot)
 
     def reclaim(self, block):
-        """Free the slots whose copies finished (with block: wait for the oldest if none did)."""
-        st = self.loader._hl_stats
-        while self.inflight:
-            p = self.inflight[0]
-            if not _C.cuda_event_query(p.event):
-                if not block:
-                    return
-                _C.cuda_event_synchronize(p.event)
-            self.inflight.popleft()
-            block = False
-            self.release_slot(p.slot)
-            self.event_pool.append(p.event)
-            if p.timing is not None:
-                st.h2d_seconds += _C.cuda_event_elapsed(*p.timing) / 1e3
-                st.h2d_bytes += p.nbytes
-                for e in p.timing:
-                    _C.cuda_event_destroy(e)
+        """Free the slots whose copies finished (with block: wait for the oldest if none did) or
+        whose leased tensors are gone."""
+        self.collect_leases()
+        if self.copies is not None:
+            self.copies.reclaim(block, self.release_slot)
 
     # shutdown --------------------------------------------------------------------------------------
     def close(self):
@@ -570,23 +512,15 @@ class Pool:
                 proc.kill()
                 proc.join()
             self._forget(wid)
-        try:
-            for p in self.inflight:  # DMA must be over before the memory is unregistered
-                _C.cuda_event_synchronize(p.event)
-                self.event_pool.append(p.event)
-                if p.timing is not None:
-                    for e in p.timing:
-                        _C.cuda_event_destroy(e)
-            self.inflight.clear()
-            for e in self.event_pool + ([self.alloc_event] if self.alloc_event else []):
-                _C.cuda_event_destroy(e)
-        except Exception:  # at interpreter exit CUDA may already be torn down
-            pass
-        self.event_pool = []
-        self.alloc_event = None
+        if self.copies is not None:
+            self.copies.close()
         if self.ring is not None:
-            self.ring.close()
+            if self.leases is not None:
+                self.leases.close_ring()  # batches handed out as views may still read it: the last one closes it
+            else:
+                self.ring.close()
             self.ring = None
+            self.leases = None
         if self.zygote is not None:
             self.zygote.close()  # it exits once its last worker did
 

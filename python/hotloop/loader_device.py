@@ -1,0 +1,232 @@
+"""CUDA delivery of ring slots: copies on a side stream, slots and device buffers reused only once events allow it."""
+import array
+import atexit
+import collections
+import dataclasses
+import time
+import warnings
+import weakref
+
+import torch
+
+from . import _C
+from .loader_worker import unflatten
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """A batch whose copy to the device is queued: its slot is freed once `event` completed."""
+
+    slot: int
+    event: int
+    result: object
+    keep: list  # staging buffers the copy stream still writes
+    stream: object  # the stream the device tensors were allocated for
+    tensors: list
+    nbytes: int
+    timing: tuple  # (start, end) timing events or None
+
+
+class DeviceCopies:
+    """The side stream, the events and the copies in flight of one ring: a slot goes back (through
+    the `release` callable given to deliver/reclaim) only once the copy out of it finished."""
+
+    def __init__(self, device, loader):
+        self.device = device
+        self.loader = weakref.proxy(loader)  # its gpu_transform and stats; a proxy: the loader owns a LocalRing
+        self.copy_stream = None
+        self.pin_slots = True
+        self.inflight = collections.deque()
+        self.event_pool = []
+        self.alloc_event = None
+        self.pinned = set()  # slots page-locked through this object
+
+    def _pin(self, ring, slot):
+        if not self.pin_slots:
+            return
+        t0 = time.perf_counter()
+        try:
+            if ring.cuda_register_slot(slot, self.device.index):
+                self.loader._hl_stats.register_seconds += time.perf_counter() - t0
+            self.pinned.add(slot)
+        except Exception as exc:  # still correct without pinning, only slower
+            self.pin_slots = False
+            warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
+                          "slower", stacklevel=5)
+
+    def pin_ahead(self, ring, order):
+        """Page-lock the first slot in `order` whose pages are faulted in but not locked yet (~2 ms of a
+        driver lock that would stall the training loop's CUDA calls if taken while it runs): for a
+        main process that would otherwise sleep waiting for a batch. True when it locked one."""
+        if self.pin_slots:
+            for slot in order:
+                if slot not in self.pinned and ring.faulted(slot):
+                    self._pin(ring, slot)
+                    return True
+        return False
+
+    def _event(self, timing=False):
+        if not timing and self.event_pool:
+            return self.event_pool.pop()
+        return _C.cuda_event_create(self.device.index, timing)
+
+    def copy_to_device(self, ring, slot, spec, leaves):
+        """Queue the slot's copy to the device on the side stream; the result is usable once the
+        consumer's stream waited on the returned Pending's event (deliver)."""
+        dev = self.device
+        tf = self.loader.gpu_transform
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(dev)
+            self.alloc_event = _C.cuda_event_create(dev.index, False)
+        consumer = torch.cuda.current_stream(dev)
+        outs, triples, staged, keep, nbytes = [], [], [], [], 0
+        for off, dtype, shape in leaves:
+            size = torch.Size(shape).numel() * dtype.itemsize
+            nbytes += size
+            if tf is not None and tf.applies_to(dtype, shape):
+                staging = torch.empty(shape, dtype=torch.uint8, device=dev)
+                out, mem = tf.empty_output(shape, dev)
+                staged.append((staging, mem))
+                keep.append(staging)
+                triples += (off, staging.data_ptr(), size)
+                outs.append(out)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=dev)
+                triples += (off, t.data_ptr(), size)
+                outs.append(t)
+        if slot not in self.pinned:
+            self._pin(ring, slot)  # page-lock the slot on its first copy, unless pin_ahead did
+        side = self.copy_stream.cuda_stream
+        # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
+        # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
+        _C.cuda_event_record(self.alloc_event, consumer.cuda_stream)
+        _C.cuda_stream_wait_event(side, self.alloc_event)
+        timing = (_C.cuda_event_create(dev.index, True), _C.cuda_event_create(dev.index, True))
+        _C.cuda_event_record(timing[0], side)
+        if triples:
+            ring.copy_to_device(slot, array.array("q", triples).tobytes(), side, dev.index)
+        _C.cuda_event_record(timing[1], side)
+        for staging, mem in staged:
+            tf.run(staging, mem, side)
+        event = self._event()
+        _C.cuda_event_record(event, side)
+        return Pending(slot, event, unflatten(spec, outs), keep, consumer, outs, nbytes, timing)
+
+    def deliver(self, pending, release):
+        """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""
+        consumer = torch.cuda.current_stream(self.device)
+        _C.cuda_stream_wait_event(consumer.cuda_stream, pending.event)
+        if consumer != pending.stream:
+            for t in pending.tensors:
+                t.record_stream(consumer)
+        # the staging buffers go back to the allocator now: later work on the consumer's stream is
+        # ordered after the event, so it cannot overwrite them while the copy stream reads them
+        pending.keep = None
+        pending.tensors = None
+        result, pending.result = pending.result, None
+        self.inflight.append(pending)
+        self.reclaim(False, release)
+        return result
+
+    def reclaim(self, block, release):
+        """Release the slots whose copies finished (with block: wait for the oldest if none did)."""
+        st = self.loader._hl_stats
+        while self.inflight:
+            p = self.inflight[0]
+            if not _C.cuda_event_query(p.event):
+                if not block:
+                    return
+                _C.cuda_event_synchronize(p.event)
+            self.inflight.popleft()
+            block = False
+            release(p.slot)
+            self.event_pool.append(p.event)
+            if p.timing is not None:
+                st.h2d_seconds += _C.cuda_event_elapsed(*p.timing) / 1e3
+                st.h2d_bytes += p.nbytes
+                for e in p.timing:
+                    _C.cuda_event_destroy(e)
+
+    def close(self):
+        """Wait for the copies in flight (DMA must be over before the ring is unregistered) and
+        destroy the events."""
+        try:
+            for p in self.inflight:
+                _C.cuda_event_synchronize(p.event)
+                self.event_pool.append(p.event)
+                if p.timing is not None:
+                    for e in p.timing:
+                        _C.cuda_event_destroy(e)
+            self.inflight.clear()
+            for e in self.event_pool + ([self.alloc_event] if self.alloc_event else []):
+                _C.cuda_event_destroy(e)
+        except Exception:  # at interpreter exit CUDA may already be torn down
+            pass
+        self.event_pool = []
+        self.alloc_event = None
+
+
+_ALIGN = 4096
+
+
+class LocalRing:
+    """num_workers=0 with a device: a small ring in this process that the main thread writes batches
+    into (one host copy), page-locked slot by slot, copied to the device by DeviceCopies. It lives
+    as long as its loader, so slots are page-locked once, not once per epoch."""
+
+    def __init__(self, loader, sizes):
+        layout, offset = [], 0
+        for nbytes in sizes:
+            cap = (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
+            layout.append((offset, cap))
+            offset += cap
+        # the batches queued ahead, the one being handed out, one whose copy may still run
+        nslots = loader.prefetch_batches + 2
+        self.ring = _C.Ring(nslots, offset)
+        self.layout = layout
+        self.slot_u8 = [torch.frombuffer(self.ring.view(i), dtype=torch.uint8) for i in range(nslots)]
+        self.faulted = set()
+        self.free_slots = list(range(nslots))
+        self.copies = DeviceCopies(loader.device, loader)
+        loader._hl_stats.ring_bytes = self.ring.nbytes
+        _LIVE_LOCAL_RINGS.add(self)
+
+    def fits(self, tensors):
+        return len(tensors) <= len(self.layout) and all(
+            t.numel() * t.element_size() <= cap for t, (_, cap) in zip(tensors, self.layout))
+
+    def take_slot(self):
+        """A free slot (after waiting for the oldest copy in flight if none is), or None."""
+        if not self.free_slots:
+            self.copies.reclaim(True, self.release_slot)
+        if not self.free_slots:
+            return None  # another iterator of the same loader holds them all
+        slot = self.free_slots.pop()
+        if slot not in self.faulted:
+            self.ring.prefault(slot)  # one madvise instead of a page fault per 4 kB of the first batch
+            self.faulted.add(slot)
+        return slot
+
+    def slot(self, slot):
+        return self.slot_u8[slot]
+
+    def release_slot(self, slot):
+        self.free_slots.append(slot)
+
+    def close(self):
+        if self.ring is None:
+            return
+        _LIVE_LOCAL_RINGS.discard(self)
+        self.copies.close()  # copies over before the ring is unregistered and unmapped
+        self.slot_u8 = None
+        self.ring.close()
+        self.ring = None
+
+
+_LIVE_LOCAL_RINGS = weakref.WeakSet()
+
+
+@atexit.register
+def _close_local_rings():
+    for ring in list(_LIVE_LOCAL_RINGS):
+        ring.close()
