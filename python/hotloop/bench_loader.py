@@ -151,10 +151,21 @@ def rows(ctx):
                   "img/s", note="uint8 crop+flip in workers, normalised fp16 channels_last on the device"
                   if cuda else "CPU batches")
 
+    # 4. CPU batches (no device=, no pin_memory): lent as views of their slot unless the consumer keeps many
+    import hotloop
+
+    cpu_loader = hotloop.DataLoader(SyntheticImages(batch * 8, base=base, size=size, crop=crop), batch_size=batch,
+                                    num_workers=2, drop_last=True)
+    for _ in cpu_loader:
+        pass
+    st = cpu_loader.stats
+    yield Row("loader", "host copies per batch byte, CPU batches", 2 - st.view_batches / st.batches, 1, "copies",
+              note=f"hotloop: worker -> ring, {st.view_batches}/{st.batches} batches lent as views of their slot; "
+                   "torch: collate into shm, mapped by the main process")
+    del cpu_loader
+
     # 3. host-to-device bandwidth on large batches, from the loader's own copy events
     if cuda:
-        import hotloop
-
         big = SyntheticImages(256 * 12, base=64, size=224, crop=224)
         loader = hotloop.DataLoader(big, batch_size=256, num_workers=4, device=device, drop_last=True)
         for _ in loader:
@@ -172,8 +183,8 @@ def rows(ctx):
                   note=f"hotloop: ring slots (pinned by cudaHostRegister), timed by its copy events; "
                        f"torch: copy_ from a pin_memory() tensor; ring {st.ring_bytes / 2**20:.0f} MiB, page-locked by a "
                        f"C thread; the consumer waited {st.register_seconds * 1e3:.0f} ms for it")
-        yield Row("loader", "host copies per batch byte", 1, 2, "copies",
-                  note="hotloop: worker -> ring; torch: collate into shm, then pin thread copy")
+        yield Row("loader", "host copies per batch byte, device=", 1, 2, "copies",
+                  note="hotloop: worker -> ring, DMA from the ring; torch: collate into shm, then pin thread copy")
         del loader
 
     # 2. feeding ResNet-50 AMP
