@@ -733,14 +733,22 @@ class _FakeCuda:
             monkeypatch.setattr(module, "_C", c)
 
 
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    yield _FakeCuda(monkeypatch)
+    # loaders made under the fake close under it too: a fake event handle given to the real CUDA
+    # (a loader collected in a later test) crashes a GPU machine
+    gc.collect()
+
+
 @pytest.mark.parametrize("num_workers,prefetch_batches,transform",
                          [(1, 0, False), (3, 2, True), (2, 3, False), (0, 0, False), (0, 2, True), (0, 3, False)])
-def test_device_path_logic_with_fake_cuda(monkeypatch, num_workers, prefetch_batches, transform):
+def test_device_path_logic_with_fake_cuda(fake_cuda, num_workers, prefetch_batches, transform):
     import types
 
     ds = Images(n=42, size=12)
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2)))
-    fake = _FakeCuda(monkeypatch)
+    fake = fake_cuda
     tf = hotloop.Normalize((0.4, 0.5, 0.6), (0.2, 0.3, 0.25), dtype=torch.float16) if transform else None
     loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=num_workers, gpu_transform=tf,
                                 generator=torch.Generator().manual_seed(2), prefetch_batches=prefetch_batches)
@@ -759,14 +767,14 @@ def test_device_path_logic_with_fake_cuda(monkeypatch, num_workers, prefetch_bat
 
 
 @pytest.mark.parametrize("prefetch_batches", [0, 2])
-def test_single_process_device_resume_and_errors_with_fake_cuda(monkeypatch, prefetch_batches):
+def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefetch_batches):
     """num_workers=0 with a device: batches made ahead do not move the resume point, and an error
     in a batch made ahead is raised when that batch is due, after the batches before it."""
     import types
 
     ds = Images(n=42, size=12)
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
-    fake = _FakeCuda(monkeypatch)
+    fake = fake_cuda
 
     def make(dataset):
         loader = hotloop.DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3),
