@@ -36,6 +36,23 @@ class Task:
     index: object
     slot: int
     consumed: bool = False
+    kind: str = None  # once taken: "batch", "error", "stop", or "drop" (never done: its worker had ended)
+    rng: bytes = None  # the worker's RNG states right after it, until the iterator logged it
+    handed: bool = False  # its batch went to the consumer (or its error was raised)
+
+
+@dataclasses.dataclass
+class WorkerEpoch:
+    """Where one worker stands in the current epoch, as far as the main process knows: what a
+    replacement needs to carry on where it died."""
+
+    start_rng: bytes = None  # the RNG states it started the epoch with (None: as seeded at its start)
+    recreate: bool = False  # its iterator was made anew after start_rng was set
+    base: int = 0  # batches (and errors) of its IterableDataset it replayed at the epoch's start
+    base_stopped: bool = False  # and its iteration had ended there
+    taken: int = 0  # batches and errors the main process took from it since
+    stopped: bool = False  # its "stop" was taken
+    last_rng: bytes = None  # its states after the last outcome taken (None: none yet)
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +80,10 @@ def _close_live_pools():
 
 class Pool:
     """Worker processes, their pipes, the ring and the copies out of it: what persistent workers keep."""
+
+    track = None  # [WorkerEpoch] for the current epoch, from begin_epoch on
+    replay_index = None  # the index an IterableDataset's tasks carry (all the same)
+    resumed_rng = None  # worker -> its RNG states when it began this epoch (persistent workers' "resumed")
 
     def __init__(self, loader, it):
         self.loader = loader
@@ -148,12 +169,13 @@ class Pool:
         kind = msg[0]
         if kind == "resumed":
             self.resumed.add(msg[1])
+            self.resumed_rng[msg[1]] = msg[2]
         elif kind == "batch":
-            self.pipe_results[msg[1]] = ("batch", msg[2], msg[3])
+            self.pipe_results[msg[1]] = ("batch", msg[2], msg[3], msg[4])
         elif kind == "error":
-            self.pipe_results[msg[1]] = ("error", msg[2], 0.0)
+            self.pipe_results[msg[1]] = ("error", msg[2], 0.0, msg[3])
         elif kind == "stop":
-            self.pipe_results[msg[1]] = ("stop", 0.0)
+            self.pipe_results[msg[1]] = ("stop", 0.0, msg[2])
         elif kind == "meta":
             self.pipe_results[msg[1]] = pickle.loads(msg[2])
         elif kind == "layout":
@@ -192,26 +214,30 @@ class Pool:
     def _on_death(self, wid):
         proc = self.procs[wid]
         self._drain(wid)
-        lost = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed and not self._is_done(t)),
-                      key=lambda t: t.id)
+        mine = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed), key=lambda t: t.id)
+        ready = [t for t in mine if self._is_done(t)]
+        lost = [t for t in mine if t not in ready]
         code = proc.exitcode
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         held = [list(t.index) if t.index is not None else None for t in lost]
         desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
-        fatal = None
-        if self.kind == _DatasetKind.Iterable and lost:
-            fatal = desc + "; an IterableDataset worker cannot be restarted (its position is lost)"
-        elif self.restarts >= self.loader.max_worker_restarts:
-            fatal = desc + (f"; {self.restarts} worker(s) were restarted already "
-                            f"(max_worker_restarts={self.loader.max_worker_restarts})")
-        if fatal is not None:
+        if self.restarts >= self.loader.max_worker_restarts:
             self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
-            raise RuntimeError(fatal)
+            raise RuntimeError(desc + (f"; {self.restarts} worker(s) were restarted already "
+                                       f"(max_worker_restarts={self.loader.max_worker_restarts})"))
         self.restarts += 1
         self.loader._hl_stats.worker_restarts += 1
-        _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
+        setup = self._successor_setup(wid, ready)
         self._forget(wid)
         self._start(wid)
+        if setup is not None:
+            self.send(wid, ("setup",) + setup)
+        if self.resuming:
+            # an abandoned epoch: nothing of it is redone, the successor only joins the next one
+            _logger.warning("%s; restarting it", desc)
+            self.send(wid, ("resume",))
+            return
+        _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
         for t in lost:
             self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
             if t.slot < 0 and self.ring is not None:
@@ -219,6 +245,74 @@ class Pool:
             elif t.slot >= 0:
                 self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
             self.send(wid, ("task", t.id, t.index, t.slot))
+
+    def _successor_setup(self, wid, ready):
+        """The "setup" that puts a fresh worker where worker wid stood: for a map-style dataset, the RNG
+        states after the last outcome the main process has from it (so that redone batches are the
+        ones it would have made); for an IterableDataset, its epoch's start and a replay of every
+        batch the main process has from it (an iterator's position is not an RNG state)."""
+        track = self.track[wid] if self.track is not None else None
+        if track is None:
+            return None
+        taken, stopped, rng = track.taken, track.stopped, track.last_rng
+        for t in ready:  # done, not yet taken: their outcomes are in the ring or the pipe's results
+            outcome = self._peek(t)
+            if outcome is None:
+                continue
+            if outcome[0] == "stop":
+                stopped = True
+            else:
+                taken += 1
+            rng = outcome[-1] if outcome[-1] is not None else rng
+        if self.kind == _DatasetKind.Iterable and not self.resuming:
+            return (track.start_rng, track.recreate, track.base + taken, track.base_stopped or stopped,
+                    self.replay_index)
+        # map-style, or an abandoned epoch (its iterator is made anew by "resume")
+        rng = rng if rng is not None else track.start_rng
+        return (rng, False, 0, False, None) if rng is not None else None
+
+    def _peek(self, task):
+        """A done task's outcome, left where it is."""
+        if task.slot >= 0:
+            _, tid, _, meta_len, flags = self.ring.info(task.slot)
+            if flags & _C.RING_FLAG_OVERFLOW or tid != task.id:
+                return self.pipe_results.get(task.id)
+            view = self.ring.view(task.slot)
+            try:
+                return pickle.loads(view[:meta_len])
+            finally:
+                view.release()
+        return self.pipe_results.get(task.id)
+
+    def begin_epoch(self, setups):
+        """Before the epoch's first task: give each worker its setup (resume: RNG states, replay), or
+        None, and remember where each starts."""
+        auto = self.worker_args[2]
+        self.replay_index = [None] * self.loader.batch_size if auto else None
+        self.track = []
+        for wid in range(self.n):
+            setup = setups[wid] if setups is not None else None
+            track = WorkerEpoch()
+            if setup is not None:
+                rng, recreate, replay, expect_stop = setup
+                track.start_rng, track.recreate, track.base, track.base_stopped = rng, recreate, replay, expect_stop
+                if rng is not None or recreate or replay or expect_stop:
+                    self.send(wid, ("setup", rng, recreate, replay, expect_stop, self.replay_index))
+            elif self.resumed_rng and wid in self.resumed_rng:  # persistent workers: made their iterator anew after these
+                track.start_rng, track.recreate = self.resumed_rng[wid], True
+            self.track.append(track)
+
+    def took(self, task, outcome):
+        """The main process took this outcome of the task's worker (batch, error or stop)."""
+        if self.track is None:
+            return
+        track = self.track[task.wid]
+        if outcome[0] == "stop":
+            track.stopped = True
+        else:
+            track.taken += 1
+        if outcome[-1] is not None:
+            track.last_rng = outcome[-1]
 
     def _forget(self, wid):
         for conn in (self.task_conns[wid], self.result_conns[wid]):
@@ -319,6 +413,7 @@ class Pool:
     def resume(self):
         """New epoch with persistent workers: let every worker finish what it had, then drop it."""
         self.resumed.clear()
+        self.resumed_rng = {}
         self.resuming = True
         for wid in range(self.n):
             self.send(wid, ("resume",))

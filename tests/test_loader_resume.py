@@ -1,0 +1,305 @@
+"""hotloop.DataLoader mid-epoch resume with random transforms, and replaced IterableDataset workers (CPU)."""
+import io
+import os
+import random
+import signal
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader as TorchDataLoader
+
+import hotloop
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """A loader that stops making progress fails its test instead of blocking the suite."""
+    def on_alarm(signum, frame):
+        raise TimeoutError("test_loader_resume: no result after 60 s (a hang in the loader?)")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def draw(i):
+    """Sample i with a draw from each global RNG a worker seeds: torch's, numpy's and random's."""
+    return (torch.tensor(i), torch.rand(3) + i, torch.from_numpy(np.random.rand(2)),
+            torch.tensor(random.random(), dtype=torch.float64))
+
+
+class Noisy(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return draw(i)
+
+
+class NoisyStream(IterableDataset):
+    """Worker w yields w, w + num_workers, ...; how many it skips between samples is random too, so
+    that its position depends on its RNG."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        i = wid
+        while i < self.n:
+            yield draw(i)
+            i += nw * (1 + (torch.rand(()) < 0.2).item())
+
+
+def assert_same(a, b, path="batch"):
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{path}: values differ:\n{a}\n{b}"
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def assert_batches(theirs, ours, what):
+    assert len(ours) == len(theirs), f"{what}: {len(ours)} batches, expected {len(theirs)}"
+    for j, (a, b) in enumerate(zip(theirs, ours)):
+        assert_same(a, b, f"{what}: batch {j}")
+
+
+def make(kind, num_workers, persistent, seed, in_order=True):
+    ds = Noisy(23) if kind == "map" else NoisyStream(23)
+    kwargs = dict(batch_size=3, num_workers=num_workers, persistent_workers=persistent, in_order=in_order)
+    if kind == "map":
+        kwargs.update(shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return hotloop.DataLoader(ds, **kwargs)
+
+
+def through_torch_save(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)  # weights_only (the default): the state is plain data
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_resume_matches_every_later_batch(num_workers, kind, persistent):
+    """States taken in the second epoch after k batches (k = 0, within the prefetch window, mid-epoch,
+    after the last batch) and at the end of the first and second epoch: a fresh loader that loads one
+    yields, batch for batch, what the original yielded after it, that epoch and the next."""
+    seed = random.randrange(1 << 20)
+    torch.manual_seed(seed)
+    loader = make(kind, num_workers, persistent, seed)
+    epochs, states = [], {}
+    epochs.append(list(loader))
+    states["end1"] = loader.state_dict()
+    it = iter(loader)
+    second = []
+    n = 8 if kind == "map" else None  # an iterable's length is random
+    while True:
+        k = len(second)
+        states[k] = loader.state_dict()
+        try:
+            second.append(next(it))
+        except StopIteration:
+            break
+    states["last"] = states.pop(len(second))  # after the last batch, before StopIteration
+    epochs.append(second)
+    states["end2"] = loader.state_dict()
+    epochs.append(list(loader))
+    if n is not None:
+        assert [len(e) for e in epochs] == [n] * 3
+    assert len(second) >= 4
+    for key, state in states.items():
+        if key not in ("end1", "end2", "last", 0, 1, 2, len(second) // 2):
+            continue
+        if key == "end1":
+            expected = [epochs[1], epochs[2]]
+        elif key == "end2":
+            expected = [epochs[2]]
+        elif key == "last":
+            expected = [[], epochs[2]]
+        else:
+            expected = [second[key:], epochs[2]]
+        state = through_torch_save(state)
+        torch.manual_seed(seed + 1)  # the resumed process's own seeds differ
+        np.random.seed(seed + 1)
+        random.seed(seed + 1)
+        resumed = make(kind, num_workers, persistent, seed + 2)
+        resumed.load_state_dict(state)
+        for e, want in enumerate(expected):
+            assert_batches(want, list(resumed), f"state {key!r}, epoch {e} after it")
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_resume_in_order_false_yields_exactly_the_rest(kind):
+    """in_order=False: the order is timing's, but the resumed loader yields exactly the batches the
+    original had not yielded yet, each equal."""
+    seed = random.randrange(1 << 20)
+    torch.manual_seed(seed)
+    loader = make(kind, 3, False, seed, in_order=False)
+    it = iter(loader)
+    head = [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    rest = list(it)
+    torch.manual_seed(seed + 1)
+    resumed = make(kind, 3, False, seed + 2, in_order=False)
+    resumed.load_state_dict(through_torch_save(state))
+    got = list(resumed)
+    key = lambda b: tuple(b[0].tolist())  # noqa: E731  (sample ids identify a batch)
+    assert sorted(map(key, head + rest)) == sorted(map(key, head + got))
+    assert_batches(sorted(rest, key=key), sorted(got, key=key), "rest")
+
+
+def test_state_dict_is_plain_and_old_versions_load():
+    seed = random.randrange(1 << 20)
+    loader = make("map", 2, False, seed)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    rest = list(it)
+    assert state["version"] == 2 and state["batches_yielded"] == 3 and state["sampler_batches"] == 3
+    assert all(type(r) is bytes for r in state["worker_rng"]) and len(state["worker_rng"]) == 2
+    assert isinstance(state["generator_state"], torch.Tensor)
+    # a version-1 state (indices only) still loads, with the old behaviour: same samples from then on
+    old = {k: state[k] for k in ("batches_yielded", "generator_state", "base_seed", "epoch_done")}
+    old["version"] = 1
+    resumed = make("map", 2, False, seed + 1)
+    resumed.load_state_dict(old)
+    got = list(resumed)
+    assert [b[0].tolist() for b in got] == [b[0].tolist() for b in rest]
+    # another num_workers: same samples, a warning that the random draws will differ
+    other = make("map", 3, False, seed + 1)
+    other.load_state_dict(state)
+    with pytest.warns(UserWarning, match="num_workers=2"):
+        got = list(other)
+    assert [b[0].tolist() for b in got] == [b[0].tolist() for b in rest]
+    with pytest.raises(ValueError, match="missing"):
+        resumed.load_state_dict({"version": 2, "batches_yielded": 0})
+    assert len(head) == 3
+
+
+# a worker that dies ---------------------------------------------------------------------------------
+class DyingStream(IterableDataset):
+    """Worker w yields w, w + num_workers, ... with random draws; the worker that reaches `victim`
+    (or, with victim="end", the end of its shard) kills itself with SIGKILL, once per marker file.
+    With short_after_death, a worker that starts once the marker exists yields a single sample."""
+
+    def __init__(self, n, victim, marker, short_after_death=False):
+        self.n, self.victim, self.marker, self.short = n, victim, marker, short_after_death
+
+    def _die(self):
+        if self.marker and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        stop = self.n
+        if self.short and os.path.exists(self.marker):
+            stop = wid + 1
+        for i in range(wid, stop, nw):
+            if i == self.victim:
+                self._die()
+            yield draw(i)
+        if self.victim == "end" and wid == 0:
+            self._die()
+
+
+@pytest.mark.parametrize("victim", [1, 20, 37, "end"])  # 1: in a worker's first batch, before the ring
+def test_iterable_worker_killed_is_replaced(tmp_path, victim):
+    marker = str(tmp_path / "died")
+    kwargs = dict(batch_size=4, num_workers=3)
+    torch.manual_seed(5)
+    ref = list(TorchDataLoader(DyingStream(50, -1, ""), **kwargs))
+    torch.manual_seed(5)
+    loader = hotloop.DataLoader(DyingStream(50, victim, marker), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = list(loader)
+    assert os.path.exists(marker)
+    assert loader.stats.worker_restarts == 1
+    ids = torch.cat([b[0] for b in got]).tolist()
+    assert sorted(ids) == list(range(50))  # every sample exactly once
+    assert_batches(ref, got, "after a restart")  # random draws included: the replacement replayed
+
+
+def test_iterable_worker_killed_with_persistent_workers(tmp_path):
+    marker = str(tmp_path / "died")
+    kwargs = dict(batch_size=3, num_workers=2, persistent_workers=True)
+    torch.manual_seed(6)
+    ref_loader = TorchDataLoader(DyingStream(30, -1, ""), **kwargs)
+    ref = [list(ref_loader) for _ in range(3)]
+    torch.manual_seed(6)
+    loader = hotloop.DataLoader(DyingStream(30, -1, marker), **kwargs)
+    first = list(loader)
+    loader.dataset.victim = 13  # the workers hold their own copy: only a replaced one sees this
+    loader._hl_pool.procs[1].kill()  # dies between epochs: replaced at the next epoch's start
+    loader._hl_pool.procs[1].join()
+    got = [first, list(loader), list(loader)]
+    for e in range(3):
+        assert_batches(ref[e], got[e], f"epoch {e}")
+    assert loader.stats.worker_restarts == 1
+
+
+def test_map_worker_killed_redoes_the_same_random_draws(tmp_path):
+    """A replaced map-style worker starts from the RNG states after the last batch the main process
+    has from it: its redone batches are the ones torch would have yielded, random draws included."""
+    marker = str(tmp_path / "died")
+
+    class Dying(Noisy):
+        def __getitem__(self, i):
+            if i == 17 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return draw(i)
+
+    kwargs = dict(batch_size=4, num_workers=3, shuffle=True)
+    torch.manual_seed(8)
+    ref = list(TorchDataLoader(Noisy(50), generator=torch.Generator().manual_seed(4), **kwargs))
+    torch.manual_seed(8)
+    loader = hotloop.DataLoader(Dying(50), generator=torch.Generator().manual_seed(4), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = list(loader)
+    assert os.path.exists(marker) and loader.stats.worker_restarts == 1
+    assert_batches(ref, got, "after a restart")
+
+
+def test_iterable_worker_killed_without_restarts_raises(tmp_path):
+    loader = hotloop.DataLoader(DyingStream(50, 20, str(tmp_path / "died")), batch_size=4, num_workers=3,
+                                max_worker_restarts=0)
+    it = iter(loader)
+    pool = it._pool
+    with pytest.raises(RuntimeError, match=r"DataLoader worker 2 \(pid \d+\) was killed by signal SIGKILL while "
+                                           r"holding the indices .*; 0 worker\(s\) were restarted already "
+                                           r"\(max_worker_restarts=0\)"):
+        list(it)
+    assert pool.closed
+
+
+def test_iterable_that_is_not_a_function_of_its_seed_is_named(tmp_path):
+    """A replacement whose replay does not reach where its predecessor stood raises, not hangs."""
+    loader = hotloop.DataLoader(DyingStream(50, 20, str(tmp_path / "died"), short_after_death=True), batch_size=4,
+                                num_workers=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="replaying the IterableDataset"):
+            list(loader)
