@@ -190,7 +190,8 @@ class DataLoader(torch.utils.data.DataLoader):
         state = {"version": 2, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
                  "iterable": self._dataset_kind == _DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
-                 "next_worker": 0, "worker_rng": None, "worker_batches": None, "worker_stopped": None}
+                 "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
+                 "worker_stopped": None, "worker_ahead": None}
         if self._hl_epoch is None:
             return state
         log = self._hl_log
@@ -198,7 +199,7 @@ class DataLoader(torch.utils.data.DataLoader):
             state.update(generator_state=self._generator().get_state(), epoch_done=True)
             if state["persistent"] and log is not None:  # the workers carry their states into the next epoch
                 state.update(base_seed=self._hl_epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
-                             worker_stopped=[False] * n)
+                             worker_stopped=[False] * n, worker_ahead=[[] for _ in range(n)])
             return state
         gen_state, base_seed = self._hl_epoch
         state.update(batches_yielded=self._hl_yielded, generator_state=gen_state.clone(), base_seed=base_seed,
@@ -214,8 +215,8 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"load_state_dict: expected a dict from DataLoader.state_dict(), got {state!r:.80}")
         needed = ["batches_yielded", "generator_state", "base_seed", "epoch_done"]
         if state["version"] == 2:
-            needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "next_worker", "worker_rng",
-                       "worker_batches", "worker_stopped"]
+            needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "yielded_after_rng", "next_worker",
+                       "worker_rng", "worker_batches", "worker_stopped", "worker_ahead"]
         missing = [k for k in needed if k not in state]
         if missing:
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
@@ -255,9 +256,11 @@ class _Plan:
 
     positions: int  # map-style: the epoch's first index batches, all handed out
     yielded_after: list  # map-style: later index batches handed out too (in_order=False)
+    yielded_after_rng: list  # and for each, None or its worker's RNG states after it
     next_worker: int  # the worker the next task goes to (round robin)
     setups: list  # per worker: (rng, recreate, replay, expect_stop); None: no worker state applies
     stopped: list  # per worker: its IterableDataset had ended
+    ahead: list  # per worker: which of its next batches were handed out already (in_order=False)
 
     @classmethod
     def of(cls, state, n, iterable):
@@ -270,12 +273,12 @@ class _Plan:
         positions = int(state["sampler_batches"])
         after = [int(p) for p in state["yielded_after"]]
         if not usable:
-            return cls(positions, after, positions % n, None, [False] * n)
+            return cls(positions, after, [None] * len(after), positions % n, None, [False] * n, [[] for _ in range(n)])
         rngs, batches, stopped = state["worker_rng"], state["worker_batches"], state["worker_stopped"]
         setups = [(rngs[w], iterable and rngs[w] is not None, int(batches[w]) if iterable else 0,
                    bool(stopped[w]) if iterable else False) for w in range(n)]
-        return cls(positions, after, int(state["next_worker"]) % n, setups,
-                   [bool(x) and iterable for x in stopped])
+        return cls(positions, after, list(state["yielded_after_rng"]), int(state["next_worker"]) % n, setups,
+                   [bool(x) and iterable for x in stopped], [sorted(int(i) for i in a) for a in state["worker_ahead"]])
 
 
 def _settled(task):
@@ -327,12 +330,22 @@ class _EpochLog:
     def snapshot(self):
         self._advance()
         order, prefix = self.order, self.prefix
-        after = [] if self.iterable else [self.pos0 + i for i in range(prefix, len(order)) if _settled(order[i])]
-        return {"sampler_batches": self.pos0 + prefix, "yielded_after": after,
+        after, after_rng = [], []
+        if not self.iterable:  # in_order=False: handed out past the first one that was not
+            for i in range(prefix, len(order)):
+                t = order[i]
+                if _settled(t):
+                    after.append(self.pos0 + i)
+                    # past its worker's own settled run, a resumed worker must be brought past it
+                    after_rng.append(t.rng if any(q is t for q in self.queues[t.wid]) else None)
+        # an IterableDataset: which of each worker's next batches were handed out (in_order=False)
+        ahead = [[i for i, t in enumerate(q) if _settled(t) and t.kind in ("batch", "error")] if self.iterable else []
+                 for q in self.queues]
+        return {"sampler_batches": self.pos0 + prefix, "yielded_after": after, "yielded_after_rng": after_rng,
                 "next_worker": (order[prefix - 1].wid + 1) % self.n if prefix else self.start_worker,
                 # map-style: the states to set; an IterableDataset: those to replay its batches from
                 "worker_rng": list(self.start_rng if self.iterable else self.rng),
-                "worker_batches": list(self.batches), "worker_stopped": list(self.stopped)}
+                "worker_batches": list(self.batches), "worker_stopped": list(self.stopped), "worker_ahead": ahead}
 
 
 def _record(loader, t0, samples):
@@ -457,12 +470,15 @@ class _MultiIter(_BaseDataLoaderIter):
         self._outstanding = 0
         n = self._num_workers
         self._workers_status = [True] * n if plan is None else [not s for s in plan.stopped]
+        self._stop_ids = [-1 if not active else 1 << 62 for active in self._workers_status]
         self._worker_cycle = itertools.cycle(range(n))
         for _ in range(plan.next_worker if plan is not None else 0):
             next(self._worker_cycle)
         self._prepared = collections.deque()
         self._skip_batches = 0
-        self._skip_positions = set()
+        self._skip_positions = {}  # position -> None or the RNG states after it (in_order=False)
+        self._ahead = [list(a) for a in plan.ahead] if plan is not None else [[] for _ in range(n)]
+        self._fetches = [0] * n  # an IterableDataset's batches per worker in this resumed epoch
         pool.begin_epoch(plan.setups if plan is not None else None)
         iterable = self._dataset_kind == _DatasetKind.Iterable
         pos0 = 0
@@ -471,7 +487,7 @@ class _MultiIter(_BaseDataLoaderIter):
             for _ in range(pos0):
                 next(self._sampler_iter)
             if plan is not None:
-                self._skip_positions = set(plan.yielded_after)
+                self._skip_positions = dict(zip(plan.yielded_after, plan.yielded_after_rng))
         elif plan is None or plan.setups is None:
             self._skip_batches = skip  # no worker positions: walk the iterable through the workers
         self._num_yielded = skip
@@ -509,9 +525,20 @@ class _MultiIter(_BaseDataLoaderIter):
         pos = self._next_pos
         self._next_pos += 1
         if pos in self._skip_positions:  # a resumed epoch: handed out before the state was taken
-            self._skip_positions.discard(pos)
-            self._order.append(Task(-1, wid, None, -1, consumed=True, handed=True))
+            rng = self._skip_positions.pop(pos)
+            if rng is None:  # its worker's saved states already cover it
+                self._order.append(Task(-1, wid, None, -1, consumed=True, kind="batch", handed=True))
+            else:
+                ghost = pool.ghost(wid, index, rng)
+                self._order.append(ghost)
+                self._log.add(ghost)
             return True
+        ahead = self._ahead[wid]
+        while ahead and ahead[0] == self._fetches[wid]:  # a resumed IterableDataset: skip what was handed out
+            ahead.pop(0)
+            self._log.add(pool.ghost(wid, index, None))
+            self._fetches[wid] += 1
+        self._fetches[wid] += 1
         task = pool.new_task(wid, index)
         self._order.append(task)
         self._log.add(task)
@@ -525,10 +552,9 @@ class _MultiIter(_BaseDataLoaderIter):
             if task.consumed:
                 self._rcvd_idx += 1
                 continue
-            if self._workers_status[task.wid] or self._pool._is_done(task):
+            if self._live(task) or self._pool._is_done(task):
                 break
             self._pool.drop(task)
-            task.kind = "drop"
             self._log.settle(task)
             self._outstanding -= 1
             self._rcvd_idx += 1
@@ -540,13 +566,18 @@ class _MultiIter(_BaseDataLoaderIter):
                     return task
         return self._order[self._rcvd_idx]
 
+    def _live(self, task):
+        """Its worker may still deliver it: it is active, or the task came before its stop (with
+        in_order=False a stop can be taken before an earlier batch of the same worker)."""
+        return self._workers_status[task.wid] or task.id < self._stop_ids[task.wid]
+
     def _first_done(self, head):
         """in_order=False: sleep until any outstanding task is done and return it (the head once
         `timeout` passed: pool.wait then raises)."""
         pool = self._pool
         deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
         while deadline is None or time.monotonic() < deadline:
-            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._workers_status[t.wid]]
+            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._live(t)]
             for task in candidates:
                 if pool._is_done(task):
                     return task
@@ -580,25 +611,23 @@ class _MultiIter(_BaseDataLoaderIter):
             outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
             pool.finish(task)
             pool.took(task, outcome)
-            task.rng = outcome[-1]
             self._outstanding -= 1
             kind = outcome[0]
             if kind == "stop":
-                task.kind = "stop"
                 self._log.settle(task)
                 self._workers_status[task.wid] = False
+                self._stop_ids[task.wid] = task.id
                 if task.slot >= 0:
                     pool.release_slot(task.slot)
                 self._fill()
                 continue
             if kind == "error":
-                task.kind, task.handed = "error", True
+                task.handed = True
                 self._log.settle(task)
                 if task.slot >= 0:
                     pool.release_slot(task.slot)
                 self._fill()
                 outcome[1].reraise()
-            task.kind = "batch"
             st = self._loader._hl_stats
             st.worker_busy_seconds += outcome[-2]
             if kind == "batch":

@@ -50,9 +50,12 @@ class WorkerEpoch:
     recreate: bool = False  # its iterator was made anew after start_rng was set
     base: int = 0  # batches (and errors) of its IterableDataset it replayed at the epoch's start
     base_stopped: bool = False  # and its iteration had ended there
-    taken: int = 0  # batches and errors the main process took from it since
+    taken: int = 0  # batches and errors the main process took from it since (in the order it made them)
     stopped: bool = False  # its "stop" was taken
-    last_rng: bytes = None  # its states after the last outcome taken (None: none yet)
+    last_rng: bytes = None  # its states after the last of those outcomes (None: none yet)
+    # its tasks after those, in the order it makes them: a worker's second batch can be ready before
+    # its first (the first waits for "place"), and in_order=False takes it first
+    open: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 @dataclasses.dataclass(eq=False)
@@ -214,9 +217,8 @@ class Pool:
     def _on_death(self, wid):
         proc = self.procs[wid]
         self._drain(wid)
-        mine = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed), key=lambda t: t.id)
-        ready = [t for t in mine if self._is_done(t)]
-        lost = [t for t in mine if t not in ready]
+        lost = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed and not self._is_done(t)),
+                      key=lambda t: t.id)
         code = proc.exitcode
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         held = [list(t.index) if t.index is not None else None for t in lost]
@@ -227,18 +229,23 @@ class Pool:
                                        f"(max_worker_restarts={self.loader.max_worker_restarts})"))
         self.restarts += 1
         self.loader._hl_stats.worker_restarts += 1
-        setup = self._successor_setup(wid, ready)
+        plan = self._successor_plan(wid, lost)
         self._forget(wid)
         self._start(wid)
-        if setup is not None:
-            self.send(wid, ("setup",) + setup)
         if self.resuming:
             # an abandoned epoch: nothing of it is redone, the successor only joins the next one
             _logger.warning("%s; restarting it", desc)
+            for item in plan:
+                if not isinstance(item, Task):
+                    self.send(wid, item)
             self.send(wid, ("resume",))
             return
         _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
-        for t in lost:
+        for item in plan:
+            if not isinstance(item, Task):
+                self.send(wid, item)
+                continue
+            t = item
             self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
             if t.slot < 0 and self.ring is not None:
                 t.slot = self.take_slot()
@@ -246,30 +253,47 @@ class Pool:
                 self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
             self.send(wid, ("task", t.id, t.index, t.slot))
 
-    def _successor_setup(self, wid, ready):
-        """The "setup" that puts a fresh worker where worker wid stood: for a map-style dataset, the RNG
-        states after the last outcome the main process has from it (so that redone batches are the
-        ones it would have made); for an IterableDataset, its epoch's start and a replay of every
-        batch the main process has from it (an iterator's position is not an RNG state)."""
+    def _successor_plan(self, wid, lost):
+        """What a fresh worker is sent to stand where worker wid stood: "setup" messages and the lost
+        tasks, in the order wid made them. A map-style worker is given the RNG states after the last
+        outcome before each lost task, so that redone batches are the ones it would have made; an
+        IterableDataset's worker, whose position is not an RNG state, starts from its epoch's start
+        and replays (fetches and drops) every batch the main process already has from it."""
         track = self.track[wid] if self.track is not None else None
         if track is None:
-            return None
-        taken, stopped, rng = track.taken, track.stopped, track.last_rng
-        for t in ready:  # done, not yet taken: their outcomes are in the ring or the pipe's results
-            outcome = self._peek(t)
-            if outcome is None:
+            return list(lost)
+        iterable = self.kind == _DatasetKind.Iterable and not self.resuming
+        lost = set(lost)
+        items = []
+        rng = None
+        if iterable:
+            replay, ended = track.base + track.taken, track.base_stopped or track.stopped
+            if track.start_rng is not None or track.recreate or replay or ended:
+                items.append(("setup", track.start_rng, track.recreate, replay, ended, self.replay_index))
+        else:
+            rng = track.last_rng if track.last_rng is not None else track.start_rng
+        for t in track.open:
+            if t in lost:
+                if rng is not None:
+                    items.append(("setup", rng, False, 0, False, None))
+                    rng = None
+                items.append(t)
                 continue
-            if outcome[0] == "stop":
-                stopped = True
-            else:
-                taken += 1
-            rng = outcome[-1] if outcome[-1] is not None else rng
-        if self.kind == _DatasetKind.Iterable and not self.resuming:
-            return (track.start_rng, track.recreate, track.base + taken, track.base_stopped or stopped,
-                    self.replay_index)
-        # map-style, or an abandoned epoch (its iterator is made anew by "resume")
-        rng = rng if rng is not None else track.start_rng
-        return (rng, False, 0, False, None) if rng is not None else None
+            kind, after = t.kind, t.rng
+            if kind is None:  # done, not taken yet: its outcome is in the ring or the pipe
+                outcome = self._peek(t)
+                if outcome is None:
+                    continue
+                kind, after = ("stop" if outcome[0] == "stop" else "batch"), outcome[-1]
+            if kind == "drop":
+                continue
+            if iterable:
+                items.append(("setup", None, False, 0 if kind == "stop" else 1, kind == "stop", self.replay_index))
+            elif after is not None:
+                rng = after
+        if rng is not None:  # for the tasks still to come
+            items.append(("setup", rng, False, 0, False, None))
+        return items
 
     def _peek(self, task):
         """A done task's outcome, left where it is."""
@@ -287,8 +311,8 @@ class Pool:
     def begin_epoch(self, setups):
         """Before the epoch's first task: give each worker its setup (resume: RNG states, replay), or
         None, and remember where each starts."""
-        auto = self.worker_args[2]
-        self.replay_index = [None] * self.loader.batch_size if auto else None
+        if self.kind == _DatasetKind.Iterable:  # torch's batches of an IterableDataset: batch_size Nones
+            self.replay_index = [None] * self.loader.batch_size if self.worker_args[2] else None
         self.track = []
         for wid in range(self.n):
             setup = setups[wid] if setups is not None else None
@@ -303,16 +327,38 @@ class Pool:
             self.track.append(track)
 
     def took(self, task, outcome):
-        """The main process took this outcome of the task's worker (batch, error or stop)."""
+        """The main process took this outcome of the task (batch, error or stop)."""
+        task.kind = {"stop": "stop", "error": "error"}.get(outcome[0], "batch")
+        task.rng = outcome[-1]
+        self._fold(task.wid)
+
+    def ghost(self, wid, index, rng):
+        """A resumed epoch: a batch of worker wid that the saved run handed out, beyond what its saved
+        states cover. Brings the worker past it: with rng (map-style) by setting the states after
+        it, else (IterableDataset) by fetching and dropping it. Returns its stand-in task."""
+        task = Task(-1, wid, index, -1, consumed=True, kind="batch", rng=rng, handed=True)
+        if rng is not None:
+            self.send(wid, ("setup", rng, False, 0, False, None))
+        else:
+            self.send(wid, ("setup", None, False, 1, False, index))
+        if self.track is not None:
+            self.track[wid].open.append(task)
+            self._fold(wid)
+        return task
+
+    def _fold(self, wid):
+        """Count the worker's taken outcomes into its track, as far as they follow each other."""
         if self.track is None:
             return
-        track = self.track[task.wid]
-        if outcome[0] == "stop":
-            track.stopped = True
-        else:
-            track.taken += 1
-        if outcome[-1] is not None:
-            track.last_rng = outcome[-1]
+        track = self.track[wid]
+        while track.open and track.open[0].kind is not None:
+            t = track.open.popleft()
+            if t.kind == "stop":
+                track.stopped = True
+            elif t.kind in ("batch", "error"):
+                track.taken += 1
+            if t.rng is not None:
+                track.last_rng = t.rng
 
     def _forget(self, wid):
         for conn in (self.task_conns[wid], self.result_conns[wid]):
@@ -333,6 +379,8 @@ class Pool:
         slot = self.take_slot() if self.ring is not None else -1
         task = Task(self.next_task_id, wid, index, slot)
         self.next_task_id += 1
+        if self.track is not None:
+            self.track[wid].open.append(task)
         self.tasks[task.id] = task
         self.task_worker[task.id] = wid
         self.send(wid, ("task", task.id, index, slot))
@@ -405,6 +453,8 @@ class Pool:
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
         self.finish(task)
+        task.kind = "drop"
+        self._fold(task.wid)
         if task.slot >= 0 and self.procs[task.wid] is not None:
             # the worker skips tasks after its end, but may still be in the middle of this one
             self.ring.wait(task.slot, _C.RING_ASSIGNED, 0)
