@@ -3,6 +3,7 @@ import io
 import os
 import random
 import signal
+import time
 import warnings
 
 import numpy as np
@@ -145,6 +146,10 @@ def test_resume_matches_every_later_batch(num_workers, kind, persistent):
         resumed.load_state_dict(state)
         for e, want in enumerate(expected):
             assert_batches(want, list(resumed), f"state {key!r}, epoch {e} after it")
+    # into the loader that made it, whose (persistent) workers have moved on meanwhile
+    loader.load_state_dict(states[2])
+    assert_batches(second[2:], list(loader), "state 2 loaded into its own loader")
+    assert_batches(epochs[2], list(loader), "the epoch after that")
 
 
 @pytest.mark.parametrize("kind", ["map", "iterable"])
@@ -305,3 +310,34 @@ def test_iterable_that_is_not_a_function_of_its_seed_is_named(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(RuntimeError, match="replaying the IterableDataset"):
             list(loader)
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_resume_with_batches_prepared_for_the_device(monkeypatch, kind):
+    """With device=, batches are taken from the ring prefetch_batches ahead of the one handed out:
+    the state counts what was handed out, not what was taken (the device path on a fake CUDA)."""
+    import types
+
+    from test_loader import _FakeCuda
+
+    _FakeCuda(monkeypatch)
+    seed = random.randrange(1 << 20)
+
+    def on_device(loader):
+        loader.device = types.SimpleNamespace(type="cuda", index=0)  # what device="cuda" sets on a GPU machine
+        loader.prefetch_batches = 3
+        return loader
+
+    torch.manual_seed(seed)
+    loader = on_device(make(kind, 3, False, seed))
+    it = iter(loader)
+    head = [next(it)]
+    time.sleep(0.3)  # lets the workers get ahead: the next call prepares batches past the one it hands out
+    head.append(next(it))
+    state = loader.state_dict()
+    rest = list(it)
+    torch.manual_seed(seed + 1)
+    resumed = on_device(make(kind, 3, False, seed + 2))
+    resumed.load_state_dict(state)
+    assert_batches(rest, list(resumed), "rest")
+    assert len(head) == 2

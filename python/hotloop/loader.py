@@ -14,7 +14,8 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 
 Extras: `stats` (batches, samples, seconds waited in `__next__`, stall fraction, host-to-device bytes
 and seconds, worker busy seconds, ring bytes), `state_dict()`/`load_state_dict()` for mid-epoch
-resume, and a worker that dies is replaced and its batches redone (`max_worker_restarts`).
+resume (the same batches from then on, random transforms in workers included), and a worker that
+dies is replaced and its batches redone (`max_worker_restarts`), for an IterableDataset too.
 """
 import collections
 import dataclasses
@@ -97,6 +98,15 @@ class DataLoader(torch.utils.data.DataLoader):
     gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
         too when device is None).
     max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.
+
+    A replacement starts from its predecessor's RNG states after the last batch the main process
+    has from it (map-style), so redone batches equal those it would have made. An IterableDataset
+    worker has a position besides: its replacement gets the same worker id, seed and worker_info,
+    makes the iterator anew and replays it, dropping the batches its predecessor had delivered. So
+    every sample arrives exactly once, and state_dict() resumes an IterableDataset exactly, provided
+    its iteration in a worker is a function of the worker's seed and get_worker_info() (no other
+    randomness, no state kept outside the worker); a replay that ends early raises a RuntimeError
+    that says so.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
