@@ -66,7 +66,7 @@ class NoisyStream(IterableDataset):
 def assert_same(a, b, path="batch"):
     assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{b.shape}"
         assert torch.equal(a, b), f"{path}: values differ:\n{a}\n{b}"
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: {len(a)} vs {len(b)} items"

@@ -225,8 +225,8 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"load_state_dict: expected a dict from DataLoader.state_dict(), got {state!r:.80}")
         needed = ["batches_yielded", "generator_state", "base_seed", "epoch_done"]
         if state["version"] == 2:
-            needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "yielded_after_rng", "next_worker",
-                       "worker_rng", "worker_batches", "worker_stopped", "worker_ahead"]
+            needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "yielded_after_rng",
+                       "next_worker", "worker_rng", "worker_batches", "worker_stopped", "worker_ahead"]
         missing = [k for k in needed if k not in state]
         if missing:
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
@@ -277,9 +277,10 @@ class _Plan:
         saved_n = state["num_workers"]
         usable = saved_n == n and state["iterable"] == iterable and state["worker_rng"] is not None
         if not usable and saved_n > 0 and state["worker_rng"] is not None:
-            warnings.warn(f"DataLoader.load_state_dict: the state was taken with num_workers={saved_n}, this loader "
-                          f"has {n}: it resumes at the same batch, but random transforms in workers will differ",
-                          stacklevel=4)
+            kinds = {True: "an IterableDataset", False: "a map-style dataset"}
+            warnings.warn(f"DataLoader.load_state_dict: the state was taken with num_workers={saved_n} and "
+                          f"{kinds[bool(state['iterable'])]}, this loader has {n} and {kinds[iterable]}: it resumes "
+                          "at the same batch, but random transforms in workers will differ", stacklevel=4)
         positions = int(state["sampler_batches"])
         after = [int(p) for p in state["yielded_after"]]
         if not usable:

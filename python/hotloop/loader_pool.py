@@ -263,8 +263,9 @@ class Pool:
         if track is None:
             return list(lost)
         iterable = self.kind == _DatasetKind.Iterable and not self.resuming
+        missing = [t for t in lost if not any(t is o for o in track.open)]  # none expected: redone all the same
         lost = set(lost)
-        items = []
+        items = list(missing)
         rng = None
         if iterable:
             replay, ended = track.base + track.taken, track.base_stopped or track.stopped
@@ -322,7 +323,8 @@ class Pool:
                 track.start_rng, track.recreate, track.base, track.base_stopped = rng, recreate, replay, expect_stop
                 if rng is not None or recreate or replay or expect_stop:
                     self.send(wid, ("setup", rng, recreate, replay, expect_stop, self.replay_index))
-            elif self.resumed_rng and wid in self.resumed_rng:  # persistent workers: made their iterator anew after these
+            elif self.resumed_rng and wid in self.resumed_rng:
+                # persistent workers: their states when "resume" came, before they made their iterator anew
                 track.start_rng, track.recreate = self.resumed_rng[wid], True
             self.track.append(track)
 

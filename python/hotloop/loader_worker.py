@@ -263,8 +263,9 @@ def rng_state() -> bytes:
         import numpy as np
     except ImportError:
         np = None
-    if np is not None:
-        _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = np.random.get_state() if np is not None else None
+    if type(state) is tuple and state[0] == "MT19937":  # else a bit generator set by the user: not ours
+        _, keys, pos, has_gauss, cached = state
         parts += [keys.astype("<u4", copy=False).tobytes(), _NP_RNG.pack(pos, has_gauss, cached)]
     return b"".join(parts)
 
@@ -433,8 +434,11 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 continue
             if msg[0] == "setup":
                 _, rng, recreate, replay, expect_stop, replay_index = msg
-                if rng is not None:
-                    set_rng_state(rng)
+                try:
+                    if rng is not None:
+                        set_rng_state(rng)
+                except Exception:  # e.g. a state from another torch version: said at the next task
+                    init_exception = ExceptionWrapper(where=f"{where} setting the RNG states of a resumed epoch")
                 if init_exception is None:
                     if recreate and dataset_kind == _DatasetKind.Iterable:
                         iteration_end = False
