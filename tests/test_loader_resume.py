@@ -341,3 +341,37 @@ def test_resume_with_batches_prepared_for_the_device(monkeypatch, kind):
     resumed.load_state_dict(state)
     assert_batches(rest, list(resumed), "rest")
     assert len(head) == 2
+
+
+def test_successor_plan_follows_the_order_the_worker_made_its_batches():
+    """A worker's first batch can wait for "place" while its second is ready (and, with in_order=False,
+    taken): a replacement must redo, replay or skip each in the order the dead worker made them."""
+    import collections
+    import types
+
+    from torch.utils.data.dataloader import _DatasetKind
+
+    from hotloop.loader_pool import Pool, Task, WorkerEpoch
+
+    idx = [None] * 4
+    lost_a, ready_b, lost_c = Task(5, 0, idx, -1), Task(6, 0, idx, 2), Task(7, 0, idx, 3)
+    ahead_d = Task(8, 0, idx, 4, consumed=True, kind="batch", rng=b"after-d")
+    ready = {6: ("ok", None, [], 0.0, b"after-b")}
+
+    def plan(kind, track):
+        pool = types.SimpleNamespace(track=[track], kind=kind, resuming=False, replay_index=idx,
+                                     _peek=lambda t: ready.get(t.id))
+        return Pool._successor_plan(pool, 0, [lost_a, lost_c])
+
+    def track():
+        return WorkerEpoch(start_rng=b"start", recreate=True, base=1, taken=2, last_rng=b"after-prefix",
+                           open=collections.deque([lost_a, ready_b, lost_c, ahead_d]))
+
+    # an IterableDataset: from the epoch's start, replay the 3 batches before A, make A, replay B, make C, replay D
+    assert plan(_DatasetKind.Iterable, track()) == [
+        ("setup", b"start", True, 3, False, idx), lost_a, ("setup", None, False, 1, False, idx), lost_c,
+        ("setup", None, False, 1, False, idx)]
+    # map-style: A from the states after the prefix, C from those after B, what follows from those after D
+    assert plan(_DatasetKind.Map, track()) == [
+        ("setup", b"after-prefix", False, 0, False, None), lost_a, ("setup", b"after-b", False, 0, False, None),
+        lost_c, ("setup", b"after-d", False, 0, False, None)]

@@ -284,7 +284,9 @@ class _Plan:
         positions = int(state["sampler_batches"])
         after = [int(p) for p in state["yielded_after"]]
         if not usable:
-            return cls(positions, after, [None] * len(after), positions % n, None, [False] * n, [[] for _ in range(n)])
+            # an IterableDataset is walked from its start through the workers, round robin from worker 0
+            return cls(positions, after, [None] * len(after), 0 if iterable else positions % n, None, [False] * n,
+                       [[] for _ in range(n)])
         rngs, batches, stopped = state["worker_rng"], state["worker_batches"], state["worker_stopped"]
         setups = [(rngs[w], iterable and rngs[w] is not None, int(batches[w]) if iterable else 0,
                    bool(stopped[w]) if iterable else False) for w in range(n)]
