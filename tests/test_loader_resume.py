@@ -152,24 +152,42 @@ def test_resume_matches_every_later_batch(num_workers, kind, persistent):
     assert_batches(epochs[2], list(loader), "the epoch after that")
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("kind", ["map", "iterable"])
-def test_resume_in_order_false_yields_exactly_the_rest(kind):
+def test_resume_in_order_false_yields_exactly_the_rest(kind, persistent):
     """in_order=False: the order is timing's, but the resumed loader yields exactly the batches the
-    original had not yielded yet, each equal."""
+    original had not yielded yet, each equal; and so does a loader resumed from a resumed one; with
+    persistent workers, the next epoch too."""
     seed = random.randrange(1 << 20)
+    key = lambda b: tuple(b[0].tolist())  # noqa: E731  (sample ids identify a batch)
+
+    def as_set(batches):
+        return sorted(batches, key=key)
+
     torch.manual_seed(seed)
-    loader = make(kind, 3, False, seed, in_order=False)
+    loader = make(kind, 3, persistent, seed, in_order=False)
+    list(loader)  # persistent workers: the states carried into the second epoch matter
     it = iter(loader)
     head = [next(it) for _ in range(4)]
     state = loader.state_dict()
     rest = list(it)
+    following = list(loader)
     torch.manual_seed(seed + 1)
-    resumed = make(kind, 3, False, seed + 2, in_order=False)
+    resumed = make(kind, 3, persistent, seed + 2, in_order=False)
     resumed.load_state_dict(through_torch_save(state))
-    got = list(resumed)
-    key = lambda b: tuple(b[0].tolist())  # noqa: E731  (sample ids identify a batch)
+    it = iter(resumed)
+    got = [next(it) for _ in range(2)]
+    state = resumed.state_dict()
+    got += list(it)
     assert sorted(map(key, head + rest)) == sorted(map(key, head + got))
-    assert_batches(sorted(rest, key=key), sorted(got, key=key), "rest")
+    assert_batches(as_set(rest), as_set(got), "rest")
+    if persistent:
+        assert_batches(as_set(following), as_set(list(resumed)), "the next epoch")
+    again = make(kind, 3, persistent, seed + 3, in_order=False)
+    again.load_state_dict(state)
+    assert_batches(as_set(rest), as_set(got[:2] + list(again)), "rest, resumed twice")
+    if persistent:
+        assert_batches(as_set(following), as_set(list(again)), "the next epoch, resumed twice")
 
 
 def test_state_dict_is_plain_and_old_versions_load():

@@ -318,6 +318,8 @@ class _EpochLog:
 
     def add(self, task):
         self.queues[task.wid].append(task)
+        if _settled(task):  # a resumed epoch's stand-in for a batch handed out before
+            self.settle(task)
 
     def settle(self, task):
         """The task was handed out, or taken without a batch: log its worker's settled prefix (one
