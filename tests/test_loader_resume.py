@@ -82,9 +82,9 @@ def assert_batches(theirs, ours, what):
         assert_same(a, b, f"{what}: batch {j}")
 
 
-def make(kind, num_workers, persistent, seed, in_order=True):
+def make(kind, num_workers, persistent, seed, in_order=True, **extra):
     ds = Noisy(23) if kind == "map" else NoisyStream(23)
-    kwargs = dict(batch_size=3, num_workers=num_workers, persistent_workers=persistent, in_order=in_order)
+    kwargs = dict(batch_size=3, num_workers=num_workers, persistent_workers=persistent, in_order=in_order, **extra)
     if kind == "map":
         kwargs.update(shuffle=True, generator=torch.Generator().manual_seed(seed))
     return hotloop.DataLoader(ds, **kwargs)
@@ -393,3 +393,30 @@ def test_successor_plan_follows_the_order_the_worker_made_its_batches():
     assert plan(_DatasetKind.Map, track()) == [
         ("setup", b"after-prefix", False, 0, False, None), lost_a, ("setup", b"after-b", False, 0, False, None),
         lost_c, ("setup", b"after-d", False, 0, False, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_resume_on_the_gpu(kind):
+    """device="cuda" with batches prepared ahead: the resumed loader's device batches equal the
+    original's after the saved point, random draws included, that epoch and the next."""
+    seed = random.randrange(1 << 20)
+
+    def on_gpu(seed):
+        return make(kind, 3, True, seed, device="cuda", prefetch_batches=3)
+
+    torch.manual_seed(seed)
+    loader = on_gpu(seed)
+    first = [[t.cpu() for t in b] for b in loader]
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    rest = [[t.cpu() for t in b] for b in it]
+    following = [[t.cpu() for t in b] for b in loader]
+    torch.manual_seed(seed + 1)
+    resumed = on_gpu(seed + 2)
+    resumed.load_state_dict(through_torch_save(state))
+    assert all(t.is_cuda for t in head[0])
+    assert_batches(rest, [[t.cpu() for t in b] for b in resumed], "rest")
+    assert_batches(following, [[t.cpu() for t in b] for b in resumed], "the next epoch")
+    assert len(first) > 0
