@@ -20,13 +20,15 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 
 Extras: `stats` (batches, samples, seconds waited in `__next__`, stall fraction, host-to-device bytes
 and seconds, worker busy seconds, ring bytes), `state_dict()`/`load_state_dict()` for mid-epoch
-resume, and a worker that dies is replaced and its batches redone (`max_worker_restarts`).
+resume (the same batches from then on, random transforms in workers included), and a worker that
+dies is replaced and its batches redone (`max_worker_restarts`), for an IterableDataset too.
 """
 import collections
 import dataclasses
 import itertools
 import multiprocessing.connection
 import time
+import warnings
 import weakref
 
 import torch
@@ -35,7 +37,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _Sing
 
 from . import _C
 from .loader_device import LocalRing, Pending
-from .loader_pool import POLL_S, Pool
+from .loader_pool import POLL_S, Pool, Task
 from .loader_worker import _Abort, _SlotWriter, flatten, unflatten, write_fast, write_general
 from .normalize import Normalize
 
@@ -106,6 +108,15 @@ class DataLoader(torch.utils.data.DataLoader):
     gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
         too when device is None).
     max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.
+
+    A replacement starts from its predecessor's RNG states after the last batch the main process
+    has from it (map-style), so redone batches equal those it would have made. An IterableDataset
+    worker has a position besides: its replacement gets the same worker id, seed and worker_info,
+    makes the iterator anew and replays it, dropping the batches its predecessor had delivered. So
+    every sample arrives exactly once, and state_dict() resumes an IterableDataset exactly, provided
+    its iteration in a worker is a function of the worker's seed and get_worker_info() (no other
+    randomness, no state kept outside the worker); a replay that ends early raises a RuntimeError
+    that says so.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
@@ -136,6 +147,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._hl_epoch_done = False  # its last batch was handed out
         self._hl_yielded = 0  # batches handed out in it
         self._hl_iter = None  # weak reference to the live iterator
+        self._hl_plan = None  # the loaded state, as the next multi-worker iterator applies it
+        self._hl_log = None  # the current epoch's _EpochLog (num_workers > 0)
 
     @property
     def stats(self) -> LoaderStats:
@@ -152,8 +165,10 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self):
         resume = self._hl_resume
-        if resume is not None and resume.get("epoch_done") and not (self.persistent_workers and self.num_workers):
-            # the saved epoch had ended: the next one starts from the generator as it was then
+        if resume is not None and resume.get("epoch_done") and \
+                not resume.get("persistent", self.persistent_workers and self.num_workers):
+            # the saved epoch had ended: the next one starts from the generator as it was then, and
+            # draws its worker seed from it as the saved loader's next epoch did
             self._hl_resume = None
             self._generator().set_state(resume["generator_state"])
         it = super().__iter__()
@@ -164,37 +179,87 @@ class DataLoader(torch.utils.data.DataLoader):
         return self.generator if self.generator is not None else torch.default_generator
 
     def state_dict(self) -> dict:
-        """Where the current epoch stands: load it into a loader built the same way and the next batch
-        it yields is the one this loader would have yielded next (after a finished epoch: the first
-        batch of the next epoch). The loader's generator (torch's default one when generator=None)
-        is rewound to make the sampler draw the same order; random transforms inside workers draw
-        from fresh worker seeds, so they match only from the start of an epoch."""
+        """Where the current epoch stands, as a plain dict (ints, bools, bytes, lists and a tensor:
+        torch.save stores it). Load it into a loader built the same way (dataset, sampler, batch
+        size, collate_fn, worker_init_fn, num_workers) and every batch it yields from then on equals,
+        element for element, what this loader would have yielded after the point where the state
+        was taken, random transforms in the workers included; after a finished epoch, from the first
+        batch of the next one.
+
+        How: the loader's generator (torch's default one when generator=None) is rewound so that
+        the sampler draws the same order, and the epoch's worker seed is kept. Each worker reports,
+        with every batch, its global RNG states (torch's, `random`'s, numpy's) right after it; the
+        state holds, per worker, those after the last batch handed out from it, and which worker the
+        next batch comes from. A resumed epoch seeds its workers as usual, sets those states, and
+        goes on round robin from there. An IterableDataset's position is not an RNG state: each
+        worker instead gets the states it began the epoch with and replays (fetches and drops) the
+        batches it had produced, which requires its iteration to be a function of its seed and
+        get_worker_info(). With persistent_workers the RNG states carry over to the next epoch, and
+        so they do in the state taken at an epoch's end.
+
+        in_order=False: the order of batches depends on timing, in the saved run as in the resumed
+        one; what holds is that the resumed loader yields exactly the batches the saved one had not
+        yet yielded, each equal to what the saved loader would have made of it.
+
+        Not covered: RNGs other than those three global ones (a numpy Generator made in
+        worker_init_fn, say), and batches remade by a restarted worker of an IterableDataset that is
+        not a function of its seed. num_workers=0: transforms draw from the main process's RNGs, which
+        are the caller's to save and restore (this loader does not touch them beyond the generator).
+        A state from a loader with another num_workers still resumes at the same batch, without the
+        RNG states (a warning says so)."""
+        n = self.num_workers
+        state = {"version": 2, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
+                 "persistent": bool(self.persistent_workers and n), "num_workers": n,
+                 "iterable": self._dataset_kind == _DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
+                 "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
+                 "worker_stopped": None, "worker_ahead": None}
         if self._hl_epoch is None:
-            return {"version": 1, "batches_yielded": 0, "generator_state": None, "base_seed": None,
-                    "epoch_done": False}
+            return state
+        log = self._hl_log
         if self._hl_epoch_done:
-            return {"version": 1, "batches_yielded": 0, "generator_state": self._generator().get_state(),
-                    "base_seed": None, "epoch_done": True}
+            state.update(generator_state=self._generator().get_state(), epoch_done=True)
+            if state["persistent"] and log is not None:  # the workers carry their states into the next epoch
+                state.update(base_seed=self._hl_epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
+                             worker_stopped=[False] * n, worker_ahead=[[] for _ in range(n)])
+            return state
         gen_state, base_seed = self._hl_epoch
-        return {"version": 1, "batches_yielded": self._hl_yielded, "generator_state": gen_state.clone(),
-                "base_seed": base_seed, "epoch_done": False}
+        state.update(batches_yielded=self._hl_yielded, generator_state=gen_state.clone(), base_seed=base_seed,
+                     sampler_batches=self._hl_yielded)
+        if log is not None:
+            state.update(log.snapshot())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or state.get("version") != 1:
+        """Resume from `state_dict()` (of this version, or a version-1 one: same batches, random
+        transforms in workers matching only from an epoch start) with the next iterator."""
+        if not isinstance(state, dict) or state.get("version") not in (1, 2):
             raise ValueError(f"load_state_dict: expected a dict from DataLoader.state_dict(), got {state!r:.80}")
+        needed = ["batches_yielded", "generator_state", "base_seed", "epoch_done"]
+        if state["version"] == 2:
+            needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "yielded_after_rng",
+                       "next_worker", "worker_rng", "worker_batches", "worker_stopped", "worker_ahead"]
+        missing = [k for k in needed if k not in state]
+        if missing:
+            raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
+                             f"state, {missing} are missing")
         self._hl_resume = dict(state)
 
     def _hl_begin_epoch(self, it):
         """Called by an iterator once its sampler iterator exists and before it draws from it: rewinds
-        the generator for a resumed epoch, remembers where this epoch starts, returns batches to skip."""
+        the generator for a resumed epoch, remembers where this epoch starts, returns batches to skip.
+        A multi-worker iterator finds the rest of a loaded state in _hl_plan."""
         gen = self._generator()
         resume, self._hl_resume = self._hl_resume, None
+        self._hl_plan = None
+        self._hl_log = None
         skip = 0
         if resume is not None and resume.get("generator_state") is not None:
             gen.set_state(resume["generator_state"])  # epoch_done with persistent workers: undo the seed draw
             if resume.get("base_seed") is not None:
                 it._base_seed = resume["base_seed"]
             skip = int(resume["batches_yielded"])
+            if resume["version"] >= 2 and self.num_workers > 0:
+                self._hl_plan = _Plan.of(resume, self.num_workers, it._dataset_kind == _DatasetKind.Iterable)
         self._hl_epoch = (gen.get_state(), it._base_seed)
         self._hl_epoch_done = False
         self._hl_yielded = skip
@@ -207,6 +272,109 @@ class DataLoader(torch.utils.data.DataLoader):
         ring = getattr(self, "_hl_local_ring", None)
         if ring is not None:
             ring.close()
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A loaded version-2 state, as a multi-worker iterator applies it."""
+
+    positions: int  # map-style: the epoch's first index batches, all handed out
+    yielded_after: list  # map-style: later index batches handed out too (in_order=False)
+    yielded_after_rng: list  # and for each, None or its worker's RNG states after it
+    next_worker: int  # the worker the next task goes to (round robin)
+    setups: list  # per worker: (rng, recreate, replay, expect_stop); None: no worker state applies
+    stopped: list  # per worker: its IterableDataset had ended
+    ahead: list  # per worker: which of its next batches were handed out already (in_order=False)
+
+    @classmethod
+    def of(cls, state, n, iterable):
+        saved_n = state["num_workers"]
+        usable = saved_n == n and state["iterable"] == iterable and state["worker_rng"] is not None
+        if not usable and saved_n > 0 and state["worker_rng"] is not None:
+            kinds = {True: "an IterableDataset", False: "a map-style dataset"}
+            warnings.warn(f"DataLoader.load_state_dict: the state was taken with num_workers={saved_n} and "
+                          f"{kinds[bool(state['iterable'])]}, this loader has {n} and {kinds[iterable]}: it resumes "
+                          "at the same batch, but random transforms in workers will differ", stacklevel=4)
+        positions = int(state["sampler_batches"])
+        after = [int(p) for p in state["yielded_after"]]
+        if not usable:
+            # an IterableDataset is walked from its start through the workers, round robin from worker 0
+            return cls(positions, after, [None] * len(after), 0 if iterable else positions % n, None, [False] * n,
+                       [[] for _ in range(n)])
+        rngs, batches, stopped = state["worker_rng"], state["worker_batches"], state["worker_stopped"]
+        setups = [(rngs[w], iterable and rngs[w] is not None, int(batches[w]) if iterable else 0,
+                   bool(stopped[w]) if iterable else False) for w in range(n)]
+        return cls(positions, after, list(state["yielded_after_rng"]), int(state["next_worker"]) % n, setups,
+                   [bool(x) and iterable for x in stopped], [sorted(int(i) for i in a) for a in state["worker_ahead"]])
+
+
+def _settled(task):
+    """Handed out (or raised), or taken without a batch: a stop, or dropped after its worker ended."""
+    return task.handed or task.kind in ("stop", "drop")
+
+
+class _EpochLog:
+    """What a multi-worker epoch handed out, per worker and by position: the half of state_dict()
+    that the sampler's position does not say. Kept by the loader, so that state_dict() works after
+    the iterator is gone."""
+
+    def __init__(self, n, iterable, order, pos0, start_worker, tracks):
+        self.n, self.iterable = n, iterable
+        self.order = order  # the iterator's tasks (and placeholders) of this epoch, from position pos0
+        self.pos0 = pos0
+        self.start_worker = start_worker
+        self.prefix = 0  # order[:prefix] are all settled
+        self.queues = [collections.deque() for _ in range(n)]  # each worker's tasks not yet settled
+        self.start_rng = [t.start_rng for t in tracks]
+        self.rng = list(self.start_rng)  # after the last settled outcome of each worker
+        self.batches = [t.base for t in tracks]  # batches (and errors) settled, replayed ones included
+        self.stopped = [t.base_stopped for t in tracks]
+
+    def add(self, task):
+        self.queues[task.wid].append(task)
+        if _settled(task):  # a resumed epoch's stand-in for a batch handed out before
+            self.settle(task)
+
+    def settle(self, task):
+        """The task was handed out, or taken without a batch: log its worker's settled prefix (one
+        worker's tasks finish, and are handed out, in order)."""
+        w = task.wid
+        queue = self.queues[w]
+        while queue and _settled(queue[0]):
+            t = queue.popleft()
+            if t.kind == "stop":
+                self.stopped[w] = True
+            elif t.kind in ("batch", "error"):
+                self.batches[w] += 1
+            if t.rng is not None:
+                self.rng[w] = t.rng
+                t.rng = None  # an epoch's tasks stay in `order`: keep 10 kB per worker, not per batch
+        self._advance()
+
+    def _advance(self):
+        order = self.order
+        while self.prefix < len(order) and _settled(order[self.prefix]):
+            self.prefix += 1
+
+    def snapshot(self):
+        self._advance()
+        order, prefix = self.order, self.prefix
+        after, after_rng = [], []
+        if not self.iterable:  # in_order=False: handed out past the first one that was not
+            for i in range(prefix, len(order)):
+                t = order[i]
+                if _settled(t):
+                    after.append(self.pos0 + i)
+                    # past its worker's own settled run, a resumed worker must be brought past it
+                    after_rng.append(t.rng if any(q is t for q in self.queues[t.wid]) else None)
+        # an IterableDataset: which of each worker's next batches were handed out (in_order=False)
+        ahead = [[i for i, t in enumerate(q) if _settled(t) and t.kind in ("batch", "error")] if self.iterable else []
+                 for q in self.queues]
+        return {"sampler_batches": self.pos0 + prefix, "yielded_after": after, "yielded_after_rng": after_rng,
+                "next_worker": (order[prefix - 1].wid + 1) % self.n if prefix else self.start_worker,
+                # map-style: the states to set; an IterableDataset: those to replay its batches from
+                "worker_rng": list(self.start_rng if self.iterable else self.rng),
+                "worker_batches": list(self.batches), "worker_stopped": list(self.stopped), "worker_ahead": ahead}
 
 
 def _record(loader, t0, samples):
@@ -405,7 +573,12 @@ class _MultiIter(_BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False):
         super()._reset(loader, first_iter)
         skip = loader._hl_begin_epoch(self)
+        plan = loader._hl_plan
         pool = loader._hl_pool if self._persistent_workers else None
+        if pool is not None and not pool.closed and plan is not None and plan.setups is not None:
+            # saved RNG states and replays start from freshly seeded workers: these are not
+            self._abandon_prepared(pool)
+            pool.close()
         if pool is None or pool.closed:
             pool = Pool(loader, self)
             if self._persistent_workers:
@@ -413,26 +586,46 @@ class _MultiIter(_BaseDataLoaderIter):
         elif not first_iter or self._pool is None:
             pool.resume()
             pool.loader = loader
-        for old in getattr(self, "_prepared", ()):  # copies of an abandoned epoch: free their slots later
-            if isinstance(old[0], Pending):
-                pool.copies.inflight.append(old[0])
+        self._abandon_prepared(pool)
         self._pool = pool
         self._last_return = None
         self._order = []  # tasks of this epoch in the order torch would return them
         self._rcvd_idx = 0
         self._outstanding = 0
-        self._workers_status = [True] * self._num_workers
-        self._worker_cycle = itertools.cycle(range(self._num_workers))
+        n = self._num_workers
+        self._workers_status = [True] * n if plan is None else [not s for s in plan.stopped]
+        self._stop_ids = [-1 if not active else 1 << 62 for active in self._workers_status]
+        self._worker_cycle = itertools.cycle(range(n))
+        for _ in range(plan.next_worker if plan is not None else 0):
+            next(self._worker_cycle)
         self._prepared = collections.deque()
         self._skip_batches = 0
-        if self._dataset_kind == _DatasetKind.Map:
-            for _ in range(skip):
+        self._skip_positions = {}  # position -> None or the RNG states after it (in_order=False)
+        self._ahead = [list(a) for a in plan.ahead] if plan is not None else [[] for _ in range(n)]
+        self._fetches = [0] * n  # an IterableDataset's batches per worker in this resumed epoch
+        pool.begin_epoch(plan.setups if plan is not None else None)
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        pos0 = 0
+        if not iterable:
+            pos0 = plan.positions if plan is not None else skip
+            for _ in range(pos0):
                 next(self._sampler_iter)
-            self._num_yielded = skip
-        else:
-            self._skip_batches = skip
+            if plan is not None:
+                self._skip_positions = dict(zip(plan.yielded_after, plan.yielded_after_rng))
+        elif plan is None or plan.setups is None:
+            self._skip_batches = skip  # no worker positions: walk the iterable through the workers
+        self._num_yielded = skip
+        self._next_pos = pos0
+        self._log = loader._hl_log = _EpochLog(n, iterable, self._order, pos0,
+                                               plan.next_worker if plan is not None else 0, pool.track)
         self._fill()
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
+
+    def _abandon_prepared(self, pool):
+        for old in getattr(self, "_prepared", ()):  # copies of an abandoned epoch: free their slots later
+            if isinstance(old[0], Pending):
+                pool.copies.inflight.append(old[0])
+        self._prepared = collections.deque()
 
     def _fill(self):
         while self._try_put_index():
@@ -454,7 +647,26 @@ class _MultiIter(_BaseDataLoaderIter):
                 break
         else:
             return False
-        self._order.append(pool.new_task(wid, index))
+        pos = self._next_pos
+        self._next_pos += 1
+        if pos in self._skip_positions:  # a resumed epoch: handed out before the state was taken
+            rng = self._skip_positions.pop(pos)
+            if rng is None:  # its worker's saved states already cover it
+                self._order.append(Task(-1, wid, None, -1, consumed=True, kind="batch", handed=True))
+            else:
+                ghost = pool.ghost(wid, index, rng)
+                self._order.append(ghost)
+                self._log.add(ghost)
+            return True
+        ahead = self._ahead[wid]
+        while ahead and ahead[0] == self._fetches[wid]:  # a resumed IterableDataset: skip what was handed out
+            ahead.pop(0)
+            self._log.add(pool.ghost(wid, index, None))
+            self._fetches[wid] += 1
+        self._fetches[wid] += 1
+        task = pool.new_task(wid, index)
+        self._order.append(task)
+        self._log.add(task)
         self._outstanding += 1
         return True
 
@@ -465,9 +677,10 @@ class _MultiIter(_BaseDataLoaderIter):
             if task.consumed:
                 self._rcvd_idx += 1
                 continue
-            if self._workers_status[task.wid] or self._pool._is_done(task):
+            if self._live(task) or self._pool._is_done(task):
                 break
             self._pool.drop(task)
+            self._log.settle(task)
             self._outstanding -= 1
             self._rcvd_idx += 1
         else:
@@ -478,13 +691,18 @@ class _MultiIter(_BaseDataLoaderIter):
                     return task
         return self._order[self._rcvd_idx]
 
+    def _live(self, task):
+        """Its worker may still deliver it: it is active, or the task came before its stop (with
+        in_order=False a stop can be taken before an earlier batch of the same worker)."""
+        return self._workers_status[task.wid] or task.id < self._stop_ids[task.wid]
+
     def _first_done(self, head):
         """in_order=False: sleep until any outstanding task is done and return it (the head once
         `timeout` passed: pool.wait then raises)."""
         pool = self._pool
         deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
         while deadline is None or time.monotonic() < deadline:
-            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._workers_status[t.wid]]
+            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._live(t)]
             for task in candidates:
                 if pool._is_done(task):
                     return task
@@ -504,8 +722,8 @@ class _MultiIter(_BaseDataLoaderIter):
         return head
 
     def _next_result(self, block=True):
-        """The next batch, assembled (CPU) or with its copy queued (Pending, CUDA). None when the
-        next one is not ready and block is False."""
+        """(the next batch, assembled (CPU) or with its copy queued (Pending, CUDA), its samples, its
+        task). None when the next one is not ready and block is False."""
         pool = self._pool
         while True:
             task = self._next_task()
@@ -517,35 +735,40 @@ class _MultiIter(_BaseDataLoaderIter):
                 task = self._first_done(task)
             outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
             pool.finish(task)
+            pool.took(task, outcome)
             self._outstanding -= 1
             kind = outcome[0]
             if kind == "stop":
+                self._log.settle(task)
                 self._workers_status[task.wid] = False
+                self._stop_ids[task.wid] = task.id
                 if task.slot >= 0:
                     pool.release_slot(task.slot)
                 self._fill()
                 continue
             if kind == "error":
+                task.handed = True
+                self._log.settle(task)
                 if task.slot >= 0:
                     pool.release_slot(task.slot)
                 self._fill()
                 outcome[1].reraise()
             st = self._loader._hl_stats
-            st.worker_busy_seconds += outcome[-1]
+            st.worker_busy_seconds += outcome[-2]
             if kind == "batch":
                 batch = outcome[1]
                 self._fill()
                 samples = self._samples_of(task, lambda: _batch_samples(batch, 1))
                 out = _host_batch_out(self._loader, batch, self._pin_memory)
-                return out, samples
-            _, spec, leaves, _busy = outcome
+                return out, samples, task
+            _, spec, leaves, _busy, _rng = outcome
             samples = self._samples_of(task, lambda: int(leaves[0][2][0]) if leaves and leaves[0][2] else 1)
             if pool.device is None:
                 out = pool.copy_out(task.slot, spec, leaves, self._pin_memory)
             else:
                 out = pool.copy_to_device(task.slot, spec, leaves)
             self._fill()
-            return out, samples
+            return out, samples, task
 
     def _samples_of(self, task, from_batch):
         if not self._auto_collation:
@@ -564,17 +787,19 @@ class _MultiIter(_BaseDataLoaderIter):
                                "one with iter(loader)")
         while self._skip_batches:
             self._skip_batches -= 1
-            out, _ = self._next_result()
+            out, _, task = self._next_result()
             if isinstance(out, Pending):
                 self._pool.deliver(out)
+            task.handed = True
+            self._log.settle(task)
         pool = self._pool
         try:
             if pool.device is None:
-                out, samples = self._next_result()
+                out, samples, task = self._next_result()
             else:
                 if not self._prepared:
                     self._prepared.append(self._next_result())
-                out, samples = self._prepared.popleft()
+                out, samples, task = self._prepared.popleft()
         except StopIteration:
             self._loader._hl_epoch_done = True
             if not self._persistent_workers:
@@ -591,6 +816,8 @@ class _MultiIter(_BaseDataLoaderIter):
                     self._prepared.append(nxt)
             except StopIteration:
                 pass  # the epoch's last batches are prepared; they are handed out by the next calls
+        task.handed = True
+        self._log.settle(task)
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out
@@ -598,10 +825,7 @@ class _MultiIter(_BaseDataLoaderIter):
     def _shutdown(self):
         pool, self._pool = self._pool, None
         if pool is not None and not self._persistent_workers:
-            for old in self._prepared:  # their copies must end before the ring is unregistered
-                if isinstance(old[0], Pending):
-                    pool.copies.inflight.append(old[0])
-            self._prepared.clear()
+            self._abandon_prepared(pool)  # their copies must end before the ring is unregistered
             pool.close()
 
     def __del__(self):

@@ -3,6 +3,7 @@ copies out of it (to the CPU, or to the GPU on a side stream). Persistent worker
 epochs; every other epoch makes its own. See loader_worker.py for the messages."""
 import array
 import atexit
+import collections
 import dataclasses
 import fcntl
 import logging
@@ -38,6 +39,26 @@ class Task:
     index: object
     slot: int
     consumed: bool = False
+    kind: str = None  # once taken: "batch", "error", "stop", or "drop" (never done: its worker had ended)
+    rng: bytes = None  # the worker's RNG states right after it, until the iterator logged it
+    handed: bool = False  # its batch went to the consumer (or its error was raised)
+
+
+@dataclasses.dataclass
+class WorkerEpoch:
+    """Where one worker stands in the current epoch, as far as the main process knows: what a
+    replacement needs to carry on where it died."""
+
+    start_rng: bytes = None  # the RNG states it started the epoch with (None: as seeded at its start)
+    recreate: bool = False  # its iterator was made anew after start_rng was set
+    base: int = 0  # batches (and errors) of its IterableDataset it replayed at the epoch's start
+    base_stopped: bool = False  # and its iteration had ended there
+    taken: int = 0  # batches and errors the main process took from it since (in the order it made them)
+    stopped: bool = False  # its "stop" was taken
+    last_rng: bytes = None  # its states after the last of those outcomes (None: none yet)
+    # its tasks after those, in the order it makes them: a worker's second batch can be ready before
+    # its first (the first waits for "place"), and in_order=False takes it first
+    open: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 _LIVE_POOLS = weakref.WeakSet()
@@ -51,6 +72,10 @@ def _close_live_pools():
 
 class Pool:
     """Worker processes, their pipes, the ring and the copies out of it: what persistent workers keep."""
+
+    track = None  # [WorkerEpoch] for the current epoch, from begin_epoch on
+    replay_index = None  # the index an IterableDataset's tasks carry (all the same)
+    resumed_rng = None  # worker -> its RNG states when it began this epoch (persistent workers' "resumed")
 
     def __init__(self, loader, it):
         self.loader = loader
@@ -161,6 +186,8 @@ class Pool:
         return list({id(s): s for s in (p.sentinel for p in self.procs if p is not None)}.values())
 
     def send(self, wid, msg):
+        if not self.started[wid]:
+            self.start_worker(wid)  # e.g. a resumed epoch's "setup", sent before the worker's first task
         try:
             self.task_conns[wid].send(msg)
         except (BrokenPipeError, ConnectionResetError):
@@ -180,12 +207,13 @@ class Pool:
         kind = msg[0]
         if kind == "resumed":
             self.resumed.add(msg[1])
+            self.resumed_rng[msg[1]] = msg[2]
         elif kind == "batch":
-            self.pipe_results[msg[1]] = ("batch", msg[2], msg[3])
+            self.pipe_results[msg[1]] = ("batch", msg[2], msg[3], msg[4])
         elif kind == "error":
-            self.pipe_results[msg[1]] = ("error", msg[2], 0.0)
+            self.pipe_results[msg[1]] = ("error", msg[2], 0.0, msg[3])
         elif kind == "stop":
-            self.pipe_results[msg[1]] = ("stop", 0.0)
+            self.pipe_results[msg[1]] = ("stop", 0.0, msg[2])
         elif kind == "meta":
             self.pipe_results[msg[1]] = pickle.loads(msg[2])
         elif kind == "layout":
@@ -230,27 +258,144 @@ class Pool:
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         held = [list(t.index) if t.index is not None else None for t in lost]
         desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
-        fatal = None
-        if self.kind == _DatasetKind.Iterable and lost:
-            fatal = desc + "; an IterableDataset worker cannot be restarted (its position is lost)"
-        elif self.restarts >= self.loader.max_worker_restarts:
-            fatal = desc + (f"; {self.restarts} worker(s) were restarted already "
-                            f"(max_worker_restarts={self.loader.max_worker_restarts})")
-        if fatal is not None:
+        if self.restarts >= self.loader.max_worker_restarts:
             self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
-            raise RuntimeError(fatal)
+            raise RuntimeError(desc + (f"; {self.restarts} worker(s) were restarted already "
+                                       f"(max_worker_restarts={self.loader.max_worker_restarts})"))
         self.restarts += 1
         self.loader._hl_stats.worker_restarts += 1
-        _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
+        plan = self._successor_plan(wid, lost)
         self._forget(wid)
         self._start(wid)
-        for t in lost:
+        if self.resuming:
+            # an abandoned epoch: nothing of it is redone, the successor only joins the next one
+            _logger.warning("%s; restarting it", desc)
+            for item in plan:
+                if not isinstance(item, Task):
+                    self.send(wid, item)
+            self.send(wid, ("resume",))
+            return
+        _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
+        for item in plan:
+            if not isinstance(item, Task):
+                self.send(wid, item)
+                continue
+            t = item
             self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
             if t.slot < 0 and self.ring is not None:
                 t.slot = self.take_slot()
             elif t.slot >= 0:
                 self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
             self.send(wid, ("task", t.id, t.index, t.slot))
+
+    def _successor_plan(self, wid, lost):
+        """What a fresh worker is sent to stand where worker wid stood: "setup" messages and the lost
+        tasks, in the order wid made them. A map-style worker is given the RNG states after the last
+        outcome before each lost task, so that redone batches are the ones it would have made; an
+        IterableDataset's worker, whose position is not an RNG state, starts from its epoch's start
+        and replays (fetches and drops) every batch the main process already has from it."""
+        track = self.track[wid] if self.track is not None else None
+        if track is None:
+            return list(lost)
+        iterable = self.kind == _DatasetKind.Iterable and not self.resuming
+        missing = [t for t in lost if not any(t is o for o in track.open)]  # none expected: redone all the same
+        lost = set(lost)
+        items = list(missing)
+        rng = None
+        if iterable:
+            replay, ended = track.base + track.taken, track.base_stopped or track.stopped
+            if track.start_rng is not None or track.recreate or replay or ended:
+                items.append(("setup", track.start_rng, track.recreate, replay, ended, self.replay_index))
+        else:
+            rng = track.last_rng if track.last_rng is not None else track.start_rng
+        for t in track.open:
+            if t in lost:
+                if rng is not None:
+                    items.append(("setup", rng, False, 0, False, None))
+                    rng = None
+                items.append(t)
+                continue
+            kind, after = t.kind, t.rng
+            if kind is None:  # done, not taken yet: its outcome is in the ring or the pipe
+                outcome = self._peek(t)
+                if outcome is None:
+                    continue
+                kind, after = ("stop" if outcome[0] == "stop" else "batch"), outcome[-1]
+            if kind == "drop":
+                continue
+            if iterable:
+                items.append(("setup", None, False, 0 if kind == "stop" else 1, kind == "stop", self.replay_index))
+            elif after is not None:
+                rng = after
+        if rng is not None:  # for the tasks still to come
+            items.append(("setup", rng, False, 0, False, None))
+        return items
+
+    def _peek(self, task):
+        """A done task's outcome, left where it is."""
+        if task.slot >= 0:
+            _, tid, _, meta_len, flags = self.ring.info(task.slot)
+            if flags & _C.RING_FLAG_OVERFLOW or tid != task.id:
+                return self.pipe_results.get(task.id)
+            view = self.ring.view(task.slot)
+            try:
+                return pickle.loads(view[:meta_len])
+            finally:
+                view.release()
+        return self.pipe_results.get(task.id)
+
+    def begin_epoch(self, setups):
+        """Before the epoch's first task: give each worker its setup (resume: RNG states, replay), or
+        None, and remember where each starts."""
+        if self.kind == _DatasetKind.Iterable:  # torch's batches of an IterableDataset: batch_size Nones
+            self.replay_index = [None] * self.loader.batch_size if self.worker_args[2] else None
+        self.track = []
+        for wid in range(self.n):
+            setup = setups[wid] if setups is not None else None
+            track = WorkerEpoch()
+            if setup is not None:
+                rng, recreate, replay, expect_stop = setup
+                track.start_rng, track.recreate, track.base, track.base_stopped = rng, recreate, replay, expect_stop
+                if rng is not None or recreate or replay or expect_stop:
+                    self.send(wid, ("setup", rng, recreate, replay, expect_stop, self.replay_index))
+            elif self.resumed_rng and wid in self.resumed_rng:
+                # persistent workers: their states when "resume" came, before they made their iterator anew
+                track.start_rng, track.recreate = self.resumed_rng[wid], True
+            self.track.append(track)
+
+    def took(self, task, outcome):
+        """The main process took this outcome of the task (batch, error or stop)."""
+        task.kind = {"stop": "stop", "error": "error"}.get(outcome[0], "batch")
+        task.rng = outcome[-1]
+        self._fold(task.wid)
+
+    def ghost(self, wid, index, rng):
+        """A resumed epoch: a batch of worker wid that the saved run handed out, beyond what its saved
+        states cover. Brings the worker past it: with rng (map-style) by setting the states after
+        it, else (IterableDataset) by fetching and dropping it. Returns its stand-in task."""
+        task = Task(-1, wid, index, -1, consumed=True, kind="batch", rng=rng, handed=True)
+        if rng is not None:
+            self.send(wid, ("setup", rng, False, 0, False, None))
+        else:
+            self.send(wid, ("setup", None, False, 1, False, index))
+        if self.track is not None:
+            self.track[wid].open.append(task)
+            self._fold(wid)
+        return task
+
+    def _fold(self, wid):
+        """Count the worker's taken outcomes into its track, as far as they follow each other."""
+        if self.track is None:
+            return
+        track = self.track[wid]
+        while track.open and track.open[0].kind is not None:
+            t = track.open.popleft()
+            if t.kind == "stop":
+                track.stopped = True
+            elif t.kind in ("batch", "error"):
+                track.taken += 1
+            if t.rng is not None:
+                track.last_rng = t.rng
 
     def _forget(self, wid):
         for conn in (self.task_conns[wid], self.result_conns[wid]):
@@ -272,6 +417,8 @@ class Pool:
         slot = self.take_slot() if self.ring is not None else -1
         task = Task(self.next_task_id, wid, index, slot)
         self.next_task_id += 1
+        if self.track is not None:
+            self.track[wid].open.append(task)
         self.tasks[task.id] = task
         self.task_worker[task.id] = wid
         self.send(wid, ("task", task.id, index, slot))
@@ -346,6 +493,8 @@ class Pool:
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
         self.finish(task)
+        task.kind = "drop"
+        self._fold(task.wid)
         if task.slot >= 0 and self.procs[task.wid] is not None:
             # the worker skips tasks after its end, but may still be in the middle of this one
             self.ring.wait(task.slot, _C.RING_ASSIGNED, 0)
@@ -354,6 +503,7 @@ class Pool:
     def resume(self):
         """New epoch with persistent workers: let every worker finish what it had, then drop it."""
         self.resumed.clear()
+        self.resumed_rng = {}
         self.resuming = True
         for wid in range(self.n):
             self.send(wid, ("resume",))

@@ -7,17 +7,23 @@ one host copy); anything else is collated as torch would (without torch's /dev/s
 tensors copied in. Leaves that are not fixed-shape CPU tensors travel in the slot's pickled metadata.
 
 Messages, main -> worker over a pipe: ("task", task_id, index, slot), ("ring", path, nslots,
-slot_bytes, layout, meta_bytes), ("place", task_id, slot), ("resume",), None (exit). Worker -> main
-over another pipe, pickled with plain pickle (never ForkingPickler, which would move tensors through
-/dev/shm): ("layout", task_id, tensor_bytes, spec_bytes) for a batch made before the ring existed
-(the main process sizes the ring from the first and answers "place"), ("batch", task_id, batch,
-busy) when there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit its slot,
-("error", task_id, ExceptionWrapper), ("stop", task_id) and ("resumed", worker_id).
+slot_bytes, layout, meta_bytes), ("place", task_id, slot), ("resume",), ("setup", rng, recreate,
+replay, expect_stop, index) (before any task: set the RNG states, make the iterator anew, fetch and
+drop `replay` batches: a resumed epoch or a replaced worker), None (exit). Worker -> main over another
+pipe, pickled with plain pickle (never ForkingPickler, which would move tensors through /dev/shm):
+("layout", task_id, tensor_bytes, spec_bytes) for a batch made before the ring existed (the main
+process sizes the ring from the first and answers "place"), ("batch", task_id, batch, busy, rng) when
+there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit its slot, ("error",
+task_id, ExceptionWrapper, rng), ("stop", task_id, rng) and ("resumed", worker_id, rng). A slot's
+metadata is the outcome plus (busy, rng). `rng` is `rng_state()` right after the task: the main
+process keeps the one of the last batch it handed out from each worker, for state_dict().
 """
+import array
 import os
 import pickle
 import random
 import signal
+import struct
 import time
 
 import torch
@@ -266,6 +272,86 @@ def _seed_like_torch(base_seed, worker_id):
     return seed
 
 
+_RNG_HEAD = struct.Struct("<HI")  # format version, bytes of torch's state
+_PY_RNG = struct.Struct("<?d")  # random's cached gauss: present, value
+_NP_RNG = struct.Struct("<iid")  # numpy's position, has_gauss, cached_gaussian
+_MT_WORDS = 624
+
+
+def rng_state() -> bytes:
+    """The process's global RNG states (torch's CPU generator, random, numpy's legacy one) as bytes:
+    plain bytes pickle and torch.save cheaply (about 10 kB; 50 us to take, mostly numpy's getter)."""
+    t = torch.get_rng_state().numpy().tobytes()
+    version, words, gauss = random.getstate()
+    if version != 3 or len(words) != _MT_WORDS + 1:
+        raise ValueError(f"rng_state: unexpected random.getstate() version {version}")
+    parts = [_RNG_HEAD.pack(1, len(t)), t, array.array("I", words).tobytes(),
+             _PY_RNG.pack(gauss is not None, gauss or 0.0)]
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    state = np.random.get_state() if np is not None else None
+    if type(state) is tuple and state[0] == "MT19937":  # else a bit generator set by the user: not ours
+        _, keys, pos, has_gauss, cached = state
+        parts += [keys.astype("<u4", copy=False).tobytes(), _NP_RNG.pack(pos, has_gauss, cached)]
+    return b"".join(parts)
+
+
+def set_rng_state(state: bytes) -> None:
+    """Undo rng_state(): set the states it took (numpy's only if it was there and still is)."""
+    fmt, tlen = _RNG_HEAD.unpack_from(state)
+    if fmt != 1:
+        raise ValueError(f"set_rng_state: unknown format {fmt}")
+    off = _RNG_HEAD.size
+    torch.set_rng_state(torch.frombuffer(bytearray(state[off:off + tlen]), dtype=torch.uint8))
+    off += tlen
+    words = array.array("I")
+    words.frombytes(state[off:off + 4 * (_MT_WORDS + 1)])
+    off += 4 * (_MT_WORDS + 1)
+    has, gauss = _PY_RNG.unpack_from(state, off)
+    off += _PY_RNG.size
+    random.setstate((3, tuple(words), gauss if has else None))
+    if off < len(state):
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        keys = np.frombuffer(state, dtype="<u4", count=_MT_WORDS, offset=off).astype(np.uint32)
+        pos, has_gauss, cached = _NP_RNG.unpack_from(state, off + 4 * _MT_WORDS)
+        np.random.set_state(("MT19937", keys, pos, has_gauss, cached))
+
+
+def _replay(fetcher, index, count, expect_stop, where):
+    """Fetch and drop the `count` batches (and the end, with expect_stop) that this worker's
+    IterableDataset produced before: for a resumed epoch or in place of a dead worker. Returns
+    (iteration ended, an error for the next task if the iteration did not go as it went before)."""
+    problem = None
+    for i in range(count):
+        try:
+            fetcher.fetch(index)
+        except StopIteration:
+            problem = f"ended after {i} batches, where it had produced {count} before"
+            break
+        except Exception:
+            pass  # it raised there before too: that error was delivered then
+    else:
+        if not expect_stop:
+            return False, None
+        try:
+            fetcher.fetch(index)
+            problem = f"went on after {count} batches, where it had ended before"
+        except StopIteration:
+            return True, None
+        except Exception:
+            problem = f"raised after {count} batches, where it had ended before"
+    try:
+        raise RuntimeError(f"replaying the IterableDataset to where this worker stood, its iteration {problem}; "
+                           "it must be a function of the worker's seed and get_worker_info()")
+    except RuntimeError:
+        return False, ExceptionWrapper(where=where)
+
+
 def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, collate_fn, drop_last, base_seed,
                 init_fn, task_conn, result_conn, main_pid, fast_ok, inherited_fds=()):
     """The worker process: mirrors torch's _worker_loop, results go to the ring or the result pipe."""
@@ -286,6 +372,7 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
         and not getattr(dataset, "__getitems__", None)
     where = f"in DataLoader worker process {worker_id}"
     init_exception = None
+    fetcher = None
     try:
         if init_fn is not None:
             init_fn(worker_id)
@@ -304,6 +391,7 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
     # an outcome is ("samples", list) (fast path, not collated yet), ("batch", collated) or ("error", ...)
     pending = {}
     early = set()  # tasks whose layout was sent from their first sample, before the batch was complete
+    rng_after = {}  # task id -> rng_state() right after it, until its outcome is sent
 
     faulted = set()  # slots whose pages this process has faulted in
 
@@ -314,15 +402,16 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
         return slot_u8[slot]
 
     def finish(task_id, slot, outcome, busy):
+        rng = rng_after.pop(task_id, None)
         if slot < 0:
             if outcome[0] == "batch":
-                send(("batch", task_id, outcome[1], busy))
+                send(("batch", task_id, outcome[1], busy, rng))
             elif outcome[0] == "stop":
-                send(("stop", task_id))
+                send(("stop", task_id, rng))
             else:
-                send(("error", task_id, outcome[1]))
+                send(("error", task_id, outcome[1], rng))
             return
-        meta = pickle.dumps(outcome + (busy,), protocol=pickle.HIGHEST_PROTOCOL)
+        meta = pickle.dumps(outcome + (busy, rng), protocol=pickle.HIGHEST_PROTOCOL)
         if len(meta) <= meta_cap:
             slot_u8[slot][:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
             ring.publish(slot, task_id, worker_id, len(meta), 0)
@@ -407,10 +496,27 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
             if msg[0] == "resume":
                 pending.clear()
                 early.clear()
+                rng_after.clear()
                 iteration_end = False
+                states = rng_state()  # where this epoch starts: what a resumed or replaced worker is given
                 fetcher = _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, fetch_collate,
                                                       drop_last)
-                send(("resumed", worker_id))
+                send(("resumed", worker_id, states))
+                continue
+            if msg[0] == "setup":
+                _, rng, recreate, replay, expect_stop, replay_index = msg
+                try:
+                    if rng is not None:
+                        set_rng_state(rng)
+                except Exception:  # e.g. a state from another torch version: said at the next task
+                    init_exception = ExceptionWrapper(where=f"{where} setting the RNG states of a resumed epoch")
+                if init_exception is None:
+                    if recreate and dataset_kind == _DatasetKind.Iterable:
+                        iteration_end = False
+                        fetcher = _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, fetch_collate,
+                                                              drop_last)
+                    if replay or expect_stop:
+                        iteration_end, init_exception = _replay(fetcher, replay_index, replay, expect_stop, where)
                 continue
             _, task_id, index, slot = msg
             if iteration_end:
@@ -441,6 +547,7 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
                 except Exception:
                     outcome = ("error", ExceptionWrapper(where=f"{where} while loading indices {_short(index)}"))
             busy = time.perf_counter() - t0
+            rng_after[task_id] = rng_state()
             if task_id in early:
                 pending[task_id] = (outcome, busy)  # its layout is on its way: wait for "place"
                 continue
