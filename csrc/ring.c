@@ -17,65 +17,11 @@
 #include <unistd.h>
 
 #include "cuda.h"
+#include "ring_object.h"
 
 #ifndef PyBUF_WRITE
 #define PyBUF_WRITE 0x200 /* the limited API names it only from 3.11; the value is CPython's */
 #endif
-
-#define HL_RING_MAGIC 0x676e69726c746f68ull /* "hotlring" */
-#define HL_RING_VERSION 1u
-#define HL_PAGE 4096ull
-
-/* The first page(s) of the shared memory: sizes, the completion counter (the futex word every
-   waiter sleeps on) and one control block per slot, each on its own cache line. */
-typedef struct {
-    uint64_t magic;
-    uint32_t nslots;
-    uint32_t version;
-    uint64_t slot_bytes;
-    uint64_t data_offset;
-    _Atomic uint32_t completions; /* bumped after every state change a waiter may care about */
-    uint32_t pad[7];
-} hl_ring_header;
-
-typedef struct {
-    _Atomic uint32_t state; /* enum hl_slot_state */
-    uint32_t flags;
-    int64_t task;      /* the task id the slot was filled for, set by the worker before READY */
-    uint64_t meta_len; /* bytes of metadata at the start of the slot */
-    int32_t worker;
-    _Atomic uint32_t faulted; /* 1 once some process faulted the slot's pages in */
-    uint32_t pad[8];
-} hl_slot_ctl;
-
-_Static_assert(sizeof(hl_ring_header) == 64, "header is one cache line");
-_Static_assert(sizeof(hl_slot_ctl) == 64, "a slot's control block is one cache line");
-
-typedef struct {
-    PyObject_HEAD
-    int fd;
-    char *base;  /* the whole mapping: header, control blocks, then the slots */
-    size_t nbytes;
-    uint32_t nslots;
-    uint64_t slot_bytes;
-    uint64_t data_offset;
-    int registered_device; /* device of the cudaHostRegister calls, -1 before the first */
-    unsigned char *registered; /* per slot: 1 once cudaHostRegister'ed (malloc'd, nslots bytes) */
-    int owner;             /* 1 in the process that created the memfd */
-    pid_t pid;             /* the process that made this object: a forked copy must not unregister */
-    /* the populating thread (populate_all): faults every slot's pages in, ahead of their first use */
-    pthread_t populater;
-    int populater_running; /* joinable */
-    _Atomic int populater_stop;
-    uint32_t *populate_order;
-    uint32_t populate_count;
-} RingObject;
-
-static hl_ring_header *header_of(RingObject *r) { return (hl_ring_header *)r->base; }
-static hl_slot_ctl *ctl_of(RingObject *r, uint32_t slot) {
-    return (hl_slot_ctl *)(r->base + sizeof(hl_ring_header)) + slot;
-}
-static char *slot_data(RingObject *r, uint32_t slot) { return r->base + r->data_offset + slot * r->slot_bytes; }
 
 static uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
@@ -95,7 +41,7 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static int check_open(RingObject *r) {
+int hl_ring_check_open(RingObject *r) {
     if (r->base == NULL) {
         PyErr_SetString(PyExc_ValueError, "the ring is closed");
         return -1;
@@ -103,8 +49,8 @@ static int check_open(RingObject *r) {
     return 0;
 }
 
-static int check_slot(RingObject *r, long long slot) {
-    if (check_open(r) < 0)
+int hl_ring_check_slot(RingObject *r, long long slot) {
+    if (hl_ring_check_open(r) < 0)
         return -1;
     if (slot < 0 || slot >= (long long)r->nslots) {
         PyErr_Format(PyExc_IndexError, "slot %lld out of range: the ring has %u slots", slot, r->nslots);
@@ -167,7 +113,7 @@ static void unregister_pinned(RingObject *r) {
     r->registered_device = -1;
 }
 
-static void release_ring(RingObject *r) {
+void hl_ring_release(RingObject *r) {
     stop_populater(r);
     unregister_pinned(r);
     if (r->base != NULL)
@@ -268,7 +214,7 @@ error:
 
 static void ring_dealloc(PyObject *self) {
     PyTypeObject *type = Py_TYPE(self);
-    release_ring((RingObject *)self);
+    hl_ring_release((RingObject *)self);
     freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
     tp_free(self);
     Py_DECREF(type);
@@ -279,7 +225,7 @@ PyDoc_STRVAR(close_doc, "close()\n\nUnregister pinned memory, unmap and close th
 static PyObject *ring_close(PyObject *self, PyObject *Py_UNUSED(a)) {
     RingObject *r = (RingObject *)self;
     Py_BEGIN_ALLOW_THREADS
-    release_ring(r);
+    hl_ring_release(r);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -289,7 +235,7 @@ PyDoc_STRVAR(view_doc, "view(slot) -> memoryview\n\nThe slot's bytes, writable. 
 static PyObject *ring_view(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:view", &slot) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "L:view", &slot) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     return PyMemoryView_FromMemory(slot_data(r, (uint32_t)slot), (Py_ssize_t)r->slot_bytes, PyBUF_WRITE);
 }
@@ -298,7 +244,7 @@ PyDoc_STRVAR(slot_address_doc, "slot_address(slot) -> int\n\nAddress of the slot
 static PyObject *ring_slot_address(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:slot_address", &slot) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "L:slot_address", &slot) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     return PyLong_FromVoidPtr(slot_data(r, (uint32_t)slot));
 }
@@ -307,7 +253,7 @@ PyDoc_STRVAR(state_doc, "state(slot) -> int\n\nThe slot's state (FREE, ASSIGNED,
 static PyObject *ring_state(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:state", &slot) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "L:state", &slot) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     return PyLong_FromUnsignedLong(atomic_load_explicit(&ctl_of(r, (uint32_t)slot)->state, memory_order_acquire));
 }
@@ -317,7 +263,7 @@ static PyObject *ring_set_state(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
     unsigned int state;
-    if (!PyArg_ParseTuple(args, "LI:set_state", &slot, &state) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "LI:set_state", &slot, &state) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     if (state > HL_SLOT_ERROR) {
         PyErr_Format(PyExc_ValueError, "state: expected 0 to %d, got %u", HL_SLOT_ERROR, state);
@@ -338,7 +284,7 @@ static PyObject *ring_publish(PyObject *self, PyObject *args) {
     int worker, error = 0;
     unsigned int flags = 0;
     if (!PyArg_ParseTuple(args, "LLiL|Ip:publish", &slot, &task, &worker, &meta_len, &flags, &error) ||
-        check_slot(r, slot) < 0)
+        hl_ring_check_slot(r, slot) < 0)
         return NULL;
     if (meta_len < 0 || (uint64_t)meta_len > r->slot_bytes) {
         PyErr_Format(PyExc_ValueError, "meta_len: expected 0 to %llu, got %lld", (unsigned long long)r->slot_bytes,
@@ -364,7 +310,7 @@ PyDoc_STRVAR(info_doc, "info(slot) -> (state, task, worker, meta_len, flags)");
 static PyObject *ring_info(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:info", &slot) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "L:info", &slot) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
     unsigned state = atomic_load_explicit(&c->state, memory_order_acquire);
@@ -381,7 +327,7 @@ static PyObject *ring_wait(PyObject *self, PyObject *args) {
     unsigned int not_state, state;
     double timeout;
     int any_change = 0;
-    if (!PyArg_ParseTuple(args, "LId|p:wait", &slot, &not_state, &timeout, &any_change) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "LId|p:wait", &slot, &not_state, &timeout, &any_change) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
     _Atomic uint32_t *word = &header_of(r)->completions;
@@ -427,7 +373,7 @@ static int parse_triples(PyObject *packed, const char *argname, const int64_t **
     return 0;
 }
 
-static int check_range(RingObject *r, int64_t offset, int64_t nbytes) {
+int hl_ring_check_range(RingObject *r, int64_t offset, int64_t nbytes) {
     if (offset < 0 || nbytes < 0 || (uint64_t)(offset + nbytes) > r->slot_bytes) {
         PyErr_Format(PyExc_ValueError, "bytes [%lld, %lld) do not lie inside a slot of %llu bytes", (long long)offset,
                      (long long)(offset + nbytes), (unsigned long long)r->slot_bytes);
@@ -445,11 +391,11 @@ static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
     PyObject *packed;
     const int64_t *t;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "LO:copy_out", &slot, &packed) || check_slot(r, slot) < 0 ||
+    if (!PyArg_ParseTuple(args, "LO:copy_out", &slot, &packed) || hl_ring_check_slot(r, slot) < 0 ||
         parse_triples(packed, "packed", &t, &n) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (check_range(r, t[3 * i], t[3 * i + 2]) < 0)
+        if (hl_ring_check_range(r, t[3 * i], t[3 * i + 2]) < 0)
             return NULL;
     char *src = slot_data(r, (uint32_t)slot);
     Py_BEGIN_ALLOW_THREADS
@@ -495,7 +441,7 @@ PyDoc_STRVAR(prefault_doc, "prefault(slot)\n\n"
 static PyObject *ring_prefault(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:prefault", &slot) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "L:prefault", &slot) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     fault_in(r, (uint32_t)slot);
@@ -507,7 +453,7 @@ PyDoc_STRVAR(faulted_doc, "faulted(slot) -> bool\n\nWhether some process faulted
 static PyObject *ring_faulted(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:faulted", &slot) || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "L:faulted", &slot) || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     return PyBool_FromLong(atomic_load(&ctl_of(r, (uint32_t)slot)->faulted) != 0);
 }
@@ -518,7 +464,7 @@ PyDoc_STRVAR(populate_all_doc, "populate_all(order)\n\n"
              "it.");
 static PyObject *ring_populate_all(PyObject *self, PyObject *order) {
     RingObject *r = (RingObject *)self;
-    if (check_open(r) < 0)
+    if (hl_ring_check_open(r) < 0)
         return NULL;
     if (r->populate_order != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "populate_all: the ring's populating thread was started already");
@@ -534,7 +480,7 @@ static PyObject *ring_populate_all(PyObject *self, PyObject *order) {
         PyObject *item = PySequence_GetItem(order, i);
         long long slot = item == NULL ? -1 : PyLong_AsLongLong(item);
         Py_XDECREF(item);
-        if ((slot == -1 && PyErr_Occurred()) || check_slot(r, slot) < 0) {
+        if ((slot == -1 && PyErr_Occurred()) || hl_ring_check_slot(r, slot) < 0) {
             free(slots);
             return NULL;
         }
@@ -563,7 +509,7 @@ static PyObject *ring_cuda_register_slot(PyObject *self, PyObject *args) {
     long long slot;
     int device;
     PyObject *module = PyType_GetModule(Py_TYPE(self));
-    if (!PyArg_ParseTuple(args, "Li:cuda_register_slot", &slot, &device) || module == NULL || check_slot(r, slot) < 0)
+    if (!PyArg_ParseTuple(args, "Li:cuda_register_slot", &slot, &device) || module == NULL || hl_ring_check_slot(r, slot) < 0)
         return NULL;
     if (r->registered[slot])
         Py_RETURN_FALSE;
@@ -598,10 +544,10 @@ static PyObject *ring_copy_to_device(PyObject *self, PyObject *args) {
     Py_ssize_t n;
     PyObject *module = PyType_GetModule(Py_TYPE(self));
     if (!PyArg_ParseTuple(args, "LOKi:copy_to_device", &slot, &packed, &stream, &device) || module == NULL ||
-        check_slot(r, slot) < 0 || parse_triples(packed, "packed", &t, &n) < 0)
+        hl_ring_check_slot(r, slot) < 0 || parse_triples(packed, "packed", &t, &n) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++)
-        if (check_range(r, t[3 * i], t[3 * i + 2]) < 0)
+        if (hl_ring_check_range(r, t[3 * i], t[3 * i + 2]) < 0)
             return NULL;
     if (hl_cuda_require(module, device) < 0)
         return NULL;
@@ -634,7 +580,7 @@ static PyObject *get_registered(PyObject *self, void *c) {
 static PyObject *get_completions(PyObject *self, void *c) {
     (void)c;
     RingObject *r = (RingObject *)self;
-    if (check_open(r) < 0)
+    if (hl_ring_check_open(r) < 0)
         return NULL;
     return PyLong_FromUnsignedLong(atomic_load(&header_of(r)->completions));
 }
@@ -683,7 +629,6 @@ static PyType_Slot ring_slots[] = {
     {0, NULL},
 };
 
-static int hl_ring_leases_exec(PyObject *module); /* the leases, at the end of this file */
 
 static PyType_Spec ring_spec = {
     .name = "hotloop._C.Ring",
@@ -707,279 +652,4 @@ int hl_ring_exec(PyObject *module) {
                    PyModule_AddIntConstant(module, "RING_FLAG_OVERFLOW", HL_SLOT_FLAG_OVERFLOW) < 0
                ? -1
                : 0;
-}
-
-/* ---- leases: slots handed to the consumer as tensors, zero-copy --------------------------------
-
-   RingLeases(ring).lease(slot, parts) returns one DLPack capsule ("dltensor", uint8) per part of
-   the slot, for torch.from_dlpack: each leaf gets a storage of its own bytes, as a collated tensor
-   has. torch calls a capsule's deleter when its storage dies, i.e. once no tensor, view, storage or
-   numpy array made from it is left, from whichever thread drops the last one, often without the
-   GIL. When the last part of a slot is gone the slot is marked returned with an atomic store; the
-   main process collects returned slots with returned(). Each lease holds a reference to the
-   RingLeases, which holds the ring, so the mapping outlives every leased tensor even after the pool
-   closed. (The limited API of 3.10 cannot define a buffer exporter, hence DLPack.) */
-
-#include "dlpack.h"
-
-enum { HL_LEASE_NONE = 0, HL_LEASE_OUT = 1, HL_LEASE_BACK = 2 };
-
-typedef struct {
-    PyObject_HEAD
-    RingObject *ring;          /* strong */
-    _Atomic uint32_t *state;   /* per slot: enum above (malloc'd, nslots words) */
-    _Atomic uint32_t out;      /* leases with a tensor still alive */
-    uint32_t nslots;
-    int close_pending;         /* close_ring() came while leases were out: the last one closes it */
-} LeasesObject;
-
-struct hl_lease;
-
-typedef struct {
-    dl_managed managed;
-    int64_t shape[1];
-    struct hl_lease *lease;
-} hl_lease_part;
-
-typedef struct hl_lease {
-    _Atomic uint32_t refs; /* parts alive, plus one while lease() builds them */
-    LeasesObject *owner;   /* strong */
-    uint32_t slot;
-    hl_lease_part parts[];
-} hl_lease;
-
-static void lease_unref(hl_lease *l) {
-    if (atomic_fetch_sub_explicit(&l->refs, 1, memory_order_acq_rel) != 1)
-        return;
-    LeasesObject *o = l->owner;
-    uint32_t slot = l->slot;
-    free(l);
-    atomic_fetch_sub_explicit(&o->out, 1, memory_order_acq_rel);
-    atomic_store_explicit(&o->state[slot], HL_LEASE_BACK, memory_order_release);
-    /* the last lease may hold the last reference to the ring: its dealloc unmaps, under the GIL */
-    PyGILState_STATE gil = PyGILState_Ensure();
-    if (o->close_pending && atomic_load(&o->out) == 0) {
-        o->close_pending = 0;
-        release_ring(o->ring);
-    }
-    Py_DECREF(o);
-    PyGILState_Release(gil);
-}
-
-static void lease_part_deleter(dl_managed *m) { lease_unref(((hl_lease_part *)m->manager_ctx)->lease); }
-
-static void lease_capsule_destructor(PyObject *capsule) {
-    /* a capsule torch never consumed still holds its part */
-    if (PyCapsule_IsValid(capsule, "dltensor")) {
-        dl_managed *m = (dl_managed *)PyCapsule_GetPointer(capsule, "dltensor");
-        if (m != NULL && m->deleter != NULL)
-            m->deleter(m);
-    }
-}
-
-static PyObject *leases_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"ring", NULL};
-    PyObject *ring;
-    LeasesObject *o = NULL;
-    PyObject *module = PyType_GetModule(type);
-    if (module == NULL || !PyArg_ParseTupleAndKeywords(args, kwargs, "O:RingLeases", kwlist, &ring))
-        return NULL;
-    if (!PyObject_TypeCheck(ring, (PyTypeObject *)hl_state_of(module)->ring_type)) {
-        PyErr_Format(PyExc_TypeError, "RingLeases: expected a hotloop._C.Ring, got %R", (PyObject *)Py_TYPE(ring));
-        return NULL;
-    }
-    if (check_open((RingObject *)ring) < 0)
-        return NULL;
-    o = (LeasesObject *)PyType_GenericAlloc(type, 0);
-    if (o == NULL)
-        return NULL;
-    o->nslots = ((RingObject *)ring)->nslots;
-    o->state = (_Atomic uint32_t *)calloc(o->nslots, sizeof(uint32_t));
-    if (o->state == NULL) {
-        PyErr_NoMemory();
-        goto error;
-    }
-    Py_INCREF(ring);
-    o->ring = (RingObject *)ring;
-    atomic_store(&o->out, 0);
-    return (PyObject *)o;
-error:
-    Py_DECREF(o);
-    return NULL;
-}
-
-static void leases_dealloc(PyObject *self) {
-    LeasesObject *o = (LeasesObject *)self;
-    PyTypeObject *type = Py_TYPE(self);
-    free((void *)o->state);
-    Py_XDECREF(o->ring);
-    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
-    tp_free(self);
-    Py_DECREF(type);
-}
-
-PyDoc_STRVAR(lease_doc, "lease(slot, parts) -> list of DLPack capsules\n\n"
-             "The slot's bytes as uint8 CPU tensors for torch.from_dlpack, without a copy: parts holds int64\n"
-             "pairs (offset in the slot, bytes), one capsule each. The slot counts as returned (see\n"
-             "returned()) once the last tensor, view, storage or array made from any of them is gone; until\n"
-             "then it must not be written. A slot is leased once at a time.");
-static PyObject *leases_lease(PyObject *self, PyObject *args) {
-    LeasesObject *o = (LeasesObject *)self;
-    long long slot;
-    PyObject *packed, *out = NULL;
-    hl_lease *l = NULL;
-    if (!PyArg_ParseTuple(args, "LO:lease", &slot, &packed) || check_slot(o->ring, slot) < 0)
-        return NULL;
-    if (!PyBytes_Check(packed) || PyBytes_Size(packed) % (2 * (Py_ssize_t)sizeof(int64_t)) != 0) {
-        PyErr_Format(PyExc_TypeError, "parts: expected bytes of int64 (offset, bytes) pairs, got %R",
-                     (PyObject *)Py_TYPE(packed));
-        return NULL;
-    }
-    const int64_t *pairs = (const int64_t *)PyBytes_AsString(packed);
-    Py_ssize_t n = PyBytes_Size(packed) / (2 * (Py_ssize_t)sizeof(int64_t));
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (check_range(o->ring, pairs[2 * i], pairs[2 * i + 1]) < 0)
-            return NULL;
-    uint32_t expected = HL_LEASE_NONE;
-    if (!atomic_compare_exchange_strong(&o->state[slot], &expected, HL_LEASE_OUT)) {
-        PyErr_Format(PyExc_ValueError, "lease: slot %lld is %s", slot,
-                     expected == HL_LEASE_OUT ? "leased already" : "returned but not collected by returned()");
-        return NULL;
-    }
-    l = (hl_lease *)calloc(1, sizeof(hl_lease) + (size_t)n * sizeof(hl_lease_part));
-    if (l == NULL) {
-        atomic_store(&o->state[slot], HL_LEASE_NONE);
-        return PyErr_NoMemory();
-    }
-    /* from here on the lease owns the slot: every way out goes through lease_unref */
-    atomic_store(&l->refs, 1);
-    Py_INCREF(self);
-    l->owner = o;
-    l->slot = (uint32_t)slot;
-    atomic_fetch_add_explicit(&o->out, 1, memory_order_acq_rel);
-    out = PyList_New(0);
-    if (out == NULL)
-        goto error;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        hl_lease_part *p = &l->parts[i];
-        p->lease = l;
-        p->shape[0] = pairs[2 * i + 1];
-        p->managed.tensor.data = slot_data(o->ring, (uint32_t)slot) + pairs[2 * i];
-        p->managed.tensor.device.device_type = DL_CPU;
-        p->managed.tensor.ndim = 1;
-        p->managed.tensor.dtype.code = DL_UINT;
-        p->managed.tensor.dtype.bits = 8;
-        p->managed.tensor.dtype.lanes = 1;
-        p->managed.tensor.shape = p->shape;
-        p->managed.manager_ctx = p;
-        p->managed.deleter = lease_part_deleter;
-        atomic_fetch_add_explicit(&l->refs, 1, memory_order_acq_rel);
-        PyObject *capsule = PyCapsule_New(&p->managed, "dltensor", lease_capsule_destructor);
-        if (capsule == NULL) {
-            atomic_fetch_sub_explicit(&l->refs, 1, memory_order_acq_rel); /* never handed out */
-            goto error;
-        }
-        int rc = PyList_Append(out, capsule);
-        Py_DECREF(capsule);
-        if (rc < 0)
-            goto error;
-    }
-    lease_unref(l); /* the parts hold it now (none: returned at once) */
-    return out;
-error:
-    Py_XDECREF(out); /* capsules made so far give their parts back */
-    lease_unref(l);
-    return NULL;
-}
-
-PyDoc_STRVAR(returned_doc, "returned() -> list of int\n\n"
-             "The slots whose leases ended since the last call (each once); they may be leased again.");
-static PyObject *leases_returned(PyObject *self, PyObject *Py_UNUSED(a)) {
-    LeasesObject *o = (LeasesObject *)self;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    for (uint32_t i = 0; i < o->nslots; i++) {
-        uint32_t expected = HL_LEASE_BACK;
-        if (atomic_load_explicit(&o->state[i], memory_order_acquire) != HL_LEASE_BACK ||
-            !atomic_compare_exchange_strong(&o->state[i], &expected, HL_LEASE_NONE))
-            continue;
-        PyObject *n = PyLong_FromUnsignedLong(i);
-        if (n == NULL || PyList_Append(out, n) < 0) {
-            Py_XDECREF(n);
-            atomic_store(&o->state[i], HL_LEASE_BACK); /* collected by the next call */
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(n);
-    }
-    return out;
-}
-
-PyDoc_STRVAR(close_ring_doc, "close_ring()\n\n"
-             "Close the ring now if no leased tensor is left, else once the last one is gone.");
-static PyObject *leases_close_ring(PyObject *self, PyObject *Py_UNUSED(a)) {
-    LeasesObject *o = (LeasesObject *)self;
-    /* the deleter decrements `out` before it takes the GIL, which this holds: a deleter that
-       finds close_pending unset has not yet looked, and will see it */
-    if (atomic_load(&o->out) == 0)
-        release_ring(o->ring);
-    else
-        o->close_pending = 1;
-    Py_RETURN_NONE;
-}
-
-static PyObject *leases_get_outstanding(PyObject *self, void *c) {
-    (void)c;
-    return PyLong_FromUnsignedLong(atomic_load(&((LeasesObject *)self)->out));
-}
-
-static PyObject *leases_get_ring(PyObject *self, void *c) {
-    (void)c;
-    PyObject *ring = (PyObject *)((LeasesObject *)self)->ring;
-    Py_INCREF(ring);
-    return ring;
-}
-
-static PyGetSetDef leases_getset[] = {
-    {"outstanding", leases_get_outstanding, NULL, "leases whose tensors are still alive", NULL},
-    {"ring", leases_get_ring, NULL, "the ring whose slots are leased", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyMethodDef leases_methods[] = {
-    {"lease", leases_lease, METH_VARARGS, lease_doc},
-    {"returned", leases_returned, METH_NOARGS, returned_doc},
-    {"close_ring", leases_close_ring, METH_NOARGS, close_ring_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-PyDoc_STRVAR(leases_doc, "RingLeases(ring)\n\n"
-             "Slots of a ring lent out as zero-copy tensors (lease), and the slots whose tensors are all\n"
-             "gone (returned). Keeps the ring mapped while any leased tensor lives: close it with\n"
-             "close_ring(), not with the ring's close().");
-
-static PyType_Slot leases_slots[] = {
-    {Py_tp_new, leases_new},
-    {Py_tp_dealloc, leases_dealloc},
-    {Py_tp_methods, leases_methods},
-    {Py_tp_getset, leases_getset},
-    {Py_tp_doc, (void *)leases_doc},
-    {0, NULL},
-};
-
-static PyType_Spec leases_spec = {
-    .name = "hotloop._C.RingLeases",
-    .basicsize = sizeof(LeasesObject),
-    .flags = Py_TPFLAGS_DEFAULT,
-    .slots = leases_slots,
-};
-
-static int hl_ring_leases_exec(PyObject *module) {
-    PyObject *type = PyType_FromModuleAndSpec(module, &leases_spec, NULL);
-    if (type == NULL)
-        return -1;
-    int rc = PyModule_AddType(module, (PyTypeObject *)type);
-    Py_DECREF(type);
-    return rc;
 }
