@@ -112,9 +112,10 @@ class Pool:
 
     # workers ---------------------------------------------------------------------------------------
     def start_worker(self, wid):
-        """Fork worker wid unless it was started already. The iterator starts each worker as it sends
-        it its first task and the rest after its first round of tasks: a fork of a process holding
-        CUDA and a model takes ~20 ms, so worker 0 computes its batch while the others are forked."""
+        """Start worker wid unless it was started already. The first start of a forking pool starts
+        every worker through the launcher (loader_zygote.py): one fork of this process instead of one
+        per worker. Otherwise (spawn, one worker, a restart) the iterator starts each worker as it
+        sends it its first task, so worker 0 computes its batch while the next ones start."""
         if not self.started[wid] and self._zygote_ok():
             self._start_all_by_zygote()
         if not self.started[wid]:
