@@ -6,12 +6,11 @@ import random
 import signal
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialSampler, SubsetRandomSampler
+from torch.utils.data import Dataset, IterableDataset, SubsetRandomSampler
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import get_worker_info
 

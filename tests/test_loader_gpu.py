@@ -187,13 +187,10 @@ def test_single_process_device_fallbacks(collate):
         check_equal(a, b, f"batch {k}")
 
 
-@pytest.mark.parametrize("prefetch_batches", [0, 4])
-@pytest.mark.parametrize("side_stream", [False, True])
-def test_single_process_no_early_reuse(side_stream, prefetch_batches):
-    """The reuse race below with num_workers=0: the main thread rewrites a slot of the local ring only
-    once the copy out of it finished, and prefetch copies never overwrite device memory the
-    consumer's queued reads still need."""
-    loader = hotloop.DataLoader(Marked(), batch_size=2, device="cuda", prefetch_batches=prefetch_batches)
+def read_each_batch_late(loader, side_stream):
+    """Keep the consumer's stream busy before each batch of Marked() is read and drop the batch at
+    once: its device memory goes back to the allocator while the read is still queued. Every batch
+    must still read as it was made (no slot or device buffer reused too early)."""
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     copies = []
     with torch.cuda.stream(stream):
@@ -205,6 +202,16 @@ def test_single_process_no_early_reuse(side_stream, prefetch_batches):
     got = torch.cat(copies).cpu()
     want = torch.arange(96, dtype=torch.int64) * (1 << 18)
     assert torch.equal(got, want), f"early reuse: first bad batch {int((got != want).nonzero()[0]) // 2}"
+
+
+@pytest.mark.parametrize("prefetch_batches", [0, 4])
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_single_process_no_early_reuse(side_stream, prefetch_batches):
+    """The reuse race below with num_workers=0: the main thread rewrites a slot of the local ring only
+    once the copy out of it finished, and prefetch copies never overwrite device memory the
+    consumer's queued reads still need."""
+    loader = hotloop.DataLoader(Marked(), batch_size=2, device="cuda", prefetch_batches=prefetch_batches)
+    read_each_batch_late(loader, side_stream)
 
 
 @pytest.mark.parametrize("side_stream", [False, True])
@@ -215,17 +222,7 @@ def test_no_early_reuse_of_slots_or_device_buffers(side_stream):
     copy is still queued."""
     loader = hotloop.DataLoader(Marked(), batch_size=2, num_workers=2, prefetch_factor=1, device="cuda",
                                 prefetch_batches=4)
-    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
-    copies = []
-    with torch.cuda.stream(stream):
-        for batch in loader:
-            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the read below can run
-            copies.append(batch.sum(dtype=torch.int64, dim=1))
-            del batch
-    torch.cuda.synchronize()
-    got = torch.cat(copies).cpu()
-    want = torch.arange(96, dtype=torch.int64) * (1 << 18)
-    assert torch.equal(got, want), f"early reuse: first bad batch {int((got != want).nonzero()[0]) // 2}"
+    read_each_batch_late(loader, side_stream)
 
 
 def test_stats_on_gpu():

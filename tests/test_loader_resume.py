@@ -14,20 +14,11 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 
+from test_loader import hang_guard  # noqa: F401  (autouse: a hang fails the test)
+
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
-@pytest.fixture(autouse=True)
-def hang_guard():
-    """A loader that stops making progress fails its test instead of blocking the suite."""
-    def on_alarm(signum, frame):
-        raise TimeoutError("test_loader_resume: no result after 60 s (a hang in the loader?)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def draw(i):
