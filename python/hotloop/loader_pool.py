@@ -259,11 +259,17 @@ class Pool:
         how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         held = [list(t.index) if t.index is not None else None for t in lost]
         desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
-        if self.restarts >= self.loader.max_worker_restarts:
+        # the launcher's death takes every worker it had not yet seen exit with it: one event, which
+        # does not use up max_worker_restarts (it cannot recur: restarts are forked from here)
+        orphaned = isinstance(proc, ZygoteWorker) and proc.zygote.lost
+        if orphaned:
+            desc += " (its launcher process had died)"
+        elif self.restarts >= self.loader.max_worker_restarts:
             self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
             raise RuntimeError(desc + (f"; {self.restarts} worker(s) were restarted already "
                                        f"(max_worker_restarts={self.loader.max_worker_restarts})"))
-        self.restarts += 1
+        else:
+            self.restarts += 1
         self.loader._hl_stats.worker_restarts += 1
         plan = self._successor_plan(wid, lost)
         self._forget(wid)
