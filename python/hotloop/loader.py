@@ -26,7 +26,6 @@ dies is replaced and its batches redone (`max_worker_restarts`), for an Iterable
 import collections
 import dataclasses
 import itertools
-import multiprocessing.connection
 import time
 import weakref
 
@@ -608,14 +607,9 @@ class _MultiIter(_BaseDataLoaderIter):
                 pool._place_layouts()
             self._fill()
             waiting = [t for t in candidates if t.slot >= 0 and pool.ring.state(t.slot) == _C.RING_ASSIGNED]
-            if waiting:
-                # any slot's change wakes it; pipe messages (layouts) do not, hence the short sleep
-                pool.ring.wait(waiting[0].slot, _C.RING_ASSIGNED, 0.02, True)
-            else:
-                waitables = [c for c in pool.result_conns if c is not None and not c.closed]
-                multiprocessing.connection.wait(waitables + pool.sentinels(),
-                                                POLL_S)
-            pool.drain_all()
+            # a slot's change wakes it, a pipe message does not: candidates that take the pipe
+            # (side path, layouts) are looked at again after 20 ms
+            pool.doze(waiting[0].slot if waiting else -1, 0.02 if waiting else POLL_S)
         return head
 
     def _next_result(self, block=True):

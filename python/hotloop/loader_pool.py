@@ -344,12 +344,16 @@ class Pool:
             _, tid, _, meta_len, flags = self.ring.info(task.slot)
             if flags & _C.RING_FLAG_OVERFLOW or tid != task.id:
                 return self.pipe_results.get(task.id)
-            view = self.ring.view(task.slot)
-            try:
-                return pickle.loads(view[:meta_len])
-            finally:
-                view.release()
+            return self._slot_meta(task.slot, meta_len)
         return self.pipe_results.get(task.id)
+
+    def _slot_meta(self, slot, meta_len):
+        """The outcome a worker pickled at the start of its slot."""
+        view = self.ring.view(slot)
+        try:
+            return pickle.loads(view[:meta_len])
+        finally:
+            view.release()
 
     def begin_epoch(self, setups):
         """Before the epoch's first task: give each worker its setup (resume: RNG states, replay), or
@@ -442,11 +446,7 @@ class Pool:
             if flags & _C.RING_FLAG_OVERFLOW:
                 self.drain_all()  # the metadata follows through the worker's pipe
                 return self.pipe_results.pop(task.id, None)
-            view = self.ring.view(task.slot)
-            try:
-                return pickle.loads(view[:meta_len])
-            finally:
-                view.release()
+            return self._slot_meta(task.slot, meta_len)
         if self.ring is None and not self.ring_unused:
             for wid in range(self.n):  # layouts of any worker may make the ring
                 if self.procs[wid] is not None:
@@ -476,15 +476,22 @@ class Pool:
                                    f"(worker {task.wid}, indices {task.index})")
             if self.copies is not None and self.ring is not None and self.copies.pin_ahead(self.ring, self.pin_order):
                 continue  # a slot page-locked while nothing else needed the main thread; look again
-            if task.slot >= 0 and self.ring.state(task.slot) == _C.RING_ASSIGNED:
-                # wake on any slot's change: a worker that flagged an overflow is now writing its
-                # metadata into its pipe and must be read, whichever task is awaited here
-                self.ring.wait(task.slot, _C.RING_ASSIGNED, left, True)
-            else:
-                waitables = [c for c in self.result_conns if c is not None and not c.closed]
-                waitables += self.sentinels()
-                multiprocessing.connection.wait(waitables, left)
-            self.drain_all()
+            self.doze(task.slot, left)
+
+    def doze(self, slot, timeout):
+        """Sleep until something may have changed, at most `timeout` seconds, then read the pipes.
+        While `slot` (>= 0) is being written: until any slot changes state (a worker that flagged an
+        overflow is now writing its metadata into its pipe and must be read, whichever task is
+        awaited), at most 20 ms while a task still waits for its slot (its layout comes through a
+        pipe, which does not wake the futex). Otherwise: until a pipe has a message or a worker dies."""
+        if slot >= 0 and self.ring.state(slot) == _C.RING_ASSIGNED:
+            if any(t.slot < 0 for t in self.tasks.values()):
+                timeout = min(timeout, 0.02)
+            self.ring.wait(slot, _C.RING_ASSIGNED, timeout, True)
+        else:
+            waitables = [c for c in self.result_conns if c is not None and not c.closed]
+            multiprocessing.connection.wait(waitables + self.sentinels(), timeout)
+        self.drain_all()
 
     def drain_all(self):
         for wid in range(self.n):
