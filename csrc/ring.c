@@ -59,6 +59,14 @@ int hl_ring_check_slot(RingObject *r, long long slot) {
     return 0;
 }
 
+/* The slot number of a one-argument method (METH_O): 0, or -1 with TypeError/IndexError set. */
+static int slot_arg(RingObject *r, PyObject *arg, long long *slot) {
+    *slot = PyLong_AsLongLong(arg);
+    if (*slot == -1 && PyErr_Occurred())
+        return -1;
+    return hl_ring_check_slot(r, *slot);
+}
+
 /* Fault in (writable) every page of the slot: one madvise(MADV_POPULATE_WRITE), or a touch per page
    on older kernels. Without the GIL. */
 static void fault_in(RingObject *r, uint32_t slot) {
@@ -232,28 +240,28 @@ static PyObject *ring_close(PyObject *self, PyObject *Py_UNUSED(a)) {
 
 PyDoc_STRVAR(view_doc, "view(slot) -> memoryview\n\nThe slot's bytes, writable. The ring must outlive the view:"
              " the caller keeps it.");
-static PyObject *ring_view(PyObject *self, PyObject *args) {
+static PyObject *ring_view(PyObject *self, PyObject *arg) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:view", &slot) || hl_ring_check_slot(r, slot) < 0)
+    if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     return PyMemoryView_FromMemory(slot_data(r, (uint32_t)slot), (Py_ssize_t)r->slot_bytes, PyBUF_WRITE);
 }
 
 PyDoc_STRVAR(slot_address_doc, "slot_address(slot) -> int\n\nAddress of the slot's first byte in this process.");
-static PyObject *ring_slot_address(PyObject *self, PyObject *args) {
+static PyObject *ring_slot_address(PyObject *self, PyObject *arg) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:slot_address", &slot) || hl_ring_check_slot(r, slot) < 0)
+    if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     return PyLong_FromVoidPtr(slot_data(r, (uint32_t)slot));
 }
 
 PyDoc_STRVAR(state_doc, "state(slot) -> int\n\nThe slot's state (FREE, ASSIGNED, READY, ERROR), read with acquire order.");
-static PyObject *ring_state(PyObject *self, PyObject *args) {
+static PyObject *ring_state(PyObject *self, PyObject *arg) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:state", &slot) || hl_ring_check_slot(r, slot) < 0)
+    if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     return PyLong_FromUnsignedLong(atomic_load_explicit(&ctl_of(r, (uint32_t)slot)->state, memory_order_acquire));
 }
@@ -307,10 +315,10 @@ static PyObject *ring_publish(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(info_doc, "info(slot) -> (state, task, worker, meta_len, flags)");
-static PyObject *ring_info(PyObject *self, PyObject *args) {
+static PyObject *ring_info(PyObject *self, PyObject *arg) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:info", &slot) || hl_ring_check_slot(r, slot) < 0)
+    if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     hl_slot_ctl *c = ctl_of(r, (uint32_t)slot);
     unsigned state = atomic_load_explicit(&c->state, memory_order_acquire);
@@ -438,10 +446,10 @@ PyDoc_STRVAR(prefault_doc, "prefault(slot)\n\n"
              "Fault in (writable) every page of the slot in one call (MADV_POPULATE_WRITE, or a touch per page\n"
              "on older kernels), GIL released: the batch copy that follows runs at memory speed. Pages another\n"
              "process faulted in already only need mapping here, which is cheap.");
-static PyObject *ring_prefault(PyObject *self, PyObject *args) {
+static PyObject *ring_prefault(PyObject *self, PyObject *arg) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:prefault", &slot) || hl_ring_check_slot(r, slot) < 0)
+    if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     fault_in(r, (uint32_t)slot);
@@ -450,10 +458,10 @@ static PyObject *ring_prefault(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(faulted_doc, "faulted(slot) -> bool\n\nWhether some process faulted the slot's pages in already.");
-static PyObject *ring_faulted(PyObject *self, PyObject *args) {
+static PyObject *ring_faulted(PyObject *self, PyObject *arg) {
     RingObject *r = (RingObject *)self;
     long long slot;
-    if (!PyArg_ParseTuple(args, "L:faulted", &slot) || hl_ring_check_slot(r, slot) < 0)
+    if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     return PyBool_FromLong(atomic_load(&ctl_of(r, (uint32_t)slot)->faulted) != 0);
 }
@@ -598,16 +606,16 @@ static PyGetSetDef ring_getset[] = {
 
 static PyMethodDef ring_methods[] = {
     {"close", ring_close, METH_NOARGS, close_doc},
-    {"view", ring_view, METH_VARARGS, view_doc},
-    {"slot_address", ring_slot_address, METH_VARARGS, slot_address_doc},
-    {"state", ring_state, METH_VARARGS, state_doc},
+    {"view", ring_view, METH_O, view_doc},
+    {"slot_address", ring_slot_address, METH_O, slot_address_doc},
+    {"state", ring_state, METH_O, state_doc},
     {"set_state", ring_set_state, METH_VARARGS, set_state_doc},
     {"publish", ring_publish, METH_VARARGS, publish_doc},
-    {"info", ring_info, METH_VARARGS, info_doc},
+    {"info", ring_info, METH_O, info_doc},
     {"wait", ring_wait, METH_VARARGS, wait_doc},
     {"copy_out", ring_copy_out, METH_VARARGS, copy_out_doc},
-    {"prefault", ring_prefault, METH_VARARGS, prefault_doc},
-    {"faulted", ring_faulted, METH_VARARGS, faulted_doc},
+    {"prefault", ring_prefault, METH_O, prefault_doc},
+    {"faulted", ring_faulted, METH_O, faulted_doc},
     {"populate_all", ring_populate_all, METH_O, populate_all_doc},
     {"cuda_register_slot", ring_cuda_register_slot, METH_VARARGS, cuda_register_slot_doc},
     {"copy_to_device", ring_copy_to_device, METH_VARARGS, copy_to_device_doc},
