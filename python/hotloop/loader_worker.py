@@ -13,9 +13,10 @@ drop `replay` batches: a resumed epoch or a replaced worker), None (exit). Worke
 pipe, pickled with plain pickle (never ForkingPickler, which would move tensors through /dev/shm):
 ("layout", task_id, tensor_bytes, spec_bytes) for a batch made before the ring existed (the main
 process sizes the ring from the first and answers "place"; on the fast path it is sent as soon as the
-batch's first sample exists, so the ring is made while the rest of the batch is), ("batch", task_id, batch, busy, rng) when
-there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit its slot, ("error",
-task_id, ExceptionWrapper, rng), ("stop", task_id, rng) and ("resumed", worker_id, rng). A slot's
+batch's first sample exists, so the ring is made while the rest of the batch is), ("batch", task_id,
+batch, busy, rng) when there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit
+its slot, ("error", task_id, ExceptionWrapper, rng), ("stop", task_id, rng) and ("resumed",
+worker_id, rng). A slot's
 metadata is the outcome plus (busy, rng). `rng` is `rng_state()` right after the task: the main
 process keeps the one of the last batch it handed out from each worker, for state_dict().
 """
