@@ -185,7 +185,6 @@ class LocalRing:
         self.ring = _C.Ring(nslots, offset)
         self.layout = layout
         self.slot_u8 = [torch.frombuffer(self.ring.view(i), dtype=torch.uint8) for i in range(nslots)]
-        self.faulted = set()
         self.free_slots = list(range(nslots))
         self.copies = DeviceCopies(loader.device, loader)
         loader._hl_stats.ring_bytes = self.ring.nbytes
@@ -202,9 +201,8 @@ class LocalRing:
         if not self.free_slots:
             return None  # another iterator of the same loader holds them all
         slot = self.free_slots.pop()
-        if slot not in self.faulted:
+        if not self.ring.faulted(slot):
             self.ring.prefault(slot)  # one madvise instead of a page fault per 4 kB of the first batch
-            self.faulted.add(slot)
         return slot
 
     def slot(self, slot):
