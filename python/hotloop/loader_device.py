@@ -169,17 +169,27 @@ class DeviceCopies:
 _ALIGN = 4096
 
 
+def page_round(nbytes):
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def slot_layout(sizes, start=0):
+    """([(offset, capacity)] of each leaf in a slot, page-aligned from `start`; the slot's bytes)."""
+    layout, offset = [], start
+    for nbytes in sizes:
+        cap = page_round(max(nbytes, 1))
+        layout.append((offset, cap))
+        offset += cap
+    return layout, offset
+
+
 class LocalRing:
     """num_workers=0 with a device: a small ring in this process that the main thread writes batches
     into (one host copy), page-locked slot by slot, copied to the device by DeviceCopies. It lives
     as long as its loader, so slots are page-locked once, not once per epoch."""
 
     def __init__(self, loader, sizes):
-        layout, offset = [], 0
-        for nbytes in sizes:
-            cap = (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
-            layout.append((offset, cap))
-            offset += cap
+        layout, offset = slot_layout(sizes)
         # the batches queued ahead, the one being handed out, one whose copy may still run
         nslots = loader.prefetch_batches + 2
         self.ring = _C.Ring(nslots, offset)

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from . import _C
-from .loader_device import DeviceCopies
+from .loader_device import DeviceCopies, page_round, slot_layout
 from .loader_worker import unflatten, worker_main
 from .loader_zygote import Zygote, ZygoteWorker
 
@@ -26,7 +26,6 @@ _logger = logging.getLogger("hotloop.loader")
 
 POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
-_ALIGN = 4096
 LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 USE_ZYGOTE = True  # fork the first workers through a launcher process (tests turn it off to cover both ways)
@@ -544,12 +543,8 @@ class Pool:
         if not sizes:
             self.ring_unused = True
             return
-        meta_cap = _round(max(_META_MIN, 8 * spec_bytes + 4096), _ALIGN)
-        layout, offset = [], meta_cap
-        for nbytes in sizes:
-            cap = _round(max(nbytes, 1), _ALIGN)
-            layout.append((offset, cap))
-            offset += cap
+        meta_cap = page_round(max(_META_MIN, 8 * spec_bytes + 4096))
+        layout, offset = slot_layout(sizes, meta_cap)
         loader = self.loader
         nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else LEASE_SLOTS)
         ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
@@ -687,7 +682,3 @@ class Pool:
             self.leases = None
         if self.zygote is not None:
             self.zygote.close()  # it exits once its last worker did
-
-
-def _round(x, to):
-    return (x + to - 1) // to * to
