@@ -94,6 +94,22 @@ def test_normalize_gpu_equals_torch_ops(dtype, channels_last, shape):
     assert torch.equal(out.cpu(), tf(x.cpu())), "GPU and C reference differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_normalize_gpu_unaligned_input_equals_torch_ops(dtype):
+    # a view one byte into its storage: not 16-byte aligned, so the kernel takes its gather path
+    shape = (2, 31, 29, 3)
+    flat = torch.randint(0, 256, (torch.Size(shape).numel() + 1,), dtype=torch.uint8, device="cuda")
+    x = flat[1:].view(shape)
+    assert x.data_ptr() % 16 != 0
+    mean, std = torch.rand(3).tolist(), (torch.rand(3) * 0.5 + 0.1).tolist()
+    tf = hotloop.Normalize(mean, std, dtype=dtype, channels_last=True)
+    m = torch.tensor(mean, device="cuda").view(1, 3, 1, 1) * 255
+    s = torch.tensor(std, device="cuda").view(1, 3, 1, 1) * 255
+    ref = x.permute(0, 3, 1, 2).float().sub(m).div(s).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(tf(x).contiguous().view(bits), ref.contiguous().view(bits))
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_gpu_transform_in_loader(num_workers):
     ds = Images(n=30)
