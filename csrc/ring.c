@@ -67,70 +67,29 @@ static int slot_arg(RingObject *r, PyObject *arg, long long *slot) {
     return hl_ring_check_slot(r, *slot);
 }
 
-/* Fault in (writable) every page of the slot: one madvise(MADV_POPULATE_WRITE), or a touch per page
-   on older kernels. Without the GIL. */
-static void fault_in(RingObject *r, uint32_t slot) {
-    char *p = slot_data(r, slot);
+/* one madvise(MADV_POPULATE_WRITE), or a touch per page on older kernels */
+void hl_ring_fault_range(char *p, uint64_t nbytes) {
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-    if (madvise(p, r->slot_bytes, MADV_POPULATE_WRITE) != 0) {
+    if (madvise(p, nbytes, MADV_POPULATE_WRITE) != 0) {
         /* a read-modify-write of one byte per page: no writer of the slot can lose a byte to it, as
            the pages read here were either zero (never written) or written by this same process */
-        for (uint64_t off = 0; off < r->slot_bytes; off += HL_PAGE)
+        for (uint64_t off = 0; off < nbytes; off += HL_PAGE)
             ((volatile char *)p)[off] = ((volatile char *)p)[off];
     }
+}
+
+void hl_ring_fault_in(RingObject *r, uint32_t slot) {
+    hl_ring_fault_range(slot_data(r, slot), r->slot_bytes);
     atomic_store(&ctl_of(r, slot)->faulted, 1);
 }
 
-/* The populating thread. Faulting a fresh 38 MB slot in (allocating and zeroing its pages) takes
-   ~15 ms on an H200 host; a worker that does it before writing its batch delays that batch, and
-   cudaHostRegister that does it holds a driver lock meanwhile, which stalls every CUDA call of the
-   training loop (measured: 15 ms per fresh slot against 2 ms for a faulted one). This thread does it
-   ahead of use, in the order slots are handed out, without the GIL and without any CUDA call. */
-static void *populater_main(void *arg) {
-    RingObject *r = (RingObject *)arg;
-    for (uint32_t i = 0; i < r->populate_count && !atomic_load(&r->populater_stop); i++)
-        if (!atomic_load(&ctl_of(r, r->populate_order[i])->faulted))
-            fault_in(r, r->populate_order[i]);
-    return NULL;
-}
-
-static void stop_populater(RingObject *r) {
-    if (r->populater_running && r->pid == getpid()) { /* a forked copy has no such thread */
-        atomic_store(&r->populater_stop, 1);
-        pthread_join(r->populater, NULL);
-    }
-    r->populater_running = 0;
-}
-
-static void unregister_pinned(RingObject *r) {
-#ifdef HOTLOOP_WITH_CUDA
-    if (r->registered_device >= 0 && r->base != NULL && r->registered != NULL && r->pid == getpid()) {
-        hl_cuda_status status = {0};
-        hl_device_guard guard;
-        hl_device_enter(&guard, r->registered_device, &status);
-        for (uint32_t i = 0; i < r->nslots; i++)
-            if (r->registered[i])
-                (void)cudaHostUnregister(slot_data(r, i)); /* best effort: nothing to raise in dealloc */
-        hl_device_leave(&guard, &status);
-    }
-#endif
-    if (r->registered != NULL)
-        memset(r->registered, 0, r->nslots);
-    r->registered_device = -1;
-}
-
 void hl_ring_release(RingObject *r) {
-    stop_populater(r);
-    unregister_pinned(r);
+    hl_pin_release(r); /* threads stopped and memory unregistered before it is unmapped */
     if (r->base != NULL)
         munmap(r->base, r->nbytes);
     r->base = NULL;
-    free(r->registered);
-    r->registered = NULL;
-    free(r->populate_order);
-    r->populate_order = NULL;
     if (r->fd >= 0)
         close(r->fd);
     r->fd = -1;
@@ -158,15 +117,13 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     if (r == NULL)
         return NULL;
     r->fd = -1;
-    r->registered_device = -1;
     r->pid = getpid();
     r->nslots = (uint32_t)nslots;
     r->slot_bytes = round_up((uint64_t)slot_bytes, HL_PAGE);
     r->data_offset = round_up(sizeof(hl_ring_header) + (uint64_t)nslots * sizeof(hl_slot_ctl), HL_PAGE);
     r->nbytes = (size_t)(r->data_offset + r->nslots * r->slot_bytes);
     r->owner = path == NULL;
-    r->registered = (unsigned char *)calloc(r->nslots, 1);
-    if (r->registered == NULL) {
+    if (hl_pin_init(r) < 0) {
         PyErr_NoMemory();
         goto error;
     }
@@ -364,8 +321,7 @@ static PyObject *ring_wait(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(state);
 }
 
-/* packed int64 triples from Python (array('q').tobytes()) */
-static int parse_triples(PyObject *packed, const char *argname, const int64_t **out, Py_ssize_t *count) {
+int hl_ring_parse_triples(PyObject *packed, const char *argname, const int64_t **out, Py_ssize_t *count) {
     if (!PyBytes_Check(packed)) {
         PyErr_Format(PyExc_TypeError, "%s: expected bytes of int64 triples, got %R", argname,
                      (PyObject *)Py_TYPE(packed));
@@ -400,7 +356,7 @@ static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
     const int64_t *t;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "LO:copy_out", &slot, &packed) || hl_ring_check_slot(r, slot) < 0 ||
-        parse_triples(packed, "packed", &t, &n) < 0)
+        hl_ring_parse_triples(packed, "packed", &t, &n) < 0)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++)
         if (hl_ring_check_range(r, t[3 * i], t[3 * i + 2]) < 0)
@@ -413,35 +369,6 @@ static PyObject *ring_copy_out(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-#ifdef HOTLOOP_WITH_CUDA
-/* work on one slot for hl_cuda_run: page-lock it, or copy parts of it to the device */
-typedef struct {
-    RingObject *ring;
-    uint32_t slot;
-    const int64_t *triples; /* (offset in the slot, device address, bytes) */
-    Py_ssize_t count;
-    cudaStream_t stream;
-} slot_copies;
-
-static cudaError_t run_register(void *ctx) {
-    slot_copies *job = (slot_copies *)ctx;
-    return cudaHostRegister(slot_data(job->ring, job->slot), job->ring->slot_bytes, cudaHostRegisterPortable);
-}
-
-static cudaError_t run_copies(void *ctx) {
-    slot_copies *job = (slot_copies *)ctx;
-    char *src = slot_data(job->ring, job->slot);
-    for (Py_ssize_t i = 0; i < job->count; i++) {
-        const int64_t *t = job->triples + 3 * i;
-        cudaError_t err = cudaMemcpyAsync((void *)(uintptr_t)t[1], src + t[0], (size_t)t[2], cudaMemcpyHostToDevice,
-                                          job->stream);
-        if (err != cudaSuccess)
-            return err;
-    }
-    return cudaSuccess;
-}
-#endif
-
 PyDoc_STRVAR(prefault_doc, "prefault(slot)\n\n"
              "Fault in (writable) every page of the slot in one call (MADV_POPULATE_WRITE, or a touch per page\n"
              "on older kernels), GIL released: the batch copy that follows runs at memory speed. Pages another\n"
@@ -452,7 +379,7 @@ static PyObject *ring_prefault(PyObject *self, PyObject *arg) {
     if (slot_arg(r, arg, &slot) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    fault_in(r, (uint32_t)slot);
+    hl_ring_fault_in(r, (uint32_t)slot);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -466,109 +393,6 @@ static PyObject *ring_faulted(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(atomic_load(&ctl_of(r, (uint32_t)slot)->faulted) != 0);
 }
 
-PyDoc_STRVAR(populate_all_doc, "populate_all(order)\n\n"
-             "Start a thread that faults in every slot's pages not faulted yet, in `order` (slot numbers: the\n"
-             "order the caller will use them), without the GIL and without CUDA. Once per ring; close() stops\n"
-             "it.");
-static PyObject *ring_populate_all(PyObject *self, PyObject *order) {
-    RingObject *r = (RingObject *)self;
-    if (hl_ring_check_open(r) < 0)
-        return NULL;
-    if (r->populate_order != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "populate_all: the ring's populating thread was started already");
-        return NULL;
-    }
-    Py_ssize_t n = PySequence_Size(order);
-    if (n < 0)
-        return NULL;
-    uint32_t *slots = (uint32_t *)calloc(n > 0 ? (size_t)n : 1, sizeof(uint32_t));
-    if (slots == NULL)
-        return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_GetItem(order, i);
-        long long slot = item == NULL ? -1 : PyLong_AsLongLong(item);
-        Py_XDECREF(item);
-        if ((slot == -1 && PyErr_Occurred()) || hl_ring_check_slot(r, slot) < 0) {
-            free(slots);
-            return NULL;
-        }
-        slots[i] = (uint32_t)slot;
-    }
-    r->populate_order = slots;
-    r->populate_count = (uint32_t)n;
-    atomic_store(&r->populater_stop, 0);
-    int err = pthread_create(&r->populater, NULL, populater_main, r);
-    if (err != 0) {
-        r->populate_count = 0;
-        PyErr_Format(PyExc_OSError, "populate_all: pthread_create failed: %s", strerror(err));
-        return NULL;
-    }
-    r->populater_running = 1;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(cuda_register_slot_doc, "cuda_register_slot(slot, device) -> bool\n\n"
-             "cudaHostRegister one slot (page-locked, portable) so copies from it run at DMA speed; False when\n"
-             "it already was. Slots are registered one by one as they are first used (or while the main process\n"
-             "waits), so no large up-front pinning delays the first batch; close() unregisters them all. One\n"
-             "device per ring. Faulted slots (see populate_all) take ~2 ms, fresh ones ~15 ms of a driver lock.");
-static PyObject *ring_cuda_register_slot(PyObject *self, PyObject *args) {
-    RingObject *r = (RingObject *)self;
-    long long slot;
-    int device;
-    PyObject *module = PyType_GetModule(Py_TYPE(self));
-    if (!PyArg_ParseTuple(args, "Li:cuda_register_slot", &slot, &device) || module == NULL || hl_ring_check_slot(r, slot) < 0)
-        return NULL;
-    if (r->registered[slot])
-        Py_RETURN_FALSE;
-    if (r->registered_device >= 0 && r->registered_device != device) {
-        PyErr_Format(PyExc_ValueError, "device: this ring is registered for device %d, got %d", r->registered_device,
-                     device);
-        return NULL;
-    }
-    if (hl_cuda_require(module, device) < 0)
-        return NULL;
-#ifdef HOTLOOP_WITH_CUDA
-    slot_copies job = {r, (uint32_t)slot, NULL, 0, NULL};
-    if (hl_cuda_run(module, device, run_register, &job) < 0)
-        return NULL;
-    r->registered[slot] = 1;
-    r->registered_device = device;
-#endif
-    Py_RETURN_TRUE;
-}
-
-PyDoc_STRVAR(copy_to_device_doc, "copy_to_device(slot, packed, stream, device)\n\n"
-             "cudaMemcpyAsync from the (registered) slot to device memory on `stream`: packed holds int64\n"
-             "triples (offset in the slot, device address, bytes). Nothing waits; the caller records an\n"
-             "event after and frees the slot only once it completed.");
-static PyObject *ring_copy_to_device(PyObject *self, PyObject *args) {
-    RingObject *r = (RingObject *)self;
-    long long slot;
-    PyObject *packed;
-    unsigned long long stream;
-    int device;
-    const int64_t *t;
-    Py_ssize_t n;
-    PyObject *module = PyType_GetModule(Py_TYPE(self));
-    if (!PyArg_ParseTuple(args, "LOKi:copy_to_device", &slot, &packed, &stream, &device) || module == NULL ||
-        hl_ring_check_slot(r, slot) < 0 || parse_triples(packed, "packed", &t, &n) < 0)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (hl_ring_check_range(r, t[3 * i], t[3 * i + 2]) < 0)
-            return NULL;
-    if (hl_cuda_require(module, device) < 0)
-        return NULL;
-#ifdef HOTLOOP_WITH_CUDA
-    slot_copies job = {r, (uint32_t)slot, t, n, hl_stream(stream)};
-    if (hl_cuda_run(module, device, run_copies, &job) < 0)
-        return NULL;
-#else
-    (void)stream;
-#endif
-    Py_RETURN_NONE;
-}
-
 static PyObject *get_fd(PyObject *self, void *c) { (void)c; return PyLong_FromLong(((RingObject *)self)->fd); }
 static PyObject *get_nslots(PyObject *self, void *c) { (void)c; return PyLong_FromUnsignedLong(((RingObject *)self)->nslots); }
 static PyObject *get_slot_bytes(PyObject *self, void *c) {
@@ -577,14 +401,6 @@ static PyObject *get_slot_bytes(PyObject *self, void *c) {
 }
 static PyObject *get_nbytes(PyObject *self, void *c) { (void)c; return PyLong_FromSize_t(((RingObject *)self)->nbytes); }
 static PyObject *get_closed(PyObject *self, void *c) { (void)c; return PyBool_FromLong(((RingObject *)self)->base == NULL); }
-static PyObject *get_registered(PyObject *self, void *c) {
-    (void)c;
-    RingObject *r = (RingObject *)self;
-    long count = 0;
-    for (uint32_t i = 0; r->registered != NULL && i < r->nslots; i++)
-        count += r->registered[i];
-    return PyLong_FromLong(count);
-}
 static PyObject *get_completions(PyObject *self, void *c) {
     (void)c;
     RingObject *r = (RingObject *)self;
@@ -599,7 +415,7 @@ static PyGetSetDef ring_getset[] = {
     {"slot_bytes", get_slot_bytes, NULL, "bytes per slot (a multiple of 4096)", NULL},
     {"nbytes", get_nbytes, NULL, "bytes of shared memory, control blocks included", NULL},
     {"closed", get_closed, NULL, "True once close() ran", NULL},
-    {"registered", get_registered, NULL, "how many slots are cudaHostRegister'ed now", NULL},
+    {"registered", hl_ring_get_registered, NULL, "how many slots are cudaHostRegister'ed now", NULL},
     {"completions", get_completions, NULL, "the futex counter, bumped on every state change", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -616,9 +432,9 @@ static PyMethodDef ring_methods[] = {
     {"copy_out", ring_copy_out, METH_VARARGS, copy_out_doc},
     {"prefault", ring_prefault, METH_O, prefault_doc},
     {"faulted", ring_faulted, METH_O, faulted_doc},
-    {"populate_all", ring_populate_all, METH_O, populate_all_doc},
-    {"cuda_register_slot", ring_cuda_register_slot, METH_VARARGS, cuda_register_slot_doc},
-    {"copy_to_device", ring_copy_to_device, METH_VARARGS, copy_to_device_doc},
+    {"populate_all", hl_ring_populate_all, METH_VARARGS, hl_ring_populate_all_doc},
+    {"cuda_register_slot", hl_ring_cuda_register_slot, METH_VARARGS, hl_ring_cuda_register_slot_doc},
+    {"copy_to_device", hl_ring_copy_to_device, METH_VARARGS, hl_ring_copy_to_device_doc},
     {NULL, NULL, 0, NULL},
 };
 

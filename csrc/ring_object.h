@@ -46,16 +46,22 @@ typedef struct {
     uint32_t nslots;
     uint64_t slot_bytes;
     uint64_t data_offset;
-    int registered_device; /* device of the cudaHostRegister calls, -1 before the first */
-    unsigned char *registered; /* per slot: 1 once cudaHostRegister'ed (malloc'd, nslots bytes) */
     int owner;             /* 1 in the process that created the memfd */
     pid_t pid;             /* the process that made this object: a forked copy must not unregister */
-    /* the populating thread (populate_all): faults every slot's pages in, ahead of their first use */
+    /* page-locking (ring_pin.c), in this process only */
+    int registered_device;            /* device of the cudaHostRegister calls, -1 before the first */
+    uint32_t chunks_per_slot;         /* registration chunks of a slot */
+    _Atomic unsigned char *chunk_state; /* per slot and chunk: registered or not (malloc'd) */
+    pthread_mutex_t pin_lock;         /* one cudaHostRegister at a time: background or main thread */
+    int pin_lock_ready;
+    /* the background threads of populate_all: allocate pages, then page-lock them, in `order` */
     pthread_t populater;
-    int populater_running; /* joinable */
-    _Atomic int populater_stop;
-    uint32_t *populate_order;
-    uint32_t populate_count;
+    int populater_running;
+    pthread_t pinner;
+    int pinner_running;
+    _Atomic int bg_stop;
+    uint32_t *order;
+    uint32_t order_count;
 } RingObject;
 
 static inline hl_ring_header *header_of(RingObject *r) { return (hl_ring_header *)r->base; }
@@ -70,6 +76,21 @@ int hl_ring_check_slot(RingObject *r, long long slot);
 int hl_ring_check_range(RingObject *r, int64_t offset, int64_t nbytes);
 /* unpin, unmap and close: what close() does */
 void hl_ring_release(RingObject *r);
+/* fault pages in (writable), without the GIL: a range, or a whole slot (then marked faulted) */
+void hl_ring_fault_range(char *p, uint64_t nbytes);
+void hl_ring_fault_in(RingObject *r, uint32_t slot);
+/* packed int64 triples from Python (array('q').tobytes()): 0, or -1 with TypeError/ValueError */
+int hl_ring_parse_triples(PyObject *packed, const char *argname, const int64_t **out, Py_ssize_t *count);
+
+/* ring_pin.c: page-locking for DMA. init after the sizes are known (-1: out of memory); release
+   stops the background threads and unregisters, in the process that registered only. */
+int hl_pin_init(RingObject *r);
+void hl_pin_release(RingObject *r);
+PyObject *hl_ring_populate_all(PyObject *self, PyObject *args);
+PyObject *hl_ring_cuda_register_slot(PyObject *self, PyObject *args);
+PyObject *hl_ring_copy_to_device(PyObject *self, PyObject *args);
+PyObject *hl_ring_get_registered(PyObject *self, void *closure);
+extern const char hl_ring_populate_all_doc[], hl_ring_cuda_register_slot_doc[], hl_ring_copy_to_device_doc[];
 
 int hl_ring_leases_exec(PyObject *module); /* ring_lease.c: the RingLeases type */
 

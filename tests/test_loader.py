@@ -706,6 +706,9 @@ class _FakeCuda:
             def __getattr__(self, name):
                 return getattr(self._ring, name)
 
+            def populate_all(self, order, device=-1):
+                self._ring.populate_all(order)  # the pages only: no CUDA to page-lock them for
+
             def cuda_register_slot(self, slot, device):
                 new = slot not in fake.registered
                 fake.registered.add(slot)

@@ -54,17 +54,6 @@ class DeviceCopies:
             warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
                           "slower", stacklevel=5)
 
-    def pin_ahead(self, ring, order):
-        """Page-lock the first slot in `order` whose pages are faulted in but not locked yet (~2 ms of a
-        driver lock that would stall the training loop's CUDA calls if taken while it runs): for a
-        main process that would otherwise sleep waiting for a batch. True when it locked one."""
-        if self.pin_slots:
-            for slot in order:
-                if slot not in self.pinned and ring.faulted(slot):
-                    self._pin(ring, slot)
-                    return True
-        return False
-
     def _event(self, timing=False):
         if not timing and self.event_pool:
             return self.event_pool.pop()
@@ -95,7 +84,7 @@ class DeviceCopies:
                 triples += (off, t.data_ptr(), size)
                 outs.append(t)
         if slot not in self.pinned:
-            self._pin(ring, slot)  # page-lock the slot on its first copy, unless pin_ahead did
+            self._pin(ring, slot)  # what the ring's pinning thread has not page-locked yet
         side = self.copy_stream.cuda_stream
         # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
         # by work queued there, so the copy stream waits for everything queued so far (timm #2781)

@@ -86,7 +86,6 @@ class Pool:
         self.main_pid = os.getpid()
         self.device = loader.device
         self.ring = None
-        self.pin_order = []
         self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
         self.ring_msg = None
         self.layout = []
@@ -473,8 +472,6 @@ class Pool:
             if left <= 0:
                 raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
                                    f"(worker {task.wid}, indices {task.index})")
-            if self.copies is not None and self.ring is not None and self.copies.pin_ahead(self.ring, self.pin_order):
-                continue  # a slot page-locked while nothing else needed the main thread; look again
             self.doze(task.slot, left)
 
     def doze(self, slot, timeout):
@@ -547,15 +544,15 @@ class Pool:
         layout, offset = slot_layout(sizes, meta_cap)
         loader = self.loader
         nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else LEASE_SLOTS)
-        ring = _C.Ring(nslots, offset)  # pages are faulted by the workers, pinned slot by slot on first copy
+        ring = _C.Ring(nslots, offset)
         self.ring, self.layout = ring, layout
         self.free_slots = list(range(nslots))
         loader._hl_stats.ring_bytes = ring.nbytes
-        self.pin_order = self.free_slots[::-1]  # the order take_slot hands slots out
         if self.device is not None:
-            # fault the pages in on a C thread, in that order: then neither a worker's first write
-            # nor the page-locking of a slot has to allocate them
-            ring.populate_all(self.pin_order)
+            # C threads fault the pages in and page-lock them, in the order take_slot hands slots
+            # out: a worker's first write finds its pages, a copy finds its slot page-locked, and
+            # the training thread is never the one that waits for either (ring_pin.c)
+            ring.populate_all(self.free_slots[::-1], self.device.index)
         self.ring_msg = ("ring", f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
         for wid in range(self.n):
             if self.procs[wid] is not None:
