@@ -94,6 +94,9 @@ class Pool:
         self.tasks = {}
         self.pipe_results = {}
         self.layouts = {}  # task id -> (tensor bytes, spec bytes) of batches waiting for the ring
+        # tasks given a slot when the ring was made, before their own layout came: until it comes,
+        # their outcome may still take the pipe (an error or a stop before their first sample's layout)
+        self.placed_early = set()
         self.task_worker = {}  # task id -> worker, for every task not yet finished
         self.resuming = False
         self.resumed = set()
@@ -210,23 +213,40 @@ class Pool:
             self.resumed_rng[msg[1]] = msg[2]
         elif kind == "batch":
             self.pipe_results[msg[1]] = ("batch", msg[2], msg[3], msg[4])
+            self._unplace(msg[1])
         elif kind == "error":
             self.pipe_results[msg[1]] = ("error", msg[2], 0.0, msg[3])
+            self._unplace(msg[1])
         elif kind == "stop":
             self.pipe_results[msg[1]] = ("stop", 0.0, msg[2])
+            self._unplace(msg[1])
         elif kind == "meta":
             self.pipe_results[msg[1]] = pickle.loads(msg[2])
         elif kind == "layout":
             self.layouts[msg[1]] = (msg[2], msg[3])
             self._place_layouts()
 
+    def _unplace(self, tid):
+        """The task's outcome came through the pipe: its worker had it without a slot and never
+        writes the one it was given when the ring was made (it writes a placed slot only for a batch
+        it keeps for "place"), so that slot goes back now, once; the task is a pipe task from here."""
+        self.placed_early.discard(tid)
+        task = self.tasks.get(tid)
+        if task is not None and task.slot >= 0:
+            self.release_slot(task.slot)
+            task.slot = -1
+
     def _place_layouts(self):
-        """Batches made before the ring existed: size the ring from the first, then give each a slot."""
+        """Batches made before the ring existed: size the ring from the first (which places every
+        task without a slot at once, see make_ring), then give each one still without a slot its slot."""
         if self.ring is None and not self.ring_unused and self.layouts and not self.resuming:
             self.make_ring(*self.layouts[min(self.layouts)])
         for tid in sorted(self.layouts):
             del self.layouts[tid]
             task = self.tasks.get(tid)
+            if task is not None and task.slot >= 0:
+                self.placed_early.discard(tid)  # its "place" went out with the ring: no second slot
+                continue
             if task is None or self.resuming:
                 wid = self.task_worker.get(tid)
                 if wid is not None and self.procs[wid] is not None:
@@ -288,6 +308,7 @@ class Pool:
                 continue
             t = item
             self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
+            self.placed_early.discard(t.id)  # the successor has the ring: its outcome goes to the slot
             if t.slot < 0 and self.ring is not None:
                 t.slot = self.take_slot()
             elif t.slot >= 0:
@@ -436,6 +457,8 @@ class Pool:
 
     def poll(self, task):
         """The task's outcome if it is done, else None (never blocks for long)."""
+        if task.id in self.placed_early and self.ring.state(task.slot) == _C.RING_ASSIGNED:
+            self._drain(task.wid)  # placed before its layout came: its outcome may take the pipe
         if task.slot >= 0:
             state, tid, wid, meta_len, flags = self.ring.info(task.slot)
             if state == _C.RING_ASSIGNED:
@@ -482,9 +505,10 @@ class Pool:
         While `slot` (>= 0) is being written: until any slot changes state (a worker that flagged an
         overflow is now writing its metadata into its pipe and must be read, whichever task is
         awaited), at most 20 ms while a task still waits for its slot (its layout comes through a
-        pipe, which does not wake the futex). Otherwise: until a pipe has a message or a worker dies."""
+        pipe, which does not wake the futex) or a task placed before its layout came may still
+        deliver through its pipe. Otherwise: until a pipe has a message or a worker dies."""
         if slot >= 0 and self.ring.state(slot) == _C.RING_ASSIGNED:
-            if any(t.slot < 0 for t in self.tasks.values()):
+            if self.placed_early or any(t.slot < 0 for t in self.tasks.values()):
                 timeout = min(timeout, 0.02)
             self.ring.wait(slot, _C.RING_ASSIGNED, timeout, True)
         else:
@@ -502,6 +526,7 @@ class Pool:
         task.consumed = True
         self.tasks.pop(task.id, None)
         self.task_worker.pop(task.id, None)
+        self.placed_early.discard(task.id)
 
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
@@ -535,11 +560,13 @@ class Pool:
         self.task_worker.clear()
         self.pipe_results.clear()
         self.layouts.clear()
+        self.placed_early.clear()
         self.resuming = False
 
     # the ring --------------------------------------------------------------------------------------
     def make_ring(self, sizes, spec_bytes):
-        """Size the ring from the first batch's layout and tell every worker about it."""
+        """Size the ring from the first batch's layout, tell every worker about it and place every
+        task that has no slot yet."""
         if not sizes:
             self.ring_unused = True
             return
@@ -560,6 +587,15 @@ class Pool:
         for wid in range(self.n):
             if self.procs[wid] is not None:
                 self.send(wid, self.ring_msg)
+        # eager placement: a worker still making its first batch finds its "place" right behind the
+        # "ring" in its pipe and writes the batch straight in, however long this thread takes to read
+        # its layout (the consumer's training step, say); that layout is ignored when it comes
+        for task in sorted(self.tasks.values(), key=lambda t: t.id):
+            if task.slot < 0 and task.id not in self.pipe_results:
+                task.slot = self.take_slot()
+                if task.id not in self.layouts:
+                    self.placed_early.add(task.id)
+                self.send(task.wid, ("place", task.id, task.slot))
 
     def take_slot(self):
         if not self.free_slots:
