@@ -354,15 +354,36 @@ def _parent(pid):
     raise AssertionError(f"no PPid for {pid}")
 
 
+def _pipes(pid):
+    """The pipes process pid holds open (both ends of a pipe read as the same "pipe:[inode]")."""
+    names = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return {n for n in names if n.startswith("pipe:")}
+
+
 @pytest.mark.parametrize("num_workers", [2, 4])
 def test_worker_0_is_forked_by_the_main_process(num_workers, monkeypatch):
     monkeypatch.setattr(LP, "USE_ZYGOTE", True)
-    loader = hotloop.DataLoader(torch.arange(40.0), batch_size=4, num_workers=num_workers)
-    it = iter(loader)
-    pool = it._pool
+    loader = hotloop.DataLoader(torch.arange(40.0) + 0.5, batch_size=4, num_workers=num_workers,
+                                persistent_workers=True)
+    assert torch.equal(torch.cat(list(loader)), torch.arange(40.0) + 0.5)
+    pool = loader._hl_pool
     pids = [p.pid for p in pool.procs]
-    assert pool.zygote is not None and pool.zygote.pid is not None
+    assert not isinstance(pool.procs[0], LP.ZygoteWorker)
+    assert all(isinstance(p, LP.ZygoteWorker) for p in pool.procs[1:])
     assert _parent(pids[0]) == os.getpid()
     assert _parent(pool.zygote.pid) == os.getpid()
     assert [_parent(p) for p in pids[1:]] == [pool.zygote.pid] * (num_workers - 1)
-    assert torch.equal(torch.cat(list(it)), torch.arange(40.0))
+    # each worker holds its own pipes only, the launcher none: a death shows as EOF at once
+    own = [{os.readlink(f"/proc/self/fd/{c.fileno()}") for c in (pool.task_conns[w], pool.result_conns[w])}
+           for w in range(num_workers)]
+    for wid, pid in enumerate(pids):
+        assert own[wid] <= _pipes(pid)
+        assert not _pipes(pid) & set().union(*(own[w] for w in range(num_workers) if w != wid))
+    assert not _pipes(pool.zygote.pid) & set().union(*own)
+    assert torch.equal(torch.cat(list(loader)), torch.arange(40.0) + 0.5)  # a second epoch, same workers
+    assert [p.pid for p in pool.procs] == pids

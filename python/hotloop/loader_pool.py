@@ -28,7 +28,7 @@ POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
-USE_ZYGOTE = True  # fork the first workers through a launcher process (tests turn it off to cover both ways)
+USE_ZYGOTE = True  # fork workers 1.. through a launcher process (tests turn it off to cover both ways)
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,11 +114,12 @@ class Pool:
 
     # workers ---------------------------------------------------------------------------------------
     def start_worker(self, wid):
-        """Start worker wid unless it was started already. The first start of a forking pool starts
-        every worker through the launcher (loader_zygote.py): one fork of this process instead of one
-        per worker. Otherwise (spawn, one worker, a restart) the iterator starts each worker as it
-        sends it its first task, so worker 0 computes its batch while the next ones start."""
-        if not self.started[wid] and self._zygote_ok():
+        """Start worker wid unless it was started already. Worker 0 is forked by this process, so its
+        first task follows its fork at once; in a forking pool the first start of any other worker
+        starts workers 1.. through the launcher (loader_zygote.py): one more fork of this process
+        instead of one per worker, and worker 0 computes its batch meanwhile. Otherwise (spawn, one
+        worker, a restart) the iterator starts each worker as it sends it its first task."""
+        if not self.started[wid] and wid > 0 and self._zygote_ok():
             self._start_all_by_zygote()
         if not self.started[wid]:
             self.started[wid] = True
@@ -134,21 +135,27 @@ class Pool:
             self.start_worker(wid)
 
     def _zygote_ok(self):
-        # the first start of a forking pool with several workers (a restart forks one worker itself)
-        return (USE_ZYGOTE and self.zygote is None and self.n > 1 and not any(self.started)
+        # the first start of workers 1.. in a forking pool (a restart forks one worker itself)
+        return (USE_ZYGOTE and self.zygote is None and self.n > 1 and not any(self.started[1:])
                 and self.ctx.get_start_method() == "fork")
 
     def _start_all_by_zygote(self):
+        """Workers 1.. forked by the launcher, which is forked from here (worker 0 never is: see start_worker)."""
         specs = []
         kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
-        for wid in range(self.n):
+        for wid in range(1, self.n):
             task_r, task_w, res_r, res_w = self._pipes()
             self.task_conns[wid], self.result_conns[wid] = task_w, res_r
             specs.append((task_r, res_w, (wid, self.n, kind, dataset, auto, collate_fn, drop_last, base_seed,
                                           init_fn), (True, ())))
-        self.zygote = Zygote(self.ctx, specs, self.task_conns + self.result_conns)
-        for wid in range(self.n):
-            self.procs[wid] = ZygoteWorker(self.zygote, wid)
+        # the launcher closes this process's ends of every pipe (worker 0's too, if it runs) and the
+        # ring's fd, so that its workers hold none of them and every EOF shows
+        close = [c for c in self.task_conns + self.result_conns if c is not None]
+        if self.ring is not None:
+            close.append(self.ring.fd)
+        self.zygote = Zygote(self.ctx, specs, close)
+        for wid in range(1, self.n):
+            self.procs[wid] = ZygoteWorker(self.zygote, wid - 1)
             self.started[wid] = True
             if self.ring_msg is not None:
                 self.task_conns[wid].send(self.ring_msg)
