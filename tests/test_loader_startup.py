@@ -96,9 +96,11 @@ def ours_epochs(dataset, epochs, seed, check, **kwargs):
     return loader
 
 
-@pytest.mark.parametrize("mode", ["late", "early", "gated"])
-@pytest.mark.parametrize("num_workers", [1, 3, 5])
-def test_first_batches_same_as_torch(num_workers, mode, request):
+@pytest.mark.parametrize("num_workers, mode, zygote",
+                         [(n, m, True) for n in (1, 3, 5) for m in ("late", "early", "gated")]
+                         + [(3, "gated", False), (5, "early", False)])
+def test_first_batches_same_as_torch(num_workers, mode, zygote, request, monkeypatch):
+    monkeypatch.setattr(LP, "USE_ZYGOTE", zygote)
     gate = request.getfixturevalue("ring_made") if mode == "gated" else None
     ds = Timed(53, "late" if mode == "gated" else mode, gate)
     seed = random.randrange(1 << 20)
@@ -145,8 +147,9 @@ class FailsAt(Dataset):
         return torch.full((2,), float(i)), i
 
 
-# worker 1's first batch is [4, 5, 6, 7]: 4 raises before its layout is sent, 7 after
-@pytest.mark.parametrize("bad", [4, 7])
+# the first batches are [0, 1, 2, 3] (worker 0) and [4, 5, 6, 7] (worker 1): 0 and 4 raise before
+# their worker sent a layout, 3 and 7 after
+@pytest.mark.parametrize("bad", [0, 3, 4, 7])
 @pytest.mark.parametrize("gated", [True, False])
 def test_error_in_a_first_batch_placed_early(bad, gated, request):
     gate = request.getfixturevalue("ring_made") if gated else None
@@ -154,15 +157,68 @@ def test_error_in_a_first_batch_placed_early(bad, gated, request):
                                 persistent_workers=True)
     for _ in range(2):
         it = iter(loader)
-        first = next(it)
-        assert_same(first, [torch.arange(4.0).view(4, 1).expand(4, 2), torch.arange(4)])
-        with pytest.raises(ValueError, match=f"bad sample {bad}") as info:
+        got = []
+        for k in range(6):
+            if k == bad // 4:
+                with pytest.raises(ValueError, match=f"bad sample {bad}") as info:
+                    next(it)
+                assert f"dataset[{bad}]" in str(info.value)
+            else:  # as torch: the epoch goes on after a worker's error
+                got.append(next(it))
+                assert_same(got[-1], [torch.arange(4.0 * k, 4 * k + 4).view(4, 1).expand(4, 2),
+                                      torch.arange(4 * k, 4 * k + 4)])
+        with pytest.raises(StopIteration):
             next(it)
-        assert f"dataset[{bad}]" in str(info.value)
-        rest = list(it)  # as torch: the epoch goes on after a worker's error
-        ids = [i for b in [first] + rest for i in b[1].tolist()]
-        assert sorted(ids) == [i for i in range(24) if not 4 <= i < 8]
-        del first, rest
+        del got
+        assert_ring_free(loader._hl_pool)
+
+
+def test_epoch_abandoned_while_first_batches_are_placed(ring_made):
+    """Persistent workers: a new epoch starts while the first batches of workers 1.. (placed when
+    the ring was made, their layouts not read yet) are still being made; their slots come back."""
+    ds = Timed(40, "late", ring_made)
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=3, persistent_workers=True)
+    it = iter(loader)
+    assert next(it)[2].tolist() == [0, 1, 2, 3]
+    del it
+    for _ in range(2):
+        got = list(loader)
+        assert [i for b in got for i in b[2].tolist()] == list(range(40))
+        del got
+        assert_ring_free(loader._hl_pool)
+
+
+class SlowFirst(Dataset):
+    """Worker 1's first sample comes after the ring exists and then takes `delay` seconds."""
+
+    def __init__(self, gate, delay):
+        self.gate, self.delay = gate, delay
+        self.calls = 0
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        self.calls += 1
+        info = get_worker_info()
+        if info.id == 1 and self.calls == 1:
+            self.gate.wait(30)
+            time.sleep(self.delay)
+        return torch.full((2,), float(i)), i
+
+
+def test_timeout_on_a_batch_placed_early(ring_made):
+    loader = hotloop.DataLoader(SlowFirst(ring_made, 2.0), batch_size=4, num_workers=3, persistent_workers=True,
+                                timeout=0.3)
+    it = iter(loader)
+    assert next(it)[1].tolist() == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match=r"timed out after 0.3 seconds waiting for batch 1 \(worker 1"):
+        next(it)
+    del it
+    for _ in range(2):  # the next epochs: every slot of the abandoned one came back
+        got = list(loader)
+        assert [i for b in got for i in b[1].tolist()] == list(range(24))
+        del got
         assert_ring_free(loader._hl_pool)
 
 
