@@ -1,4 +1,5 @@
 """hotloop.DataLoader's first batches: eager placement into the ring, and how the workers are forked."""
+import collections
 import gc
 import multiprocessing
 import os
@@ -319,6 +320,38 @@ def test_side_path_and_ragged_first_batches(gated, request):
         assert_same(a, b)
     del got
     assert_ring_free(ours._hl_pool)
+
+
+class Ordered(Dataset):
+    """An OrderedDict leaf: default_collate keeps its type, the fast plan gives up on it at the first
+    sample (no early layout), so each first batch is collated whole and its layout sent after."""
+
+    def __init__(self, gate=None):
+        self.gate = gate
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        if self.gate is not None and info is not None and info.id > 0 and i % 4 == 0:
+            self.gate.wait(30)
+        return torch.rand(3) + i, collections.OrderedDict(a=i, t=torch.full((2,), i))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_first_batches_the_fast_plan_gives_up_on(gated, request):
+    gate = request.getfixturevalue("ring_made") if gated else None
+    seed = random.randrange(1 << 20)
+    kw = dict(batch_size=4, shuffle=True, num_workers=3)
+    ref = reference(Ordered(), 2, seed, **kw)
+
+    def check(epoch, got):
+        assert len(got) == len(ref[epoch]) == 8
+        for a, b in zip(ref[epoch], got):
+            assert_same(a, b)
+
+    ours_epochs(Ordered(gate), 2, seed, check, **kw)
 
 
 class DiesAfterFirst(Dataset):
