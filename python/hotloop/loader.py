@@ -456,7 +456,9 @@ class _Raise:
 
 class _MultiIter(_BaseDataLoaderIter):
     """num_workers > 0: tasks go round robin to the workers as torch sends them, results come back
-    through the ring (or, for the first batch of each worker, through its pipe)."""
+    through the ring (the first batch of each worker too: it gets its slot when the ring is made), or
+    through the worker's pipe when there is no ring (batches without tensors) or the outcome of a
+    first batch came before its worker sent a layout (an error or a stop at its first sample)."""
 
     def __init__(self, loader):
         super().__init__(loader)

@@ -28,7 +28,7 @@ POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
-USE_ZYGOTE = True  # fork the first workers through a launcher process (tests turn it off to cover both ways)
+USE_ZYGOTE = True  # fork workers 1.. through a launcher process (tests turn it off to cover both ways)
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,6 +93,9 @@ class Pool:
         self.tasks = {}
         self.pipe_results = {}
         self.layouts = {}  # task id -> (tensor bytes, spec bytes) of batches waiting for the ring
+        # tasks given a slot when the ring was made, before their own layout came: until it comes,
+        # their outcome may still take the pipe (an error or a stop before their first sample's layout)
+        self.placed_early = set()
         self.task_worker = {}  # task id -> worker, for every task not yet finished
         self.resuming = False
         self.resumed = set()
@@ -110,11 +113,12 @@ class Pool:
 
     # workers ---------------------------------------------------------------------------------------
     def start_worker(self, wid):
-        """Start worker wid unless it was started already. The first start of a forking pool starts
-        every worker through the launcher (loader_zygote.py): one fork of this process instead of one
-        per worker. Otherwise (spawn, one worker, a restart) the iterator starts each worker as it
-        sends it its first task, so worker 0 computes its batch while the next ones start."""
-        if not self.started[wid] and self._zygote_ok():
+        """Start worker wid unless it was started already. Worker 0 is forked by this process, so its
+        first task follows its fork at once; in a forking pool the first start of any other worker
+        starts workers 1.. through the launcher (loader_zygote.py): one more fork of this process
+        instead of one per worker, and worker 0 computes its batch meanwhile. Otherwise (spawn, one
+        worker, a restart) the iterator starts each worker as it sends it its first task."""
+        if not self.started[wid] and wid > 0 and self._zygote_ok():
             self._start_all_by_zygote()
         if not self.started[wid]:
             self.started[wid] = True
@@ -130,21 +134,27 @@ class Pool:
             self.start_worker(wid)
 
     def _zygote_ok(self):
-        # the first start of a forking pool with several workers (a restart forks one worker itself)
-        return (USE_ZYGOTE and self.zygote is None and self.n > 1 and not any(self.started)
+        # the first start of workers 1.. in a forking pool (a restart forks one worker itself)
+        return (USE_ZYGOTE and self.zygote is None and self.n > 1 and not any(self.started[1:])
                 and self.ctx.get_start_method() == "fork")
 
     def _start_all_by_zygote(self):
+        """Workers 1.. forked by the launcher, which is forked from here (worker 0 never is: see start_worker)."""
         specs = []
         kind, dataset, auto, collate_fn, drop_last, base_seed, init_fn = self.worker_args
-        for wid in range(self.n):
+        for wid in range(1, self.n):
             task_r, task_w, res_r, res_w = self._pipes()
             self.task_conns[wid], self.result_conns[wid] = task_w, res_r
             specs.append((task_r, res_w, (wid, self.n, kind, dataset, auto, collate_fn, drop_last, base_seed,
                                           init_fn), (True, ())))
-        self.zygote = Zygote(self.ctx, specs, self.task_conns + self.result_conns)
-        for wid in range(self.n):
-            self.procs[wid] = ZygoteWorker(self.zygote, wid)
+        # the launcher closes this process's ends of every pipe (worker 0's too, if it runs) and the
+        # ring's fd, so that its workers hold none of them and every EOF shows
+        close = [c for c in self.task_conns + self.result_conns if c is not None]
+        if self.ring is not None:
+            close.append(self.ring.fd)
+        self.zygote = Zygote(self.ctx, specs, close)
+        for wid in range(1, self.n):
+            self.procs[wid] = ZygoteWorker(self.zygote, wid - 1)
             self.started[wid] = True
             if self.ring_msg is not None:
                 self.task_conns[wid].send(self.ring_msg)
@@ -209,23 +219,40 @@ class Pool:
             self.resumed_rng[msg[1]] = msg[2]
         elif kind == "batch":
             self.pipe_results[msg[1]] = ("batch", msg[2], msg[3], msg[4])
+            self._unplace(msg[1])
         elif kind == "error":
             self.pipe_results[msg[1]] = ("error", msg[2], 0.0, msg[3])
+            self._unplace(msg[1])
         elif kind == "stop":
             self.pipe_results[msg[1]] = ("stop", 0.0, msg[2])
+            self._unplace(msg[1])
         elif kind == "meta":
             self.pipe_results[msg[1]] = pickle.loads(msg[2])
         elif kind == "layout":
             self.layouts[msg[1]] = (msg[2], msg[3])
             self._place_layouts()
 
+    def _unplace(self, tid):
+        """The task's outcome came through the pipe: its worker had it without a slot and never
+        writes the one it was given when the ring was made (it writes a placed slot only for a batch
+        it keeps for "place"), so that slot goes back now, once; the task is a pipe task from here."""
+        self.placed_early.discard(tid)
+        task = self.tasks.get(tid)
+        if task is not None and task.slot >= 0:
+            self.release_slot(task.slot)
+            task.slot = -1
+
     def _place_layouts(self):
-        """Batches made before the ring existed: size the ring from the first, then give each a slot."""
+        """Batches made before the ring existed: size the ring from the first (which places every
+        task without a slot at once, see make_ring), then give each one still without a slot its slot."""
         if self.ring is None and not self.ring_unused and self.layouts and not self.resuming:
             self.make_ring(*self.layouts[min(self.layouts)])
         for tid in sorted(self.layouts):
             del self.layouts[tid]
             task = self.tasks.get(tid)
+            if task is not None and task.slot >= 0:
+                self.placed_early.discard(tid)  # its "place" went out with the ring: no second slot
+                continue
             if task is None or self.resuming:
                 wid = self.task_worker.get(tid)
                 if wid is not None and self.procs[wid] is not None:
@@ -287,6 +314,7 @@ class Pool:
                 continue
             t = item
             self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
+            self.placed_early.discard(t.id)  # the successor has the ring: its outcome goes to the slot
             if t.slot < 0 and self.ring is not None:
                 t.slot = self.take_slot()
             elif t.slot >= 0:
@@ -435,6 +463,8 @@ class Pool:
 
     def poll(self, task):
         """The task's outcome if it is done, else None (never blocks for long)."""
+        if task.id in self.placed_early and self.ring.state(task.slot) == _C.RING_ASSIGNED:
+            self._drain(task.wid)  # placed before its layout came: its outcome may take the pipe
         if task.slot >= 0:
             state, tid, wid, meta_len, flags = self.ring.info(task.slot)
             if state == _C.RING_ASSIGNED:
@@ -479,9 +509,10 @@ class Pool:
         While `slot` (>= 0) is being written: until any slot changes state (a worker that flagged an
         overflow is now writing its metadata into its pipe and must be read, whichever task is
         awaited), at most 20 ms while a task still waits for its slot (its layout comes through a
-        pipe, which does not wake the futex). Otherwise: until a pipe has a message or a worker dies."""
+        pipe, which does not wake the futex) or a task placed before its layout came may still
+        deliver through its pipe. Otherwise: until a pipe has a message or a worker dies."""
         if slot >= 0 and self.ring.state(slot) == _C.RING_ASSIGNED:
-            if any(t.slot < 0 for t in self.tasks.values()):
+            if self.placed_early or any(t.slot < 0 for t in self.tasks.values()):
                 timeout = min(timeout, 0.02)
             self.ring.wait(slot, _C.RING_ASSIGNED, timeout, True)
         else:
@@ -499,6 +530,7 @@ class Pool:
         task.consumed = True
         self.tasks.pop(task.id, None)
         self.task_worker.pop(task.id, None)
+        self.placed_early.discard(task.id)
 
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
@@ -532,11 +564,13 @@ class Pool:
         self.task_worker.clear()
         self.pipe_results.clear()
         self.layouts.clear()
+        self.placed_early.clear()
         self.resuming = False
 
     # the ring --------------------------------------------------------------------------------------
     def make_ring(self, sizes, spec_bytes):
-        """Size the ring from the first batch's layout and tell every worker about it."""
+        """Size the ring from the first batch's layout, tell every worker about it and place every
+        task that has no slot yet."""
         if not sizes:
             self.ring_unused = True
             return
@@ -557,6 +591,15 @@ class Pool:
         for wid in range(self.n):
             if self.procs[wid] is not None:
                 self.send(wid, self.ring_msg)
+        # eager placement: a worker still making its first batch finds its "place" right behind the
+        # "ring" in its pipe and writes the batch straight in, however long this thread takes to read
+        # its layout (the consumer's training step, say); that layout is ignored when it comes
+        for task in sorted(self.tasks.values(), key=lambda t: t.id):
+            if task.slot < 0 and task.id not in self.pipe_results:
+                task.slot = self.take_slot()
+                if task.id not in self.layouts:
+                    self.placed_early.add(task.id)
+                self.send(task.wid, ("place", task.id, task.slot))
 
     def take_slot(self):
         if not self.free_slots:

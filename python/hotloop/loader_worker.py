@@ -12,13 +12,20 @@ replay, expect_stop, index) (before any task: set the RNG states, make the itera
 drop `replay` batches: a resumed epoch or a replaced worker), None (exit). Worker -> main over another
 pipe, pickled with plain pickle (never ForkingPickler, which would move tensors through /dev/shm):
 ("layout", task_id, tensor_bytes, spec_bytes) for a batch made before the ring existed (the main
-process sizes the ring from the first and answers "place"; on the fast path it is sent as soon as the
-batch's first sample exists, so the ring is made while the rest of the batch is), ("batch", task_id,
-batch, busy, rng) when there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit
-its slot, ("error", task_id, ExceptionWrapper, rng), ("stop", task_id, rng) and ("resumed",
-worker_id, rng). A slot's
-metadata is the outcome plus (busy, rng). `rng` is `rng_state()` right after the task: the main
-process keeps the one of the last batch it handed out from each worker, for state_dict().
+process sizes the ring from the first; on the fast path it is sent as soon as the batch's first
+sample exists, so the ring is made while the rest of the batch is), ("batch", task_id, batch, busy,
+rng) when there is no ring at all, ("meta", task_id, bytes) for metadata that did not fit its slot,
+("error", task_id, ExceptionWrapper, rng), ("stop", task_id, rng) and ("resumed", worker_id, rng).
+
+When it makes the ring, the main process sends "place" for every task without a slot right behind
+"ring", without waiting for their layouts: a worker finds it in its pipe once its batch is done and
+writes the batch straight in (the layout it sent is then ignored). An outcome that takes the pipe
+instead (an error or a stop before any layout was sent) is never written to that slot: a worker
+writes a placed slot only for a batch it kept in `pending`, and the main process gives the slot back
+when the outcome comes.
+
+A slot's metadata is the outcome plus (busy, rng). `rng` is `rng_state()` right after the task: the
+main process keeps the one of the last batch it handed out from each worker, for state_dict().
 """
 import array
 import os
@@ -458,7 +465,10 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
         outcome, busy = pending.pop(task_id, (None, 0.0))
         early.discard(task_id)
         if slot == -2 or outcome is None:
-            return  # the epoch it belonged to is over, or it was given to this worker anew
+            # the epoch it belonged to is over, it was given to this worker anew, or its outcome went
+            # through the pipe (placed when the ring was made, before its layout): the main process
+            # has given that slot back, it must not be written
+            return
         kind = outcome[0]
         if kind == "samples" and slot < 0:
             outcome = ("batch", collate_no_shm(outcome[1]))

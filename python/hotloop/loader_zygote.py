@@ -1,14 +1,15 @@
-"""Start DataLoader workers from one forked launcher, so the main process pays for one fork, not one per worker.
+"""Start DataLoader workers 1.. from one forked launcher: two forks of the main process, not one per worker.
 
 A fork copies the page tables of the process that forks. A training process holding CUDA, a model and
 pinned buffers takes 15-20 ms per fork on an H200 host, on the thread that also launches the training
-step: 12 workers cost the GPU ~230 ms before anything else happens. Here the main process forks once,
-a launcher (the zygote), and the launcher forks the workers while the main thread goes on. The
-launcher is a fork of a single thread, so every worker is forked from a process with no other
-threads, the safest state a fork can start from. It stays alive as the workers' parent, reaps them
-and reports each start (pid) and exit (code) through a status pipe, which is also what the main
-process sleeps on to notice a death. A worker replaced after a death is forked by the main process
-as before (loader_pool.Pool._start).
+step: 12 workers cost the GPU ~230 ms before anything else happens. Here the main process forks worker
+0 itself, sends it its first task, then forks a launcher (the zygote), and the launcher forks workers
+1.. while the main thread goes on: worker 0 starts one fork after iter(), not two. The launcher is a
+fork of a single thread, so its workers are forked from a process with no other threads, the safest
+state a fork can start from. It stays alive as their parent, reaps them and reports each start (pid)
+and exit (code) through a status pipe, which is also what the main process sleeps on to notice a
+death. A worker replaced after a death is forked by the main process, as worker 0 is
+(loader_pool.Pool._start).
 """
 import os
 import signal
@@ -21,12 +22,14 @@ from multiprocessing.connection import wait as wait_for
 from .loader_worker import worker_main
 
 _STARTED, _EXITED = 1, 2
-_RECORD = struct.Struct("<iii")  # kind, worker id, pid (started) or exit code (exited)
+_RECORD = struct.Struct("<iii")  # kind, k (the launcher's k-th worker), pid (started) or exit code (exited)
 
 
 class Zygote:
-    """The launcher process and what it reported. `specs[wid]` is (task_r, res_w, args-before-pipes,
-    args-after-pipes) of worker_main; every pipe end is closed here once the launcher has it."""
+    """The launcher process and what it reported. `specs[k]` is (task_r, res_w, args-before-pipes,
+    args-after-pipes) of worker_main for its k-th worker (reports and ZygoteWorker go by k); every
+    pipe end is closed here once the launcher has it. `close_in_launcher`: connections and file
+    descriptors of the caller that the launcher (and so its workers) must not hold."""
 
     def __init__(self, ctx, specs, close_in_launcher):
         self.n = len(specs)
@@ -41,7 +44,10 @@ class Zygote:
             try:
                 status_r.close()
                 for conn in close_in_launcher:
-                    conn.close()
+                    if isinstance(conn, int):
+                        os.close(conn)
+                    else:
+                        conn.close()
                 _launch(specs, status_w)
                 code = 0
             except BaseException:
@@ -58,11 +64,11 @@ class Zygote:
         """Read what the launcher reported so far (never blocks)."""
         try:
             while self.status.poll():
-                kind, wid, value = _RECORD.unpack(self.status.recv_bytes())
+                kind, k, value = _RECORD.unpack(self.status.recv_bytes())
                 if kind == _STARTED:
-                    self.pids[wid] = value
+                    self.pids[k] = value
                 else:
-                    self.exit_codes[wid] = value
+                    self.exit_codes[k] = value
         except (EOFError, OSError):
             self._launcher_gone()
 
@@ -71,14 +77,14 @@ class Zygote:
         if not self.status.closed:
             self.status.close()
         self._reap(0)
-        for wid in range(self.n):
-            if self.exit_codes[wid] is None:
+        for k in range(self.n):
+            if self.exit_codes[k] is None:
                 # orphaned or never forked: reparented workers exit once they see their parent
                 # gone; make sure of it, and count them as killed
                 self.lost = True
-                if self.pids[wid] is not None:
-                    _kill_and_wait(self.pids[wid])
-                self.exit_codes[wid] = -signal.SIGKILL
+                if self.pids[k] is not None:
+                    _kill_and_wait(self.pids[k])
+                self.exit_codes[k] = -signal.SIGKILL
 
     def _reap(self, timeout):
         deadline = time.monotonic() + timeout
@@ -108,23 +114,23 @@ class Zygote:
 
 
 class ZygoteWorker:
-    """What Pool uses of a multiprocessing.Process, for a worker the launcher forked."""
+    """What Pool uses of a multiprocessing.Process, for the launcher's k-th worker."""
 
-    def __init__(self, zygote, wid):
-        self.zygote, self.wid = zygote, wid
+    def __init__(self, zygote, k):
+        self.zygote, self.k = zygote, k
 
     @property
     def pid(self):
         deadline = time.monotonic() + 5.0
-        while self.zygote.pids[self.wid] is None and self.exitcode is None and time.monotonic() < deadline:
+        while self.zygote.pids[self.k] is None and self.exitcode is None and time.monotonic() < deadline:
             self._wait(0.05)
-        return self.zygote.pids[self.wid]
+        return self.zygote.pids[self.k]
 
     @property
     def exitcode(self):
         if not self.zygote.status.closed:
             self.zygote.poll()
-        return self.zygote.exit_codes[self.wid]
+        return self.zygote.exit_codes[self.k]
 
     @property
     def sentinel(self):
@@ -145,9 +151,9 @@ class ZygoteWorker:
             self._wait(left)
 
     def _signal(self, sig):
-        if self.exitcode is None and self.zygote.pids[self.wid] is not None:
+        if self.exitcode is None and self.zygote.pids[self.k] is not None:
             try:
-                os.kill(self.zygote.pids[self.wid], sig)
+                os.kill(self.zygote.pids[self.k], sig)
             except ProcessLookupError:
                 pass
 
@@ -178,14 +184,14 @@ def _launch(specs, status_w):
     """The launcher's life: fork each worker, report it, then reap them all and report each exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     me = os.getpid()
-    wid_of = {}
-    for wid, (task_r, res_w, head, tail) in enumerate(specs):
+    k_of = {}
+    for k, (task_r, res_w, head, tail) in enumerate(specs):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 status_w.close()
-                for later_task_r, later_res_w, _, _ in specs[wid + 1:]:  # the next workers' ends
+                for later_task_r, later_res_w, _, _ in specs[k + 1:]:  # the next workers' ends
                     later_task_r.close()
                     later_res_w.close()
                 _as_multiprocessing_child()
@@ -202,25 +208,27 @@ def _launch(specs, status_w):
                 os._exit(code)
         task_r.close()
         res_w.close()
-        wid_of[pid] = wid
-        status_w.send_bytes(_RECORD.pack(_STARTED, wid, pid))
-    while wid_of:
+        k_of[pid] = k
+        status_w.send_bytes(_RECORD.pack(_STARTED, k, pid))
+    while k_of:
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
             break
-        wid = wid_of.pop(pid, None)
-        if wid is not None:
+        k = k_of.pop(pid, None)
+        if k is not None:
             try:
-                status_w.send_bytes(_RECORD.pack(_EXITED, wid, os.waitstatus_to_exitcode(status)))
+                status_w.send_bytes(_RECORD.pack(_EXITED, k, os.waitstatus_to_exitcode(status)))
             except OSError:
                 pass  # the main process is gone; keep reaping
 
 
 def _as_multiprocessing_child():
     """What multiprocessing does at the start of a forked child that user code may notice."""
+    import multiprocessing.process
     import multiprocessing.util
 
+    multiprocessing.process._children = set()  # the launcher's parent's (worker 0): not ours to join
     multiprocessing.util._finalizer_registry.clear()
     multiprocessing.util._run_after_forkers()
     try:
