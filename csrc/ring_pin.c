@@ -1,5 +1,4 @@
 /* Page-locking a Ring for DMA: pages faulted in and cudaHostRegister'ed chunk by chunk on background threads. */
-#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -102,9 +101,8 @@ static void *populater_main(void *arg) {
    (cuda_register_slot) and reports the error there. */
 static void *pinner_main(void *arg) {
     RingObject *r = (RingObject *)arg;
-    if (cudaSetDevice(r->registered_device) != cudaSuccess) { /* this thread's own current device */
-        return NULL; /* the main thread registers what it copies from, and reports the error */
-    }
+    if (cudaSetDevice(r->registered_device) != cudaSuccess) /* this thread's own current device */
+        return NULL;
     struct timespec pause = {0, PIN_PAUSE_NS};
     for (uint32_t i = 0; i < r->order_count && !atomic_load(&r->bg_stop); i++) {
         uint32_t slot = r->order[i];

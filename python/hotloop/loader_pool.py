@@ -583,9 +583,9 @@ class Pool:
         self.free_slots = list(range(nslots))
         loader._hl_stats.ring_bytes = ring.nbytes
         if self.device is not None:
-            # C threads fault the pages in and page-lock them, in the order take_slot hands slots
-            # out: a worker's first write finds its pages, a copy finds its slot page-locked, and
-            # the training thread is never the one that waits for either (ring_pin.c)
+            # C threads allocate the pages and page-lock them, in the order take_slot hands slots
+            # out: a worker's first write finds its pages and a copy its slot page-locked, without
+            # the training thread doing either (unless a copy comes first: ring_pin.c)
             ring.populate_all(self.free_slots[::-1], self.device.index)
         self.ring_msg = ("ring", f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
         for wid in range(self.n):
