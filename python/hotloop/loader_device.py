@@ -10,10 +10,10 @@ import weakref
 import torch
 
 from . import _C
+from .loader_worker import unflatten
 
 # torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-from .loader_worker import unflatten
 
 
 @dataclasses.dataclass(eq=False)
