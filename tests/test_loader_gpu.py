@@ -1,6 +1,7 @@
 """hotloop.DataLoader on a GPU: device batches equal torch's, Normalize equals torch's ops, no early reuse."""
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -164,7 +165,10 @@ def test_single_process_device_batches_equal_torch(prefetch_batches, normalize):
         torch.manual_seed(0)
         loader.generator.manual_seed(7)
     ring = loader._hl_local_ring.ring
-    assert ring.registered  # the batches went through the page-locked ring
+    deadline = time.monotonic() + 20
+    while ring.registered < ring.nslots:  # every slot, page-locked by the ring's background thread
+        assert time.monotonic() < deadline, f"{ring.registered} of {ring.nslots} slots page-locked"
+        time.sleep(0.005)
     st = loader.stats
     assert st.batches == 22 and st.samples == 86 and st.h2d_bytes > 0 and st.h2d_seconds > 0
     del loader, got

@@ -184,8 +184,8 @@ def slot_layout(sizes, start=0):
 
 class LocalRing:
     """num_workers=0 with a device: a small ring in this process that the main thread writes batches
-    into (one host copy), page-locked slot by slot, copied to the device by DeviceCopies. It lives
-    as long as its loader, so slots are page-locked once, not once per epoch."""
+    into (one host copy), page-locked in the background, copied to the device by DeviceCopies. It
+    lives as long as its loader, so slots are page-locked once, not once per epoch."""
 
     def __init__(self, loader, sizes):
         layout, offset = slot_layout(sizes)
@@ -197,6 +197,9 @@ class LocalRing:
         self.free_slots = list(range(nslots))
         self.copies = DeviceCopies(loader.device, loader)
         loader._hl_stats.ring_bytes = self.ring.nbytes
+        # C threads allocate and page-lock the slots in the order take_slot hands them out, while this
+        # thread makes the next batches; it registers only what they have not reached (ring_pin.c)
+        self.ring.populate_all(self.free_slots[::-1], loader.device.index)
         _LIVE_LOCAL_RINGS.add(self)
 
     def fits(self, tensors):
