@@ -1,7 +1,6 @@
 """hotloop.DataLoader on a GPU: device batches equal torch's, Normalize equals torch's ops, no early reuse."""
 import gc
 import os
-import time
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 from test_loader import hang_guard  # noqa: F401  (autouse: a hang fails the test)
+from test_ring_pin import wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
@@ -181,10 +181,7 @@ def test_single_process_ring_is_page_locked_ahead_of_its_copies():
     next(it)  # batch 0 handed out, 1 and 2 queued: three of the four slots copied from
     ring = loader._hl_local_ring.ring
     assert ring.nslots == 4
-    deadline = time.monotonic() + 20
-    while ring.registered < ring.nslots:
-        assert time.monotonic() < deadline, f"{ring.registered} of {ring.nslots} slots page-locked"
-        time.sleep(0.005)
+    wait_for(lambda: ring.registered == ring.nslots)
     assert len(list(it)) == 9
     del it, loader
     gc.collect()

@@ -265,6 +265,14 @@ def test_iterable_workers_that_stop_on_their_first_task(empty, gated, request):
         assert_ring_free(loader._hl_pool)
 
 
+def hold_later_workers(gate, i):
+    """Workers 1.. stop at every fourth sample until the gate opens (the main process opens it once
+    the ring exists): their first batches are placed before their layouts come."""
+    info = get_worker_info()
+    if gate is not None and info is not None and info.id > 0 and i % 4 == 0:
+        gate.wait(30)
+
+
 class SideAndRagged(Dataset):
     """A string leaf on every sample, and tensors whose shape changes within the first batch."""
 
@@ -275,9 +283,7 @@ class SideAndRagged(Dataset):
         return 20
 
     def __getitem__(self, i):
-        info = get_worker_info()
-        if self.gate is not None and info is not None and info.id > 0 and i % 4 == 0:
-            self.gate.wait(30)
+        hold_later_workers(self.gate, i)
         return torch.arange(i % 3 + 1) * 1.5, f"name-{i}" * (i + 1), {"k": i}
 
 
@@ -333,9 +339,7 @@ class Ordered(Dataset):
         return 30
 
     def __getitem__(self, i):
-        info = get_worker_info()
-        if self.gate is not None and info is not None and info.id > 0 and i % 4 == 0:
-            self.gate.wait(30)
+        hold_later_workers(self.gate, i)
         return torch.rand(3) + i, collections.OrderedDict(a=i, t=torch.full((2,), i))
 
 
