@@ -809,6 +809,30 @@ def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefe
     assert len(got) == 5 and all(torch.equal(x, ds.data[4 * k:4 * k + 4]) for k, (x, _) in enumerate(got))
 
 
+@pytest.mark.parametrize("prefetch_batches", [0, 2, 3])
+def test_worker_error_made_ahead_is_raised_when_due_with_fake_cuda(fake_cuda, prefetch_batches):
+    """With a device, batches are taken from the workers ahead of the one returned: an error among
+    them is raised at its own batch's turn, after every batch before it, and the epoch goes on after
+    it as torch's does."""
+    import types
+
+    ds = Images(n=42, size=12)
+    bad = FailsAt(ds, 21)  # in batch 5
+    loader = hotloop.DataLoader(bad, batch_size=4, num_workers=2, prefetch_batches=prefetch_batches)
+    loader.device = types.SimpleNamespace(type="cuda", index=0)
+    it = iter(loader)
+    got = []
+    with pytest.raises(ValueError, match="sample 21"):
+        while True:
+            got.append(next(it))
+            time.sleep(0.1)  # the workers finish the batches ahead, the failing one among them
+    got += list(it)
+    want = [k for k in range(11) if k != 5]
+    assert len(got) == len(want)
+    for k, (x, i) in zip(want, got):
+        assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
+
+
 def _device_loader(dataset, prefetch_batches):
     import types
 

@@ -640,12 +640,13 @@ class _MultiIter(_BaseDataLoaderIter):
                 self._fill()
                 continue
             if kind == "error":
-                task.handed = True
-                self._log.settle(task)
                 if task.slot >= 0:
                     pool.release_slot(task.slot)
                 self._fill()
-                outcome[1].reraise()
+                try:
+                    outcome[1].reraise()
+                except Exception as exc:  # raised when its batch is due (a device prefetch takes it early)
+                    return _Raise(exc), 0, task
             st = self._loader._hl_stats
             st.worker_busy_seconds += outcome[-2]
             if kind == "batch":
@@ -681,10 +682,12 @@ class _MultiIter(_BaseDataLoaderIter):
         while self._skip_batches:
             self._skip_batches -= 1
             out, _, task = self._next_result()
-            if isinstance(out, Pending):
-                self._pool.deliver(out)
             task.handed = True
             self._log.settle(task)
+            if isinstance(out, _Raise):
+                raise out.exc
+            if isinstance(out, Pending):
+                self._pool.deliver(out)
         pool = self._pool
         try:
             if pool.device is None:
@@ -698,6 +701,10 @@ class _MultiIter(_BaseDataLoaderIter):
             if not self._persistent_workers:
                 self._shutdown()
             raise
+        task.handed = True
+        self._log.settle(task)
+        if isinstance(out, _Raise):
+            raise out.exc
         if pool.device is not None:
             if isinstance(out, Pending):
                 out = pool.deliver(out)
@@ -709,8 +716,6 @@ class _MultiIter(_BaseDataLoaderIter):
                     self._prepared.append(nxt)
             except StopIteration:
                 pass  # the epoch's last batches are prepared; they are handed out by the next calls
-        task.handed = True
-        self._log.settle(task)
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out
