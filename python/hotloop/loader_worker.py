@@ -190,9 +190,10 @@ def write_general(batch, writer):
     return fix(spec)
 
 
-def write_fast(samples, writer):
+def write_fast(samples, writer, placed=0):
     """default_collate(samples) written into the slot sample by sample, without the stacked copy.
-    Raises _Abort whenever the result could differ from default_collate's."""
+    Raises _Abort whenever the result could differ from default_collate's. samples[:placed] are in
+    their rows already, as SlotRows put them (loader_rows.py): their row leaves are not copied again."""
     n = len(samples)
     plan = _sample_plan(samples[0])
 
@@ -203,7 +204,8 @@ def write_fast(samples, writer):
             dst = writer.region((n,) + shape, dtype)
             if dst is None:
                 raise _Abort
-            for j, v in enumerate(values):
+            for j in range(placed, n):
+                v = values[j]
                 if from_numpy:
                     import numpy as np
 
@@ -370,6 +372,8 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
             os.close(fd)
         except OSError:
             pass
+    from .loader_rows import SlotRows  # it builds on this module
+
     torch.set_num_threads(1)
     seed = _seed_like_torch(base_seed, worker_id)
     _utils.worker._worker_info = _utils.worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed,
@@ -397,7 +401,7 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
     meta_cap = 0
     iteration_end = False
     # task id -> (outcome, busy seconds) of batches made before the ring existed: they wait for "place";
-    # an outcome is ("samples", list) (fast path, not collated yet), ("batch", collated) or ("error", ...)
+    # an outcome is ("samples", list, placed) (fast path, not collated yet), ("batch", collated) or ("error", ...)
     pending = {}
     early = set()  # tasks whose layout was sent from their first sample, before the batch was complete
     rng_after = {}  # task id -> rng_state() right after it, until its outcome is sent
@@ -429,34 +433,42 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
             ring.publish(slot, task_id, worker_id, 0, _C.RING_FLAG_OVERFLOW)
             send(("meta", task_id, meta))
 
-    def load_samples(index, on_first=None):
-        """("samples", [dataset[i] for i in index]), or ("error", ...) naming the index that raised."""
-        samples = []
+    def load_samples(index, slot=-1, early_task=None):
+        """("samples", [dataset[i] for i in index], placed), or ("error", ...) naming the index that
+        raised. With a slot, each sample goes into its rows as soon as it is made (SlotRows; placed:
+        how many did). early_task: a batch begun before the ring existed, whose layout is sent from
+        its first sample (it keeps its samples until its slot is named)."""
+        samples, rows, n = [], None, len(index)
         for i in index:
             try:
-                samples.append(dataset[i])
+                sample = dataset[i]
             except Exception:
                 return ("error", ExceptionWrapper(where=f"{where} at dataset[{i!r}]"))
-            if on_first is not None and len(samples) == 1:
-                on_first(samples[0])
-        return ("samples", samples)
+            if not samples:
+                try:
+                    plan = _sample_plan(sample)
+                except _Abort:
+                    plan = None  # default_collate's general way: no rows, no early layout
+                if plan is not None and early_task is not None:
+                    send_early_layout(early_task, n, sample, plan)
+                if plan is not None and slot >= 0:
+                    rows = SlotRows(plan, sample, n, slot_tensor(slot), layout)
+            samples.append(sample if rows is None else rows.put(sample))
+        return ("samples", samples, rows.placed if rows is not None else 0)
 
-    def write_samples(samples, slot):
+    def write_samples(samples, slot, placed):
         """The batch default_collate would make of `samples`, written into the slot: its spec."""
         writer = _SlotWriter(slot_tensor(slot), layout)
         try:
-            return write_fast(samples, writer), writer.leaves
+            return write_fast(samples, writer, placed), writer.leaves
         except _Abort:
             writer = _SlotWriter(slot_u8[slot], layout)
             return write_general(collate_no_shm(samples), writer), writer.leaves
 
-    def send_early_layout(task_id, n, first):
+    def send_early_layout(task_id, n, first, plan):
         # the ring is sized from the first sample's layout, while the rest of the batch is still being
         # made: the main process makes (and page-locks) it meanwhile, and this batch goes straight in
-        try:
-            sizes, side_bytes = plan_layout(_sample_plan(first), first, n)
-        except _Abort:
-            return
+        sizes, side_bytes = plan_layout(plan, first, n)
         send(("layout", task_id, sizes, side_bytes))
         early.add(task_id)
 
@@ -475,7 +487,7 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
         elif kind != "error" and slot >= 0:
             try:
                 if kind == "samples":
-                    spec, leaves = write_samples(outcome[1], slot)
+                    spec, leaves = write_samples(outcome[1], slot, outcome[2])
                 else:
                     writer = _SlotWriter(slot_tensor(slot), layout)
                     spec, leaves = write_general(outcome[1], writer), writer.leaves
@@ -540,14 +552,14 @@ def worker_main(worker_id, num_workers, dataset_kind, dataset, auto_collation, c
             else:
                 try:
                     if fast and slot >= 0:
-                        outcome = load_samples(index)
+                        outcome = load_samples(index, slot)
                         if outcome[0] == "samples":
-                            outcome = ("ok",) + write_samples(outcome[1], slot)
+                            outcome = ("ok",) + write_samples(outcome[1], slot, outcome[2])
                     elif slot >= 0:
                         writer = _SlotWriter(slot_tensor(slot), layout)
                         outcome = ("ok", write_general(fetcher.fetch(index), writer), writer.leaves)
                     elif fast and ring is None:
-                        outcome = load_samples(index, lambda first: send_early_layout(task_id, len(index), first))
+                        outcome = load_samples(index, early_task=task_id)
                     else:
                         outcome = ("batch", fetcher.fetch(index))
                 except StopIteration:
