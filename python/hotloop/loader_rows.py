@@ -10,7 +10,9 @@ leaf order and offsets are write_fast's, and the samples (now partly views of th
 default_collate whenever write_fast gives up, which reads the rows before anything is rewritten.
 
 Only a prefix of the batch is placed: the first sample that does not match the plan ends the
-placing (write_fast then gives up on it as it would have).
+placing (write_fast then gives up on it as it would have). One difference from torch remains: a
+dataset that rewrites, in place, a tensor it returned for an earlier sample of the same batch gets
+the values as they were when returned here, where torch's collate stacks the rewritten ones.
 """
 import numpy as np
 import torch
@@ -22,7 +24,6 @@ class SlotRows:
     """The rows of one slot for a batch of n samples shaped like `first` (plan: its _sample_plan)."""
 
     def __init__(self, plan, first, n, slot_u8, layout):
-        self.plan = plan
         self.placed = 0  # samples 0..placed-1 are in their rows
         self.open = False  # whether the slot takes write_fast's layout: set below
         sizes, _ = plan_layout(plan, first, n)
