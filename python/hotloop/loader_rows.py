@@ -14,10 +14,9 @@ placing (write_fast then gives up on it as it would have). One difference from t
 dataset that rewrites, in place, a tensor it returned for an earlier sample of the same batch gets
 the values as they were when returned here, where torch's collate stacks the rewritten ones.
 """
-import numpy as np
 import torch
 
-from .loader_worker import is_ring_tensor, plan_layout
+from .loader_worker import plan_layout, row_tensor
 
 
 class SlotRows:
@@ -69,17 +68,10 @@ def _matches(d, value):
     """value is batched by default_collate as write_fast expects (the checks write_fast makes)."""
     kind = d[0]
     if kind == "row":
-        _, _, shape, dtype, from_numpy = d
-        if from_numpy:
-            if type(value) is not np.ndarray or value.dtype.kind in "SaUO":
-                return False
-            try:
-                value = torch.as_tensor(value)  # shares the array's memory
-            except TypeError:
-                return False
-        elif not is_ring_tensor(value):
+        try:
+            return row_tensor(value, d[2], d[3], d[4]) is not None
+        except TypeError:  # a numpy dtype torch has no type for: write_fast's general path says so
             return False
-        return tuple(value.shape) == shape and value.dtype == dtype
     if kind in ("scalar", "list"):
         return True
     if kind == "dict":
@@ -94,11 +86,8 @@ def _copy_in(d, value, j):
     kind = d[0]
     if kind == "row":
         dst = d[1][j]
-        if d[4]:
-            dst.copy_(torch.as_tensor(value))
-            return dst.numpy()
-        dst.copy_(value)
-        return dst
+        dst.copy_(row_tensor(value, d[2], d[3], d[4]))
+        return dst.numpy() if d[4] else dst
     if kind in ("scalar", "list"):
         return value
     if kind == "dict":

@@ -190,6 +190,20 @@ def write_general(batch, writer):
     return fix(spec)
 
 
+def row_tensor(v, shape, dtype, from_numpy):
+    """v as the tensor that goes into one row of a (n, *shape) `dtype` leaf, or None when
+    default_collate might batch it otherwise (another type, shape or dtype than the first sample's)."""
+    if from_numpy:
+        import numpy as np
+
+        if type(v) is not np.ndarray or v.dtype.kind in "SaUO":
+            return None
+        v = torch.as_tensor(v)  # shares the array's memory
+    elif not is_ring_tensor(v):
+        return None
+    return v if tuple(v.shape) == shape and v.dtype == dtype else None
+
+
 def write_fast(samples, writer, placed=0):
     """default_collate(samples) written into the slot sample by sample, without the stacked copy.
     Raises _Abort whenever the result could differ from default_collate's. samples[:placed] are in
@@ -205,16 +219,8 @@ def write_fast(samples, writer, placed=0):
             if dst is None:
                 raise _Abort
             for j in range(placed, n):
-                v = values[j]
-                if from_numpy:
-                    import numpy as np
-
-                    if type(v) is not np.ndarray or v.dtype.kind in "SaUO":
-                        raise _Abort
-                    v = torch.as_tensor(v)
-                elif not is_ring_tensor(v):
-                    raise _Abort
-                if tuple(v.shape) != shape or v.dtype != dtype:
+                v = row_tensor(values[j], shape, dtype, from_numpy)
+                if v is None:
                     raise _Abort
                 dst[j].copy_(v)
             return (_TENSOR, len(writer.leaves) - 1)
