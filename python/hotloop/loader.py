@@ -682,10 +682,7 @@ class _MultiIter(_BaseDataLoaderIter):
         while self._skip_batches:
             self._skip_batches -= 1
             out, _, task = self._next_result()
-            task.handed = True
-            self._log.settle(task)
-            if isinstance(out, _Raise):
-                raise out.exc
+            self._hand_out(out, task)
             if isinstance(out, Pending):
                 self._pool.deliver(out)
         pool = self._pool
@@ -701,10 +698,7 @@ class _MultiIter(_BaseDataLoaderIter):
             if not self._persistent_workers:
                 self._shutdown()
             raise
-        task.handed = True
-        self._log.settle(task)
-        if isinstance(out, _Raise):
-            raise out.exc
+        self._hand_out(out, task)
         if pool.device is not None:
             if isinstance(out, Pending):
                 out = pool.deliver(out)
@@ -719,6 +713,13 @@ class _MultiIter(_BaseDataLoaderIter):
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out
+
+    def _hand_out(self, out, task):
+        """The task's batch goes to the consumer now: log it (state_dict), or raise its error."""
+        task.handed = True
+        self._log.settle(task)
+        if isinstance(out, _Raise):
+            raise out.exc
 
     def _shutdown(self):
         pool, self._pool = self._pool, None
