@@ -690,6 +690,8 @@ class _FakeCuda:
 
         real_torch, real_c = L.torch, L._C
         self.recorded, self.waited, self.copies, self.registered = 0, 0, 0, set()
+        self.copy_threads = []  # the thread that queued each copy
+        self.fail_copy = None  # copy number (from 1) that raises
         fake = self
         cuda = types.SimpleNamespace(Stream=_FakeCuda.Stream, current_stream=lambda device=None: _FakeCuda.Stream())
 
@@ -717,6 +719,9 @@ class _FakeCuda:
 
             def copy_to_device(self, slot, packed, stream, device):
                 fake.copies += 1
+                fake.copy_threads.append(threading.current_thread())
+                if fake.copies == fake.fail_copy:
+                    raise RuntimeError(f"copy {fake.copies} failed")
                 self._ring.copy_out(slot, packed)  # "device" memory is host memory here
 
         def record(event, stream):
@@ -745,9 +750,29 @@ def fake_cuda(monkeypatch):
     gc.collect()
 
 
+@pytest.fixture(params=[True, False], ids=["prefetch-thread", "no-prefetch-thread"])
+def prefetch_thread(request, monkeypatch):
+    import hotloop.loader as L
+
+    monkeypatch.setattr(L, "PREFETCH_THREAD", request.param)
+    return request.param
+
+
+def _prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "hotloop-prefetch" and t.is_alive()]
+
+
+def _no_prefetch_thread_left(timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while _prefetch_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return not _prefetch_threads()
+
+
 @pytest.mark.parametrize("num_workers,prefetch_batches,transform",
                          [(1, 0, False), (3, 2, True), (2, 3, False), (0, 0, False), (0, 2, True), (0, 3, False)])
-def test_device_path_logic_with_fake_cuda(fake_cuda, num_workers, prefetch_batches, transform):
+def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_workers, prefetch_batches, transform):
     import types
 
     ds = Images(n=42, size=12)
@@ -810,7 +835,7 @@ def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefe
 
 
 @pytest.mark.parametrize("prefetch_batches", [0, 2, 3])
-def test_worker_error_made_ahead_is_raised_when_due_with_fake_cuda(fake_cuda, prefetch_batches):
+def test_worker_error_made_ahead_is_raised_when_due_with_fake_cuda(fake_cuda, prefetch_thread, prefetch_batches):
     """With a device, batches are taken from the workers ahead of the one returned: an error among
     them is raised at its own batch's turn, after every batch before it, and the epoch goes on after
     it as torch's does."""
@@ -831,6 +856,115 @@ def test_worker_error_made_ahead_is_raised_when_due_with_fake_cuda(fake_cuda, pr
     assert len(got) == len(want)
     for k, (x, i) in zip(want, got):
         assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
+
+
+def _fake_device(loader):
+    import types
+
+    loader.device = types.SimpleNamespace(type="cuda", index=0)  # what device="cuda" sets on a GPU machine
+    return loader
+
+
+def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cuda):
+    """next() hands out a batch whose copy is queued, and the copies of the batches after it are
+    queued by the prefetch thread while the consumer works on it, not by the consumer's thread;
+    the batches are torch's, and the thread ends with the epoch."""
+    ds = Images(n=42, size=12)
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)))
+    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                             generator=torch.Generator().manual_seed(5)))
+    got = []
+    for batch in loader:
+        got.append(batch)
+        time.sleep(0.05)  # "the training step": the workers and the prefetch thread go on meanwhile
+    assert len(got) == len(ref) == 11
+    for (x, i), (y, j) in zip(ref, got):
+        assert torch.equal(x, y) and torch.equal(i, j)
+    main = threading.main_thread()
+    off_main = [t for t in fake_cuda.copy_threads if t is not main]
+    assert len(fake_cuda.copy_threads) == 11
+    assert len(off_main) >= 8  # all but the first and a late one or two
+    assert all(t.name == "hotloop-prefetch" for t in off_main)
+    assert _no_prefetch_thread_left()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_prefetch_thread_ends_with_an_abandoned_iterator(fake_cuda, persistent):
+    ds = Images(n=42, size=12)
+    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                             persistent_workers=persistent))
+    for epoch in range(2):
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+            time.sleep(0.05)
+        assert len(_prefetch_threads()) == 1  # a persistent loader's second epoch replaced the first's
+        if not persistent:
+            del it
+            assert _no_prefetch_thread_left()
+    assert len(list(loader)) == 11
+    assert _no_prefetch_thread_left()  # a finished epoch ends it, persistent workers or not
+
+
+def test_error_while_prefetching_is_raised_at_its_batch(fake_cuda, prefetch_thread):
+    """A copy that fails while being queued ahead is raised by next() at its batch's turn, after the
+    batches before it; the epoch goes on after it (the failed batch is lost, as any batch whose
+    copy fails)."""
+    ds = Images(n=42, size=12)
+    fake_cuda.fail_copy = 5
+    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
+    it = iter(loader)
+    got = []
+    with pytest.raises(RuntimeError, match="copy 5 failed"):
+        while True:
+            got.append(next(it))
+            time.sleep(0.05)
+    got += list(it)
+    want = [k for k in range(11) if k != 4]
+    assert len(got) == len(want)
+    for k, (x, i) in zip(want, got):
+        assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
+
+
+def test_state_dict_while_the_prefetch_thread_runs(fake_cuda):
+    """state_dict() taken between next() calls while the prefetch thread takes batches ahead: the
+    resumed loader yields exactly the rest, as torch's loader would have (random crops included)."""
+    ds = RandomCrops()
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
+                               generator=torch.Generator().manual_seed(7)))
+
+    def make():
+        return _fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
+                                               generator=torch.Generator().manual_seed(7)))
+
+    loader = make()
+    it = iter(loader)
+    first = []
+    for _ in range(5):
+        first.append(next(it))
+        time.sleep(0.05)
+    state = loader.state_dict()
+    del it
+    again = make()
+    again.load_state_dict(state)
+    rest = list(again)
+    assert len(first) + len(rest) == len(ref)
+    for (x, i), (y, j) in zip(ref, first + rest):
+        assert torch.equal(x, y) and torch.equal(i, j)
+
+
+class RandomCrops(Dataset):
+    """Each sample draws from the worker's torch RNG: batches match torch's only with its streams."""
+
+    def __init__(self, n=40):
+        self.data = torch.randint(0, 256, (n, 10, 10, 3), dtype=torch.uint8)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        top, left = torch.randint(0, 3, (2,)).tolist()
+        return self.data[i, top:top + 8, left:left + 8].contiguous(), i
 
 
 def _device_loader(dataset, prefetch_batches):

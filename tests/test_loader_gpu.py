@@ -8,7 +8,7 @@ from torch.utils.data import Dataset
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
-from test_loader import hang_guard  # noqa: F401  (autouse: a hang fails the test)
+from test_loader import _no_prefetch_thread_left, hang_guard, prefetch_thread  # noqa: F401  (hang_guard: autouse)
 from test_ring_pin import wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
@@ -64,7 +64,7 @@ def check_equal(cpu, dev, where):
 
 
 @pytest.mark.parametrize("num_workers", [0, 1, 3])
-def test_device_batches_equal_cpu_batches(num_workers):
+def test_device_batches_equal_cpu_batches(num_workers, prefetch_thread):
     ds = Images()
     ref = torch_batches(ds, batch_size=5, shuffle=True, num_workers=num_workers)
     got = hotloop_batches(ds, batch_size=5, shuffle=True, num_workers=num_workers, device="cuda",
@@ -247,11 +247,12 @@ def test_single_process_no_early_reuse(side_stream, prefetch_batches):
 
 
 @pytest.mark.parametrize("side_stream", [False, True])
-def test_no_early_reuse_of_slots_or_device_buffers(side_stream):
+def test_no_early_reuse_of_slots_or_device_buffers(side_stream, prefetch_thread):
     """timm #2781: the consumer's stream is kept busy (a sleep kernel) before each batch is read and
     the batch dropped at once, so its device memory returns to the allocator while the read is
     still queued; prefetch copies must not overwrite it, nor may workers overwrite a slot whose
-    copy is still queued."""
+    copy is still queued. With the prefetch thread, the copies are queued (and their device memory
+    allocated) by that thread, whose current stream is not the consumer's side stream."""
     loader = hotloop.DataLoader(Marked(), batch_size=2, num_workers=2, prefetch_factor=1, device="cuda",
                                 prefetch_batches=4)
     read_each_batch_late(loader, side_stream)
@@ -285,6 +286,7 @@ def test_cleanup_on_gpu():
     del it
     gc.collect()
     assert ring.closed and not ring.registered
+    assert _no_prefetch_thread_left()
     left = {f for f in set(os.listdir("/proc/self/fd")) - fds if not _is_driver_fd(f)}
     assert not left, f"file descriptors left open: {[_describe(f) for f in left]}"
     assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= shm

@@ -8,7 +8,8 @@ order for the same generator), workers seeded as torch seeds them. What changes 
   /dev/shm file, nothing pickled for tensor data), the main process never unpickles batch data;
 * with `device="cuda"` the ring is page-locked once (`cudaHostRegister`) and each batch goes to the
   GPU with one `cudaMemcpyAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
-  stream waits on an event, and a slot is reused only once its copy finished;
+  stream waits on an event, and a slot is reused only once its copy finished; a thread queues those
+  copies while the training step runs (loader_prefetch.py), so next() only hands a batch out;
 * with num_workers=0 and a device, the main thread makes each batch as torch does but writes it
   straight into a small page-locked ring of its own, and the copies run on the side stream as
   above: the copy of one batch overlaps the making of the next;
@@ -24,8 +25,10 @@ resume (the same batches from then on, random transforms in workers included), a
 dies is replaced and its batches redone (`max_worker_restarts`), for an IterableDataset too.
 """
 import collections
+import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 import weakref
 
@@ -36,6 +39,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _Sing
 from . import _C
 from .loader_device import LocalRing, Pending
 from .loader_pool import POLL_S, Pool, Task
+from .loader_prefetch import Prefetcher  # after loader_pool: its exit handler must run first
 from .loader_resume import EpochLog, Plan
 from .loader_worker import _Abort, _SlotWriter, flatten, unflatten, write_fast, write_general
 from .normalize import Normalize
@@ -44,6 +48,8 @@ __all__ = ["DataLoader", "Normalize", "LoaderStats", "loader_stats_snapshot"]
 
 # every hotloop.DataLoader of this process adds to these (the monitor reads them)
 _PROCESS_STATS = {"wait_seconds": 0.0, "batches": 0, "samples": 0}
+
+PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
 
 
 def loader_stats_snapshot() -> dict:
@@ -214,6 +220,11 @@ class DataLoader(torch.utils.data.DataLoader):
                  "worker_stopped": None, "worker_ahead": None}
         if self._hl_epoch is None:
             return state
+        it = self._hl_iter() if self._hl_iter is not None else None
+        with getattr(it, "_lock", None) or contextlib.nullcontext():  # the prefetch thread adds to the log
+            return self._fill_state(state, n)
+
+    def _fill_state(self, state, n):
         log = self._hl_log
         if self._hl_epoch_done:
             state.update(generator_state=self._generator().get_state(), epoch_done=True)
@@ -466,9 +477,14 @@ class _MultiIter(_BaseDataLoaderIter):
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._pool = None
+        # next() and the prefetch thread both drive the pool: one at a time (reentrant: next() may
+        # shut the epoch down while holding it)
+        self._lock = threading.RLock()
+        self._prefetcher = None
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader, first_iter=False):
+        self._stop_prefetcher()
         super()._reset(loader, first_iter)
         skip = loader._hl_begin_epoch(self)
         plan = loader._hl_plan
@@ -518,6 +534,13 @@ class _MultiIter(_BaseDataLoaderIter):
                                                plan.next_worker if plan is not None else 0, pool.track)
         self._fill()
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
+        if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
+            self._prefetcher = Prefetcher(self)
+
+    def _stop_prefetcher(self):
+        prefetcher, self._prefetcher = getattr(self, "_prefetcher", None), None
+        if prefetcher is not None:
+            prefetcher.stop()
 
     def _abandon_prepared(self, pool):
         for old in getattr(self, "_prepared", ()):  # copies of an abandoned epoch: free their slots later
@@ -673,6 +696,14 @@ class _MultiIter(_BaseDataLoaderIter):
 
     def _next_data(self):
         t0 = time.perf_counter()
+        with self._lock:
+            out, samples = self._take_next()
+        _record(self._loader, t0, samples)
+        _count_elapsed(self, self._loader, t0)
+        return out
+
+    def _take_next(self):
+        """(the next batch, its samples), with the lock held."""
         if self._pool is None:
             self._loader._hl_epoch_done = True
             raise StopIteration
@@ -695,33 +726,54 @@ class _MultiIter(_BaseDataLoaderIter):
                 out, samples, task = self._prepared.popleft()
         except StopIteration:
             self._loader._hl_epoch_done = True
+            self._stop_prefetcher()
             if not self._persistent_workers:
                 self._shutdown()
             raise
-        self._hand_out(out, task)
-        if pool.device is not None:
+        if pool.device is None:
+            self._hand_out(out, task)
+            return out, samples
+        try:
+            self._hand_out(out, task)
             if isinstance(out, Pending):
                 out = pool.deliver(out)
-            try:
-                while len(self._prepared) < self._loader.prefetch_batches:
-                    nxt = self._next_result(block=False)
-                    if nxt is None:
-                        break
-                    self._prepared.append(nxt)
-            except StopIteration:
-                pass  # the epoch's last batches are prepared; they are handed out by the next calls
-        _record(self._loader, t0, samples)
-        _count_elapsed(self, self._loader, t0)
-        return out
+        finally:
+            if self._prefetcher is not None:
+                self._prefetcher.kick()  # the next batches' copies, queued while the step runs
+            else:
+                self._top_up()
+        return out, samples
+
+    def _top_up(self):
+        """With a device, lock held (the prefetch thread, or next() without it): take the batches
+        after the one handed out from the workers and queue their copies, up to prefetch_batches,
+        as far as they are done (it never waits for a worker: next() takes a batch that was not).
+        An exception here is raised by next() at the turn of the batch it was preparing."""
+        pool = self._pool
+        if pool is None or pool.closed:
+            return
+        try:
+            while len(self._prepared) < self._loader.prefetch_batches:
+                nxt = self._next_result(block=False)
+                if nxt is None:
+                    return
+                self._prepared.append(nxt)
+        except StopIteration:
+            pass  # the epoch's last batches are prepared; they are handed out by the next calls
+        except Exception as exc:
+            self._prepared.append((_Raise(exc), 0, None))
 
     def _hand_out(self, out, task):
-        """The task's batch goes to the consumer now: log it (state_dict), or raise its error."""
-        task.handed = True
-        self._log.settle(task)
+        """The task's batch goes to the consumer now: log it (state_dict), or raise its error (task
+        None: an error of the prefetch itself, no batch of its own)."""
+        if task is not None:
+            task.handed = True
+            self._log.settle(task)
         if isinstance(out, _Raise):
             raise out.exc
 
     def _shutdown(self):
+        self._stop_prefetcher()
         pool, self._pool = self._pool, None
         if pool is not None and not self._persistent_workers:
             self._abandon_prepared(pool)  # their copies must end before the ring is unregistered
