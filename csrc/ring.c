@@ -434,6 +434,7 @@ static PyMethodDef ring_methods[] = {
     {"faulted", ring_faulted, METH_O, faulted_doc},
     {"populate_all", hl_ring_populate_all, METH_VARARGS, hl_ring_populate_all_doc},
     {"cuda_register_slot", hl_ring_cuda_register_slot, METH_VARARGS, hl_ring_cuda_register_slot_doc},
+    {"slot_pinned", hl_ring_slot_pinned, METH_O, hl_ring_slot_pinned_doc},
     {"copy_to_device", hl_ring_copy_to_device, METH_VARARGS, hl_ring_copy_to_device_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -90,7 +90,9 @@ PyObject *hl_ring_populate_all(PyObject *self, PyObject *args);
 PyObject *hl_ring_cuda_register_slot(PyObject *self, PyObject *args);
 PyObject *hl_ring_copy_to_device(PyObject *self, PyObject *args);
 PyObject *hl_ring_get_registered(PyObject *self, void *closure);
-extern const char hl_ring_populate_all_doc[], hl_ring_cuda_register_slot_doc[], hl_ring_copy_to_device_doc[];
+PyObject *hl_ring_slot_pinned(PyObject *self, PyObject *arg);
+extern const char hl_ring_populate_all_doc[], hl_ring_cuda_register_slot_doc[], hl_ring_copy_to_device_doc[],
+    hl_ring_slot_pinned_doc[];
 
 int hl_ring_leases_exec(PyObject *module); /* ring_lease.c: the RingLeases type */
 

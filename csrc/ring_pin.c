@@ -325,6 +325,17 @@ PyObject *hl_ring_copy_to_device(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+const char hl_ring_slot_pinned_doc[] = "slot_pinned(slot) -> bool\n\n"
+             "Whether the whole slot is page-locked (by the background thread of populate_all or by\n"
+             "cuda_register_slot). Registers nothing: a copy that can wait asks this first.";
+PyObject *hl_ring_slot_pinned(PyObject *self, PyObject *arg) {
+    RingObject *r = (RingObject *)self;
+    long long slot = PyLong_AsLongLong(arg);
+    if ((slot == -1 && PyErr_Occurred()) || hl_ring_check_slot(r, slot) < 0)
+        return NULL;
+    return PyBool_FromLong(r->chunk_state != NULL && slot_registered(r, (uint32_t)slot));
+}
+
 PyObject *hl_ring_get_registered(PyObject *self, void *closure) {
     (void)closure;
     RingObject *r = (RingObject *)self;

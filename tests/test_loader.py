@@ -692,6 +692,8 @@ class _FakeCuda:
         self.recorded, self.waited, self.copies, self.registered = 0, 0, 0, set()
         self.copy_threads = []  # the thread that queued each copy
         self.fail_copy = None  # copy number (from 1) that raises
+        self.background_pins = True  # whether ring slots count as page-locked by the ring's own thread
+        self.register_threads = []  # the thread that page-locked each slot (cuda_register_slot)
         fake = self
         cuda = types.SimpleNamespace(Stream=_FakeCuda.Stream, current_stream=lambda device=None: _FakeCuda.Stream())
 
@@ -715,7 +717,12 @@ class _FakeCuda:
             def cuda_register_slot(self, slot, device):
                 new = slot not in fake.registered
                 fake.registered.add(slot)
+                if new:
+                    fake.register_threads.append(threading.current_thread())
                 return new
+
+            def slot_pinned(self, slot):
+                return fake.background_pins or slot in fake.registered
 
             def copy_to_device(self, slot, packed, stream, device):
                 fake.copies += 1
@@ -885,6 +892,28 @@ def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cu
     assert len(fake_cuda.copy_threads) == 11
     assert len(off_main) >= 8  # all but the first and a late one or two
     assert all(t.name == "hotloop-prefetch" for t in off_main)
+    assert _no_prefetch_thread_left()
+
+
+def test_prefetch_waits_for_slots_to_be_page_locked(fake_cuda):
+    """A batch copied ahead whose slot the ring's background thread has not page-locked yet is not
+    page-locked by the prefetch thread (that holds the driver lock the training thread's launches
+    need): it is copied once its slot is, or when it is due, by next() itself."""
+    ds = Images(n=42, size=12)
+    fake_cuda.background_pins = False  # the background thread never gets there
+    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
+    got = []
+    for batch in loader:
+        got.append(batch)
+        time.sleep(0.05)
+    assert len(got) == 11
+    for k, (x, i) in enumerate(got):
+        assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
+    main = threading.main_thread()
+    # every slot was page-locked by next() when its batch came due, none by the prefetch thread (which
+    # copies ahead out of slots page-locked before)
+    assert len(fake_cuda.register_threads) >= 3 and all(t is main for t in fake_cuda.register_threads)
+    assert fake_cuda.copy_threads[:3] == [main] * 3
     assert _no_prefetch_thread_left()
 
 

@@ -79,7 +79,7 @@ def test_background_page_locking_and_copies_across_chunks():
     try:
         ring.populate_all([3, 2, 1, 0], 0)
         wait_for(lambda: ring.registered == 4)
-        assert all(ring.faulted(i) for i in range(4))
+        assert all(ring.faulted(i) for i in range(4)) and all(ring.slot_pinned(i) for i in range(4))
         assert not ring.cuda_register_slot(2, 0)  # nothing left to register
         pieces = [(0, 100), (CHUNK - 7, 20), (CHUNK + 3, CHUNK), (2 * CHUNK - 1, 5 * 4096 + 1), (12345, 2 * CHUNK)]
         for slot in range(4):
@@ -97,8 +97,12 @@ def test_register_slot_on_the_main_thread_and_copy():
     try:
         with pytest.raises(ValueError, match="no CUDA device 99"):
             ring.cuda_register_slot(1, 99)
+        assert not ring.slot_pinned(1)
         assert ring.cuda_register_slot(1, 0)
         assert ring.registered == 1 and not ring.cuda_register_slot(1, 0)
+        assert ring.slot_pinned(1) and not ring.slot_pinned(0)
+        with pytest.raises(IndexError):
+            ring.slot_pinned(2)
         expected, got = _fill_and_copy(ring, 1, [(0, CHUNK + 4096), (CHUNK - 1, 2)])
         assert all(torch.equal(a, b) for a, b in zip(expected, got))
         # a slot never registered still copies correctly (the runtime stages pageable memory)

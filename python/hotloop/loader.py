@@ -645,7 +645,7 @@ class _MultiIter(_BaseDataLoaderIter):
             task = self._next_task()
             if task is None:
                 raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
-            if not block and not pool._is_done(task):
+            if not block and (not pool._is_done(task) or pool.copy_can_wait(task)):
                 return None
             if not self._in_order and not pool._is_done(task):
                 task = self._first_done(task)
@@ -747,21 +747,25 @@ class _MultiIter(_BaseDataLoaderIter):
     def _top_up(self):
         """With a device, lock held (the prefetch thread, or next() without it): take the batches
         after the one handed out from the workers and queue their copies, up to prefetch_batches,
-        as far as they are done (it never waits for a worker: next() takes a batch that was not).
-        An exception here is raised by next() at the turn of the batch it was preparing."""
+        as far as they are done and their slots page-locked (it never waits: next() takes a batch
+        that was not, and page-locks its slot if need be). True when the next batch is done but its
+        slot not yet page-locked: worth looking again soon. An exception here is raised by next()
+        at the turn of the batch it was preparing."""
         pool = self._pool
         if pool is None or pool.closed:
-            return
+            return False
         try:
             while len(self._prepared) < self._loader.prefetch_batches:
                 nxt = self._next_result(block=False)
                 if nxt is None:
-                    return
+                    task = self._next_task()
+                    return task is not None and pool._is_done(task)
                 self._prepared.append(nxt)
         except StopIteration:
             pass  # the epoch's last batches are prepared; they are handed out by the next calls
         except Exception as exc:
             self._prepared.append((_Raise(exc), 0, None))
+        return False
 
     def _hand_out(self, out, task):
         """The task's batch goes to the consumer now: log it (state_dict), or raise its error (task

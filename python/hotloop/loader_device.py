@@ -58,6 +58,11 @@ class DeviceCopies:
             warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
                           "slower", stacklevel=5)
 
+    def slot_pinned(self, ring, slot):
+        """Whether a copy out of the slot can start without page-locking it first (which holds the
+        driver lock, ~10 ms for a 38 MB slot on the H200 VM, blocking the training thread's launches)."""
+        return not self.pin_slots or slot in self.pinned or ring.slot_pinned(slot)
+
     def _event(self, timing=False):
         pool = self.timing_pool if timing else self.event_pool
         return pool.pop() if pool else _C.cuda_event_create(self.device.index, timing)

@@ -677,6 +677,11 @@ class Pool:
     def copy_to_device(self, slot, spec, leaves):
         return self.copies.copy_to_device(self.ring, slot, spec, leaves)
 
+    def copy_can_wait(self, task):
+        """A batch copied ahead whose slot the background thread has not page-locked yet: better
+        copied once it has than page-locked now (the batch due next is copied either way)."""
+        return self.copies is not None and task.slot >= 0 and not self.copies.slot_pinned(self.ring, task.slot)
+
     def deliver(self, pending):
         return self.copies.deliver(pending, self.release_slot)
 

@@ -11,7 +11,10 @@ after next() returned, largely while the training thread waits for the GPU with 
 12 workers): the rest of the saving goes to the GIL the two threads share.
 
 It never waits for a worker: it takes what is done when next() wakes it and sleeps again; a batch
-that was not done is taken by the next next() as before. Everything it does runs under the
+that was not done is taken by the next next() as before. Nor does it page-lock a slot: the ring's
+background thread does that, slot after slot, and until it reaches a done batch's slot this thread
+looks again every RETRY_S (page-locking it here took ~10 ms per 38 MB slot on the H200 VM, the
+driver lock held all along, while the training thread's kernel launches waited for it). Everything it does runs under the
 iterator's lock, which next() holds too, so the pool and the iterator's state never see two
 threads. It holds the iterator only through a weak reference, so dropping the iterator still shuts
 its workers down.
@@ -66,10 +69,16 @@ def _held(lock):
     return lock._is_owned()
 
 
+RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to be page-locked
+
+
 def _run(p):
+    again = False
     while True:
         with p._cond:
-            while not p._wanted and not p._stopped:
+            if again and not p._wanted and not p._stopped:
+                p._cond.wait(RETRY_S)
+            while not p._wanted and not p._stopped and not again:
                 p._cond.wait()
             if p._stopped:
                 return
@@ -78,8 +87,7 @@ def _run(p):
         if it is None:
             return
         with p._lock:
-            if not p._stopped:
-                it._top_up()
+            again = not p._stopped and it._top_up()
         del it  # may be the last reference: the iterator's shutdown then runs here, lock released
 
 
