@@ -13,11 +13,12 @@ after next() returned, largely while the training thread waits for the GPU with 
 It never waits for a worker: it takes what is done when next() wakes it and sleeps again; a batch
 that was not done is taken by the next next() as before. Nor does it page-lock a slot: the ring's
 background thread does that, slot after slot, and until it reaches a done batch's slot this thread
-looks again every RETRY_S (page-locking it here took ~10 ms per 38 MB slot on the H200 VM, the
-driver lock held all along, while the training thread's kernel launches waited for it). Everything it does runs under the
-iterator's lock, which next() holds too, so the pool and the iterator's state never see two
-threads. It holds the iterator only through a weak reference, so dropping the iterator still shuts
-its workers down.
+looks again every RETRY_S (page-locking it here took ~10 ms per 38 MB slot on the H200 VM, with
+the driver lock held, while the training thread's kernel launches waited for it).
+
+Everything it does runs under the iterator's lock, which next() holds too, so the pool and the
+iterator's state never see two threads. It holds the iterator only through a weak reference, so
+dropping the iterator still shuts its workers down.
 """
 import atexit
 import threading
@@ -58,10 +59,6 @@ class Prefetcher:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread() and not _held(self._lock):
             thread.join()
-
-    @property
-    def thread(self):
-        return self._thread
 
 
 def _held(lock):
