@@ -60,7 +60,8 @@ class DeviceCopies:
 
     def slot_pinned(self, ring, slot):
         """Whether a copy out of the slot can start without page-locking it first (which holds the
-        driver lock, ~10 ms for a 38 MB slot on the H200 VM, blocking the training thread's launches)."""
+        driver lock, 2-3 ms for a 38 MB slot whose pages exist, while the training thread's launches
+        wait: ring_pin.c)."""
         return not self.pin_slots or slot in self.pinned or ring.slot_pinned(slot)
 
     def _event(self, timing=False):
