@@ -146,11 +146,16 @@ class DeviceCopies:
             self.inflight.popleft()
             block = False
             release(p.slot)
-            self.event_pool.append(p.event)
             if p.timing is not None:
                 st.h2d_seconds += _C.cuda_event_elapsed(*p.timing) / 1e3
                 st.h2d_bytes += p.nbytes
-                self.timing_pool += p.timing
+            self._recycle(p)
+
+    def _recycle(self, p):
+        """Its events back to the pools, for later copies (or for close to destroy)."""
+        self.event_pool.append(p.event)
+        if p.timing is not None:
+            self.timing_pool += p.timing
 
     def close(self):
         """Wait for the copies in flight (DMA must be over before the ring is unregistered) and
@@ -158,9 +163,7 @@ class DeviceCopies:
         try:
             for p in self.inflight:
                 _C.cuda_event_synchronize(p.event)
-                self.event_pool.append(p.event)
-                if p.timing is not None:
-                    self.timing_pool += p.timing
+                self._recycle(p)
             self.inflight.clear()
             for e in self.event_pool + self.timing_pool + ([self.alloc_event] if self.alloc_event else []):
                 _C.cuda_event_destroy(e)
