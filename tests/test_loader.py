@@ -757,6 +757,15 @@ def fake_cuda(monkeypatch):
     gc.collect()
 
 
+def fake_device(loader):
+    """The loader with the device that device="cuda" sets on a GPU machine: under _FakeCuda its
+    device path runs on the CPU."""
+    import types
+
+    loader.device = types.SimpleNamespace(type="cuda", index=0)
+    return loader
+
+
 @pytest.fixture(params=[True, False], ids=["prefetch-thread", "no-prefetch-thread"])
 def prefetch_thread(request, monkeypatch):
     import hotloop.loader as L
@@ -780,15 +789,13 @@ def _no_prefetch_thread_left(timeout=5.0):
 @pytest.mark.parametrize("num_workers,prefetch_batches,transform",
                          [(1, 0, False), (3, 2, True), (2, 3, False), (0, 0, False), (0, 2, True), (0, 3, False)])
 def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_workers, prefetch_batches, transform):
-    import types
-
     ds = Images(n=42, size=12)
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2)))
     fake = fake_cuda
     tf = hotloop.Normalize((0.4, 0.5, 0.6), (0.2, 0.3, 0.25), dtype=torch.float16) if transform else None
-    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=num_workers, gpu_transform=tf,
-                                generator=torch.Generator().manual_seed(2), prefetch_batches=prefetch_batches)
-    loader.device = types.SimpleNamespace(type="cuda", index=0)  # what device="cuda" sets on a GPU machine
+    loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=num_workers, gpu_transform=tf,
+                                            generator=torch.Generator().manual_seed(2),
+                                            prefetch_batches=prefetch_batches))
     for epoch in range(2):
         got = list(loader)
         assert len(got) == len(ref) == 11  # every batch, the last ones after the prefetch included
@@ -806,17 +813,14 @@ def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_worker
 def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefetch_batches):
     """num_workers=0 with a device: batches made ahead do not move the resume point, and an error
     in a batch made ahead is raised when that batch is due, after the batches before it."""
-    import types
-
     ds = Images(n=42, size=12)
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
     fake = fake_cuda
 
     def make(dataset):
-        loader = hotloop.DataLoader(dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3),
-                                    prefetch_batches=prefetch_batches)
-        loader.device = types.SimpleNamespace(type="cuda", index=0)
-        return loader
+        return fake_device(hotloop.DataLoader(dataset, batch_size=4, shuffle=True,
+                                              generator=torch.Generator().manual_seed(3),
+                                              prefetch_batches=prefetch_batches))
 
     loader = make(ds)
     it = iter(loader)
@@ -846,12 +850,9 @@ def test_worker_error_made_ahead_is_raised_when_due_with_fake_cuda(fake_cuda, pr
     """With a device, batches are taken from the workers ahead of the one returned: an error among
     them is raised at its own batch's turn, after every batch before it, and the epoch goes on after
     it as torch's does."""
-    import types
-
     ds = Images(n=42, size=12)
     bad = FailsAt(ds, 21)  # in batch 5
-    loader = hotloop.DataLoader(bad, batch_size=4, num_workers=2, prefetch_batches=prefetch_batches)
-    loader.device = types.SimpleNamespace(type="cuda", index=0)
+    loader = fake_device(hotloop.DataLoader(bad, batch_size=4, num_workers=2, prefetch_batches=prefetch_batches))
     it = iter(loader)
     got = []
     with pytest.raises(ValueError, match="sample 21"):
@@ -871,20 +872,13 @@ def assert_sequential_batches(got, ds, lost=()):
         assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
 
 
-def _fake_device(loader):
-    import types
-
-    loader.device = types.SimpleNamespace(type="cuda", index=0)  # what device="cuda" sets on a GPU machine
-    return loader
-
-
 def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cuda):
     """next() hands out a batch whose copy is queued, and the copies of the batches after it are
     queued by the prefetch thread while the consumer works on it, not by the consumer's thread;
     the batches are torch's, and the thread ends with the epoch."""
     ds = Images(n=42, size=12)
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)))
-    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+    loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
                                              generator=torch.Generator().manual_seed(5)))
     got = []
     for batch in loader:
@@ -907,7 +901,7 @@ def test_prefetch_waits_for_slots_to_be_page_locked(fake_cuda):
     need): it is copied once its slot is, or when it is due, by next() itself."""
     ds = Images(n=42, size=12)
     fake_cuda.background_pins = False  # the background thread never gets there
-    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
+    loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
     got = []
     for batch in loader:
         got.append(batch)
@@ -924,7 +918,7 @@ def test_prefetch_waits_for_slots_to_be_page_locked(fake_cuda):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_prefetch_thread_ends_with_an_abandoned_iterator(fake_cuda, persistent):
     ds = Images(n=42, size=12)
-    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+    loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
                                              persistent_workers=persistent))
     for epoch in range(2):
         it = iter(loader)
@@ -945,7 +939,7 @@ def test_error_while_prefetching_is_raised_at_its_batch(fake_cuda, prefetch_thre
     copy fails)."""
     ds = Images(n=42, size=12)
     fake_cuda.fail_copy = 5
-    loader = _fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
+    loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
     it = iter(loader)
     got = []
     with pytest.raises(RuntimeError, match="copy 5 failed"):
@@ -964,7 +958,7 @@ def test_state_dict_while_the_prefetch_thread_runs(fake_cuda):
                                generator=torch.Generator().manual_seed(7)))
 
     def make():
-        return _fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
+        return fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
                                                generator=torch.Generator().manual_seed(7)))
 
     loader = make()
@@ -998,11 +992,7 @@ class RandomCrops(Dataset):
 
 
 def _device_loader(dataset, prefetch_batches):
-    import types
-
-    loader = hotloop.DataLoader(dataset, batch_size=4, prefetch_batches=prefetch_batches)
-    loader.device = types.SimpleNamespace(type="cuda", index=0)
-    return loader
+    return fake_device(hotloop.DataLoader(dataset, batch_size=4, prefetch_batches=prefetch_batches))
 
 
 class FailsAt(Dataset):

@@ -325,17 +325,14 @@ def test_iterable_that_is_not_a_function_of_its_seed_is_named(tmp_path):
 def test_resume_with_batches_prepared_for_the_device(monkeypatch, kind):
     """With device=, batches are taken from the ring prefetch_batches ahead of the one handed out:
     the state counts what was handed out, not what was taken (the device path on a fake CUDA)."""
-    import types
-
-    from test_loader import _FakeCuda
+    from test_loader import _FakeCuda, fake_device
 
     _FakeCuda(monkeypatch)
     seed = random.randrange(1 << 20)
 
     def on_device(loader):
-        loader.device = types.SimpleNamespace(type="cuda", index=0)  # what device="cuda" sets on a GPU machine
         loader.prefetch_batches = 3
-        return loader
+        return fake_device(loader)
 
     torch.manual_seed(seed)
     loader = on_device(make(kind, 3, False, seed))
