@@ -261,6 +261,7 @@ def test_iterable_worker_killed_with_persistent_workers(tmp_path):
     torch.manual_seed(6)
     ref_loader = TorchDataLoader(DyingStream(30, -1, ""), **kwargs)
     ref = [list(ref_loader) for _ in range(3)]
+    del ref_loader  # its workers and queue threads end before hotloop's workers are forked (conftest.py)
     torch.manual_seed(6)
     loader = hotloop.DataLoader(DyingStream(30, -1, marker), **kwargs)
     first = list(loader)
