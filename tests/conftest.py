@@ -36,10 +36,10 @@ def _shutdown_and_join_feeders(shutdown):
         shutdown(self)
         for queue in getattr(self, "_index_queues", ()):
             thread = getattr(queue, "_thread", None)
+            # the garbage collector may run this shutdown in that very thread (it pickles)
             if thread is not None and thread is not threading.current_thread():
                 thread.join(5.0)
-                if thread.native_id is not None:
-                    _wait_thread_gone(thread.native_id)
+                _wait_thread_gone(thread.native_id)
 
     return shutdown_workers
 
