@@ -93,10 +93,8 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
                                                     hl_stream(stream)));
         hl_device_leave(&guard, &status);
         Py_END_ALLOW_THREADS
-        if (status.code != 0) {
-            hl_raise_cuda(module, &status);
+        if (hl_cuda_raise_if(module, &status) < 0)
             goto error;
-        }
 #endif
     }
     result = Py_NewRef(Py_None);

@@ -20,7 +20,7 @@ int hl_cuda_require(PyObject *module, int device) {
     }
     if (err != cudaSuccess) {
         hl_cuda_status status = {err, "cudaGetDeviceCount", __FILE__, __LINE__};
-        return hl_raise_cuda(module, &status);
+        return hl_cuda_raise_if(module, &status);
     }
     if (device < 0 || device >= count) {
         PyErr_Format(PyExc_ValueError, "no CUDA device %d: this machine has %d", device, count);
@@ -53,7 +53,7 @@ int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx) {
     HL_CUDA(&status, launch(ctx));
     hl_device_leave(&guard, &status);
     Py_END_ALLOW_THREADS
-    return status.code != 0 ? hl_raise_cuda(module, &status) : 0;
+    return hl_cuda_raise_if(module, &status);
 }
 
 void hl_table_upload(const hl_table *table, void *device_dst, cudaStream_t stream, hl_cuda_status *status) {
@@ -110,16 +110,9 @@ static PyObject *py_cuda_event_create(PyObject *m, PyObject *args) {
     HL_CUDA(&status, cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
     hl_device_leave(&guard, &status);
     Py_END_ALLOW_THREADS
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
     return PyLong_FromVoidPtr(event);
-}
-
-/* None, or the CudaError naming the first failed call */
-static PyObject *none_or_raise(PyObject *m, const hl_cuda_status *status) {
-    if (status->code != 0)
-        return hl_raise_cuda(m, status), NULL;
-    Py_RETURN_NONE;
 }
 
 static int parse_event(PyObject *obj, cudaEvent_t *event) {
@@ -147,7 +140,9 @@ static PyObject *py_cuda_event_record(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaEventRecord(event, hl_stream(stream)));
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_event_query_doc, "cuda_event_query(event) -> bool\n\nTrue once all work before the record completed.");
@@ -162,8 +157,8 @@ static PyObject *py_cuda_event_query(PyObject *m, PyObject *args) {
     }
     hl_cuda_status status = {0};
     HL_CUDA(&status, err);
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -176,7 +171,9 @@ static PyObject *py_cuda_event_synchronize(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     HL_CUDA(&status, cudaEventSynchronize(event));
     Py_END_ALLOW_THREADS
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_event_elapsed_doc, "cuda_event_elapsed(start, end) -> float\n\n"
@@ -190,8 +187,8 @@ static PyObject *py_cuda_event_elapsed(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaEventElapsedTime(&ms, start, end));
-    if (status.code != 0)
-        return hl_raise_cuda(m, &status), NULL;
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
     return PyFloat_FromDouble((double)ms);
 }
 
@@ -202,7 +199,9 @@ static PyObject *py_cuda_event_destroy(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaEventDestroy(event));
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_stream_wait_event_doc, "cuda_stream_wait_event(stream, event)\n\n"
@@ -215,7 +214,9 @@ static PyObject *py_cuda_stream_wait_event(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     HL_CUDA(&status, cudaStreamWaitEvent(hl_stream(stream), event, 0));
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_memcpy_htod_async_doc, "cuda_memcpy_htod_async(dst, src, nbytes, stream)\n\n"
@@ -230,7 +231,9 @@ static PyObject *py_cuda_memcpy_htod_async(PyObject *m, PyObject *args) {
     HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes,
                                      cudaMemcpyHostToDevice, hl_stream(stream)));
     Py_END_ALLOW_THREADS
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_host_register_doc, "cuda_host_register(ptr, nbytes)\n\ncudaHostRegister (portable) host memory.");
@@ -242,7 +245,9 @@ static PyObject *py_cuda_host_register(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     HL_CUDA(&status, cudaHostRegister((void *)(uintptr_t)ptr, (size_t)nbytes, cudaHostRegisterPortable));
     Py_END_ALLOW_THREADS
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_host_unregister_doc, "cuda_host_unregister(ptr)");
@@ -254,7 +259,9 @@ static PyObject *py_cuda_host_unregister(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     HL_CUDA(&status, cudaHostUnregister((void *)(uintptr_t)ptr));
     Py_END_ALLOW_THREADS
-    return none_or_raise(m, &status);
+    if (hl_cuda_raise_if(m, &status) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 #define HL_LOADER_CUDA_METHODS                                                                                 \

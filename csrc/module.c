@@ -47,7 +47,9 @@ error:
     return -1;
 }
 
-int hl_raise_cuda(PyObject *module, const hl_cuda_status *status) {
+int hl_cuda_raise_if(PyObject *module, const hl_cuda_status *status) {
+    if (status->code == 0)
+        return 0;
     const char *name = "cudaErrorUnknown", *text = "unknown error";
 #ifdef HOTLOOP_WITH_CUDA
     name = cudaGetErrorName((cudaError_t)status->code);

@@ -38,9 +38,9 @@ typedef struct {
         }                                                                                          \
     } while (0)
 
-/* Raise hotloop.CudaError for a failed status (naming call, error name and text, file and line).
-   Returns -1, for `return hl_raise_cuda(...)`. */
-int hl_raise_cuda(PyObject *module, const hl_cuda_status *status);
+/* The one way a hl_cuda_status becomes an exception: 0 while it holds no failure; otherwise -1 with
+   hotloop.CudaError naming the call, error name and text, file and line. Needs the GIL. */
+int hl_cuda_raise_if(PyObject *module, const hl_cuda_status *status);
 
 /* Raise hotloop.NvmlError: `code` is NVML's return code, `text` what nvmlErrorString said. */
 int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call, const char *file,
