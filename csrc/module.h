@@ -51,6 +51,7 @@ int hl_tensor_exec(PyObject *module);
 int hl_cuda_exec(PyObject *module);
 int hl_amp_exec(PyObject *module);
 int hl_monitor_exec(PyObject *module);
+int hl_nvml_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring, its CUDA copies and Normalize */
 
 #endif

@@ -1,17 +1,9 @@
-/* What monitor.c offers other C files: NVML, opened at run time, and the sample layouts the sampler writes. */
+/* The sample layouts monitor.c's sampler writes (and snapshot() hands to Python as packed records). */
 #ifndef HOTLOOP_MONITOR_H
 #define HOTLOOP_MONITOR_H
 
 #include <stddef.h>
 #include <stdint.h>
-
-#include "nvml.h"
-
-/* The NVML library named by HOTLOOP_NVML_LIBRARY (else libnvidia-ml.so.1), opened and initialised
-   once per process and kept. NULL when that fails: then *code is an NVML return code
-   (NVML_ERROR_LIBRARY_NOT_FOUND when dlopen failed), `text` says why and *call names what failed.
-   Safe without the GIL. */
-const hl_nvml *hl_nvml_open(int *code, char *text, size_t text_len, const char **call);
 
 /* One memory reading, taken every tick. Times are CLOCK_MONOTONIC seconds (Python's
    time.monotonic() on Linux), so Python can place its own events on the same axis. */

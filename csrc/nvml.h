@@ -1,8 +1,11 @@
-/* The part of NVML's C API that hotloop uses, declared from NVML's documented API (no nvml.h needed to build). */
+/* NVML for hotloop: the part of NVML's C API it uses (from NVML's documented API, no nvml.h needed
+   to build), and what csrc/nvml.c offers: the library opened at run time and its errors raised. */
 #ifndef HOTLOOP_NVML_H
 #define HOTLOOP_NVML_H
 
-/* NVML is never linked: monitor.c opens libnvidia-ml.so.1 with dlopen and looks each function up
+#include "module.h"
+
+/* NVML is never linked: nvml.c opens libnvidia-ml.so.1 with dlopen and looks each function up
    with dlsym, so these are types of function pointers, not prototypes. */
 
 typedef int nvmlReturn_t; /* an enum in NVML; int-sized on every platform NVML supports */
@@ -92,7 +95,7 @@ typedef nvmlReturn_t (*nvmlDeviceGetEnableState_fn)(nvmlDevice_t device, int *mo
 typedef nvmlReturn_t (*nvmlDeviceGetTwoStates_fn)(nvmlDevice_t device, int *current, int *pending); /* ECC */
 typedef nvmlReturn_t (*nvmlDeviceGetMigMode_fn)(nvmlDevice_t device, unsigned int *current, unsigned int *pending);
 
-/* what monitor.c resolved from one library; optional entry points may be NULL */
+/* what nvml.c resolved from one library; optional entry points may be NULL */
 typedef struct {
     char path[512];
     nvmlInit_v2_fn init;
@@ -121,5 +124,19 @@ typedef struct {
     nvmlDeviceGetTwoStates_fn ecc;
     nvmlDeviceGetMigMode_fn mig;
 } hl_nvml;
+
+/* The NVML library named by HOTLOOP_NVML_LIBRARY (else libnvidia-ml.so.1), opened and initialised
+   once per process and kept. NULL when that fails: then *code is an NVML return code
+   (NVML_ERROR_LIBRARY_NOT_FOUND when dlopen failed), `text` says why and *call names what failed.
+   Safe without the GIL. */
+const hl_nvml *hl_nvml_open(int *code, char *text, size_t text_len, const char **call);
+
+/* hl_nvml_open, or NULL with hotloop.NvmlError saying why. Needs the GIL. */
+const hl_nvml *hl_nvml_open_or_raise(PyObject *module);
+
+/* The handle of `device`: an NVML index, or a UUID string ("GPU-...") so Python can name the device
+   torch uses whatever CUDA_VISIBLE_DEVICES says; *index is its NVML index (UINT32_MAX when a UUID
+   matches no index). 0, or -1 with NvmlError/TypeError/ValueError. Needs the GIL. */
+int hl_nvml_device(PyObject *module, const hl_nvml *n, PyObject *device, nvmlDevice_t *handle, unsigned int *index);
 
 #endif
