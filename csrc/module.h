@@ -42,7 +42,8 @@ typedef struct {
    hotloop.CudaError naming the call, error name and text, file and line. Needs the GIL. */
 int hl_cuda_raise_if(PyObject *module, const hl_cuda_status *status);
 
-/* Raise hotloop.NvmlError: `code` is NVML's return code, `text` what nvmlErrorString said. */
+/* Build and raise hotloop.NvmlError: `code` is NVML's return code, `text` what nvmlErrorString said.
+   Only nvml.c calls it: a return code goes through its hl_nvml_raise_if. */
 int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call, const char *file,
                   int line);
 

@@ -519,11 +519,9 @@ static PyObject *monitor_check(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     Py_END_ALLOW_THREADS
     if (errors == 0)
         Py_RETURN_NONE;
-    const char *text = m->nvml->error_string(code);
-    char message[300];
-    snprintf(message, sizeof(message), "%s (%llu failed samples)", text ? text : "unknown error",
-             (unsigned long long)errors);
-    hl_raise_nvml(module_of(self), code, message, call, __FILE__, __LINE__);
+    char detail[48];
+    snprintf(detail, sizeof(detail), " (%llu failed samples)", (unsigned long long)errors);
+    hl_nvml_raise_if(module_of(self), m->nvml, code, call, detail, __FILE__, __LINE__);
     return NULL;
 }
 
@@ -537,11 +535,9 @@ static PyObject *monitor_read_memory(PyObject *self, PyObject *Py_UNUSED(ignored
     Py_BEGIN_ALLOW_THREADS
     rc = read_memory(m, &s);
     Py_END_ALLOW_THREADS
-    if (rc != NVML_SUCCESS) {
-        hl_raise_nvml(module_of(self), rc, m->nvml->error_string(rc),
-                      m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo", __FILE__, __LINE__);
+    if (HL_NVML_RAISE_IF(module_of(self), m->nvml, rc,
+                         m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo") < 0)
         return NULL;
-    }
     total = s.used + s.reserved + s.free;
     return Py_BuildValue("(KKKK)", (unsigned long long)s.used, (unsigned long long)s.reserved,
                          (unsigned long long)s.free, total);

@@ -119,22 +119,30 @@ done:
     return found;
 }
 
+int hl_nvml_raise_if(PyObject *module, const hl_nvml *n, nvmlReturn_t rc, const char *call, const char *detail,
+                     const char *file, int line) {
+    if (rc == NVML_SUCCESS)
+        return 0;
+    const char *text = n->error_string(rc);
+    char message[300];
+    snprintf(message, sizeof(message), "%s%s", text != NULL ? text : "unknown error", detail != NULL ? detail : "");
+    return hl_raise_nvml(module, rc, message, call, file, line);
+}
+
 const hl_nvml *hl_nvml_open_or_raise(PyObject *module) {
     int code = 0;
     char text[600] = "";
     const char *call = "";
     const hl_nvml *n = hl_nvml_open(&code, text, sizeof(text), &call);
-    if (n == NULL)
+    if (n == NULL) /* not a call's return code: the text says what failed (dlopen, dlsym, nvmlInit) */
         hl_raise_nvml(module, code, text, call, __FILE__, __LINE__);
     return n;
 }
 
 int hl_nvml_device(PyObject *module, const hl_nvml *n, PyObject *device, nvmlDevice_t *handle, unsigned int *index) {
-    nvmlReturn_t rc;
     unsigned int count = 0;
-    rc = n->device_count(&count);
-    if (rc != NVML_SUCCESS)
-        return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetCount_v2", __FILE__, __LINE__);
+    if (HL_NVML_RAISE_IF(module, n, n->device_count(&count), "nvmlDeviceGetCount_v2") < 0)
+        return -1;
     if (PyUnicode_Check(device)) {
         const char *uuid = PyUnicode_AsUTF8AndSize(device, NULL);
         if (uuid == NULL)
@@ -143,9 +151,8 @@ int hl_nvml_device(PyObject *module, const hl_nvml *n, PyObject *device, nvmlDev
             PyErr_SetString(PyExc_ValueError, "device: this NVML cannot look devices up by UUID; pass an index");
             return -1;
         }
-        rc = n->handle_by_uuid(uuid, handle);
-        if (rc != NVML_SUCCESS)
-            return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetHandleByUUID", __FILE__, __LINE__);
+        if (HL_NVML_RAISE_IF(module, n, n->handle_by_uuid(uuid, handle), "nvmlDeviceGetHandleByUUID") < 0)
+            return -1;
         *index = UINT32_MAX;
         for (unsigned int i = 0; i < count; i++) { /* its index, for display */
             nvmlDevice_t other;
@@ -165,9 +172,8 @@ int hl_nvml_device(PyObject *module, const hl_nvml *n, PyObject *device, nvmlDev
             PyErr_Format(PyExc_ValueError, "device: NVML sees no GPU on this machine (asked for %ld)", i);
         return -1;
     }
-    rc = n->handle_by_index((unsigned int)i, handle);
-    if (rc != NVML_SUCCESS)
-        return hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetHandleByIndex_v2", __FILE__, __LINE__);
+    if (HL_NVML_RAISE_IF(module, n, n->handle_by_index((unsigned int)i, handle), "nvmlDeviceGetHandleByIndex_v2") < 0)
+        return -1;
     *index = (unsigned int)i;
     return 0;
 }
@@ -202,11 +208,8 @@ static PyObject *nvml_system(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     char driver[HL_NVML_STRING_LEN] = "";
     int cuda = 0;
     unsigned int count = 0;
-    nvmlReturn_t rc = n->device_count(&count);
-    if (rc != NVML_SUCCESS) {
-        hl_raise_nvml(module, rc, n->error_string(rc), "nvmlDeviceGetCount_v2", __FILE__, __LINE__);
+    if (HL_NVML_RAISE_IF(module, n, n->device_count(&count), "nvmlDeviceGetCount_v2") < 0)
         return NULL;
-    }
     int have_driver = n->driver_version && n->driver_version(driver, sizeof(driver)) == NVML_SUCCESS;
     int have_cuda = n->cuda_driver_version && n->cuda_driver_version(&cuda) == NVML_SUCCESS;
     PyObject *driver_obj = have_driver ? PyUnicode_FromString(driver) : Py_NewRef(Py_None);

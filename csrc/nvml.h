@@ -131,6 +131,13 @@ typedef struct {
    Safe without the GIL. */
 const hl_nvml *hl_nvml_open(int *code, char *text, size_t text_len, const char **call);
 
+/* The one function that turns an NVML return code into an exception, as CPython's catch_bz2_error
+   does for bz2: 0 for NVML_SUCCESS; otherwise -1 with hotloop.NvmlError naming `call`, `file` and
+   `line`, its message nvmlErrorString's text followed by `detail` (may be NULL). Needs the GIL. */
+int hl_nvml_raise_if(PyObject *module, const hl_nvml *n, nvmlReturn_t rc, const char *call, const char *detail,
+                     const char *file, int line);
+#define HL_NVML_RAISE_IF(module, n, rc, call) hl_nvml_raise_if((module), (n), (rc), (call), NULL, __FILE__, __LINE__)
+
 /* hl_nvml_open, or NULL with hotloop.NvmlError saying why. Needs the GIL. */
 const hl_nvml *hl_nvml_open_or_raise(PyObject *module);
 
