@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cuda.h"
+#include "half_convert.h"
 #include "tensor.h"
 #include "amp_math.h"
 #ifdef HOTLOOP_WITH_CUDA
@@ -114,73 +115,15 @@ error:
    never waits for the device and keeps the buffer until the copy is done.
    --------------------------------------------------------------------------------------------- */
 
-static float bits_to_float(uint32_t b) {
-    float f;
-    memcpy(&f, &b, sizeof(f));
-    return f;
-}
-
-static uint32_t float_to_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof(b));
-    return b;
-}
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0) {
-        if (man == 0)
-            return bits_to_float(sign);
-        int shifts = 0; /* a subnormal: normalise it */
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            shifts++;
-        }
-        return bits_to_float(sign | ((uint32_t)(113 - shifts) << 23) | ((man & 0x3ffu) << 13));
-    }
-    if (exp == 31)
-        return bits_to_float(sign | 0x7f800000u | (man << 13));
-    return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
-}
-
-/* round to nearest even, as __float2half_rn */
-static uint16_t float_to_half(float f) {
-    uint32_t x = float_to_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax > 0x7f800000u)
-        return (uint16_t)(sign | 0x7e00u); /* NaN */
-    if (ax >= 0x477ff000u)
-        return (uint16_t)(sign | 0x7c00u); /* 65520 and up round to inf */
-    if (ax < 0x38800000u) {                /* below 2^-14: a subnormal half or zero */
-        if (ax <= 0x33000000u)
-            return (uint16_t)sign; /* up to 2^-25 (a tie, to even) rounds to zero */
-        uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
-        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-        if (rem > halfway || (rem == halfway && (r & 1u)))
-            r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);
-    return (uint16_t)(sign | ((r - (112u << 23)) >> 13));
-}
-
-static float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
-
-static uint16_t float_to_bf16(float f) {
-    uint32_t x = float_to_bits(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((x >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
 static float load_elem(const hl_table_entry *e, int64_t i) {
     const void *base = (const void *)(uintptr_t)e->data;
     switch (e->dtype) {
     case HL_FLOAT32:
         return ((const float *)base)[i];
     case HL_FLOAT16:
-        return half_to_float(((const uint16_t *)base)[i]);
+        return hl_half_to_float(((const uint16_t *)base)[i]);
     default:
-        return bf16_to_float(((const uint16_t *)base)[i]);
+        return hl_bf16_to_float(((const uint16_t *)base)[i]);
     }
 }
 
@@ -191,10 +134,10 @@ static void store_elem(const hl_table_entry *e, int64_t i, float v) {
         ((float *)base)[i] = v;
         break;
     case HL_FLOAT16:
-        ((uint16_t *)base)[i] = float_to_half(v);
+        ((uint16_t *)base)[i] = hl_float_to_half(v);
         break;
     default:
-        ((uint16_t *)base)[i] = float_to_bf16(v);
+        ((uint16_t *)base)[i] = hl_float_to_bf16(v);
         break;
     }
 }
@@ -205,13 +148,13 @@ static float round_elem(int dtype, float v) {
     case HL_FLOAT32:
         return v;
     case HL_FLOAT16:
-        return half_to_float(float_to_half(v));
+        return hl_half_to_float(hl_float_to_half(v));
     default:
-        return bf16_to_float(float_to_bf16(v));
+        return hl_bf16_to_float(hl_float_to_bf16(v));
     }
 }
 
-static int finite_float(float v) { return (float_to_bits(v) & 0x7f800000u) != 0x7f800000u; }
+static int finite_float(float v) { return (hl_float_to_bits(v) & 0x7f800000u) != 0x7f800000u; }
 
 static void chunk_range(const hl_table_entry *e, int64_t chunk, int64_t *begin, int64_t *end) {
     *begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;

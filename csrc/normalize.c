@@ -1,8 +1,8 @@
 /* hotloop._C.normalize: uint8 HWC image batch -> normalised float NCHW/channels_last; CUDA launch and C reference. */
-#include <math.h>
 #include <string.h>
 
 #include "cuda.h"
+#include "half_convert.h"
 #include "ring.h"
 #include "tensor.h"
 #ifdef HOTLOOP_WITH_CUDA
@@ -14,32 +14,6 @@ typedef struct {
     float std[HL_NORMALIZE_MAX_CHANNELS];
 } hl_normalize_params;
 #endif
-
-/* float -> IEEE half, round to nearest even (what torch's .half() does) */
-static uint16_t half_rn(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u)
-        return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
-    if (a >= 0x477ff000u) /* 65520 and up round to inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (a < 0x38800000u) { /* below 2^-14: a subnormal half, in steps of 2^-24 */
-        float af;
-        memcpy(&af, &a, 4);
-        return (uint16_t)(sign | (uint32_t)rintf(af * 16777216.0f));
-    }
-    return (uint16_t)(sign | ((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
-}
-
-/* float -> bfloat16, round to nearest even */
-static uint16_t bf16_rn(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((x >> 16) | 0x40u);
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
 
 /* C reference of kernels/normalize.cu, element for element */
 static void cpu_normalize(const uint8_t *src, void *dst, int dtype, int64_t n, int64_t h, int64_t w, int64_t c,
@@ -60,9 +34,9 @@ static void cpu_normalize(const uint8_t *src, void *dst, int dtype, int64_t n, i
         volatile float d = (float)src[in] - p->mean[ch];
         float y = d / p->std[ch];
         if (dtype == HL_FLOAT16)
-            ((uint16_t *)dst)[o] = half_rn(y);
+            ((uint16_t *)dst)[o] = hl_float_to_half(y);
         else if (dtype == HL_BFLOAT16)
-            ((uint16_t *)dst)[o] = bf16_rn(y);
+            ((uint16_t *)dst)[o] = hl_float_to_bf16(y);
         else
             ((float *)dst)[o] = y;
     }
