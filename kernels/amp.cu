@@ -17,7 +17,6 @@
    --------------------------------------------------------------------------------------------- */
 
 #define AMP_THREADS 512
-#define AMP_WARPS (AMP_THREADS / 32)
 #define AMP_UNROLL 8 /* 16-byte loads in flight per thread */
 #define EPILOGUE_THREADS 1024
 
@@ -150,6 +149,33 @@ extern "C" cudaError_t hl_launch_non_finite_check(const hl_table_entry *table, i
 
 /* ---- the GradScaler's check ---- */
 
+/* The block's values combined in a fixed tree, so the same inputs give the same bits on every run:
+   each warp by xor-shuffle (offsets 16, 8, 4, 2, 1), lane 0 of each warp parks the result in shared
+   memory, then warp 0 combines those the same way (lanes past the last warp start from `pad`).
+   op(own, partner) always gets this lane's value first (the inf-norm's NaN rule is not symmetric).
+   Every thread of the block calls it; warp 0 (so thread 0) returns the block's result. It ends on
+   a barrier, so it may be called again right away. */
+template <int THREADS, typename T, typename Op> __device__ __forceinline__ T block_reduce(T v, T pad, Op op) {
+    static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps, at most 32 of them");
+    constexpr int WARPS = THREADS / 32;
+    __shared__ T warp_value[WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0)
+        warp_value[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < WARPS ? warp_value[lane] : pad;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    __syncthreads(); /* warp_value is free for the next call */
+    return v;
+}
+
 /* the value after unscaling, rounded to the gradient's dtype: checked and counted in the norm */
 template <typename T, int MODE>
 __device__ __forceinline__ T check_value(T x, float inv, float p, double &acc, bool &bad) {
@@ -161,29 +187,10 @@ __device__ __forceinline__ T check_value(T x, float inv, float p, double &acc, b
 
 /* the block's partial for one chunk, reduced in a fixed tree, written by thread 0 */
 template <int MODE> __device__ void finish_chunk(double acc, bool bad, float2 *out) {
-    __shared__ double warp_acc[AMP_WARPS];
-    __shared__ int warp_bad[AMP_WARPS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        acc = hl_norm_combine(MODE, acc, __shfl_xor_sync(0xffffffffu, acc, o));
-    int any = __any_sync(0xffffffffu, bad);
-    if (lane == 0) {
-        warp_acc[warp] = acc;
-        warp_bad[warp] = any;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        acc = lane < AMP_WARPS ? warp_acc[lane] : 0.0;
-        any = lane < AMP_WARPS ? warp_bad[lane] : 0;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            acc = hl_norm_combine(MODE, acc, __shfl_xor_sync(0xffffffffu, acc, o));
-        any = __any_sync(0xffffffffu, any);
-        if (lane == 0)
-            *out = make_float2((float)acc, any ? 1.0f : 0.0f);
-    }
-    __syncthreads(); /* the shared slots are reused by the next chunk */
+    const int any = __syncthreads_or(bad);
+    acc = block_reduce<AMP_THREADS>(acc, 0.0, [](double a, double b) { return hl_norm_combine(MODE, a, b); });
+    if (threadIdx.x == 0)
+        *out = make_float2((float)acc, any ? 1.0f : 0.0f);
 }
 
 /* one pass: partials[chunk] = {norm partial, non-finite flag}; WRITE also stores the unscaled values */
@@ -209,8 +216,6 @@ __global__ void __launch_bounds__(EPILOGUE_THREADS)
     amp_epilogue_kernel(const float2 *partials, int64_t total_chunks, int mode, float p, float max_norm,
                         const float *scale, float *aux, const hl_table_entry *table, int64_t count,
                         const int32_t *param_index, int64_t *report, int64_t step) {
-    __shared__ double s_acc[EPILOGUE_THREADS / 32];
-    __shared__ long long s_bad[EPILOGUE_THREADS / 32];
     double acc = 0.0;
     long long first_bad = LLONG_MAX;
     /* thread t adds chunks t, t+T, t+2T, ... in that order, then a fixed tree: deterministic */
@@ -221,26 +226,10 @@ __global__ void __launch_bounds__(EPILOGUE_THREADS)
         if (pr.y != 0.0f && c < first_bad)
             first_bad = c;
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int round = 0; round < 2; round++) { /* within each warp, then across the warps */
-        for (int o = 16; o > 0; o >>= 1) {
-            acc = hl_norm_combine(mode, acc, __shfl_xor_sync(0xffffffffu, acc, o));
-            long long b = __shfl_xor_sync(0xffffffffu, first_bad, o);
-            first_bad = b < first_bad ? b : first_bad;
-        }
-        if (round == 1)
-            break;
-        if (lane == 0) {
-            s_acc[warp] = acc;
-            s_bad[warp] = first_bad;
-        }
-        __syncthreads();
-        if (warp != 0)
-            return;
-        acc = s_acc[lane];
-        first_bad = s_bad[lane];
-    }
-    if (lane != 0)
+    acc = block_reduce<EPILOGUE_THREADS>(acc, 0.0, [mode](double a, double b) { return hl_norm_combine(mode, a, b); });
+    first_bad = block_reduce<EPILOGUE_THREADS>(first_bad, LLONG_MAX,
+                                               [](long long a, long long b) { return b < a ? b : a; });
+    if (threadIdx.x != 0)
         return;
     const bool found = first_bad != LLONG_MAX;
     hl_amp_finish(acc, found, mode, p, max_norm, scale, aux);
