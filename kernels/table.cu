@@ -8,7 +8,13 @@ int hl_grid_for_chunks(int64_t chunks, int device, int blocks_per_sm) {
     static int sm_count[HL_MAX_DEVICES];
     int sms = device >= 0 && device < HL_MAX_DEVICES ? sm_count[device] : 0;
     if (sms == 0) {
-        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+            /* the failed query is also the runtime's last error: take it back, or the caller's
+               cudaGetLastError() after its launch would report it as the launch's */
+            (void)cudaGetLastError();
+            sms = 0;
+        }
+        if (sms <= 0)
             sms = 32;
         if (device >= 0 && device < HL_MAX_DEVICES)
             sm_count[device] = sms;
