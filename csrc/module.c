@@ -167,7 +167,7 @@ static int exec_module(PyObject *module) {
                       &state->nvml_error) < 0)
         return -1;
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 ||
-        hl_ring_exec(module) < 0)
+        hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
         return -1;
     if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0)
         return -1;

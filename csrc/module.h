@@ -53,6 +53,7 @@ int hl_cuda_exec(PyObject *module);
 int hl_amp_exec(PyObject *module);
 int hl_monitor_exec(PyObject *module);
 int hl_nvml_exec(PyObject *module);
-int hl_ring_exec(PyObject *module); /* the loader's ring, its CUDA copies and Normalize */
+int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */
+int hl_normalize_exec(PyObject *module);
 
 #endif

@@ -3,7 +3,6 @@
 
 #include "cuda.h"
 #include "half_convert.h"
-#include "ring.h"
 #include "tensor.h"
 #ifdef HOTLOOP_WITH_CUDA
 #include "normalize.h"

@@ -467,8 +467,7 @@ int hl_ring_exec(PyObject *module) {
     state->ring_type = PyType_FromModuleAndSpec(module, &ring_spec, NULL);
     if (state->ring_type == NULL)
         return -1;
-    if (PyModule_AddType(module, (PyTypeObject *)state->ring_type) < 0 || hl_normalize_exec(module) < 0 ||
-        hl_ring_leases_exec(module) < 0)
+    if (PyModule_AddType(module, (PyTypeObject *)state->ring_type) < 0 || hl_ring_leases_exec(module) < 0)
         return -1;
     return PyModule_AddIntConstant(module, "RING_FREE", HL_SLOT_FREE) < 0 ||
                    PyModule_AddIntConstant(module, "RING_ASSIGNED", HL_SLOT_ASSIGNED) < 0 ||

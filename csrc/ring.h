@@ -17,6 +17,4 @@ enum hl_slot_state {
 /* slot flags set by the worker with the state */
 #define HL_SLOT_FLAG_OVERFLOW 1u /* the metadata did not fit; it follows through the worker's pipe */
 
-int hl_normalize_exec(PyObject *module); /* csrc/normalize.c, called by hl_ring_exec */
-
 #endif
