@@ -474,13 +474,31 @@ static PyMethodDef amp_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* kernels/amp_layout.h's slots and modes, for python/hotloop/amp.py */
+static const hl_int_constant amp_constants[] = {
+    {"AMP_AUX_LEN", HL_AUX_LEN},
+    {"AMP_REPORT_LEN", HL_REPORT_LEN},
+    {"AMP_STATE_LEN", HL_STATE_LEN},
+    {"AMP_MAX_FOUND", HL_MAX_FOUND},
+    {"AMP_AUX_FOUND", HL_AUX_FOUND},
+    {"AMP_AUX_NORM", HL_AUX_NORM},
+    {"AMP_AUX_CLIP", HL_AUX_CLIP},
+    {"AMP_AUX_INV_SCALE", HL_AUX_INV_SCALE},
+    {"AMP_AUX_GRAD_SCALE", HL_AUX_GRAD_SCALE},
+    {"AMP_STATE_SKIPPED", HL_STATE_SKIPPED},
+    {"AMP_STATE_HYSTERESIS", HL_STATE_HYSTERESIS},
+    {"AMP_REPORT_PARAM", HL_REPORT_PARAM},
+    {"AMP_REPORT_STEP", HL_REPORT_STEP},
+    {"AMP_REPORT_COUNT", HL_REPORT_COUNT},
+    {"AMP_NORM_NONE", HL_NORM_NONE},
+    {"AMP_NORM_L2", HL_NORM_L2},
+    {"AMP_NORM_INF", HL_NORM_INF},
+    {"AMP_NORM_P", HL_NORM_P},
+    {NULL, 0},
+};
+
 int hl_amp_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, amp_methods) < 0)
         return -1;
-    if (PyModule_AddIntConstant(module, "AMP_AUX_LEN", HL_AUX_LEN) < 0 ||
-        PyModule_AddIntConstant(module, "AMP_REPORT_LEN", HL_REPORT_LEN) < 0 ||
-        PyModule_AddIntConstant(module, "AMP_STATE_LEN", HL_STATE_LEN) < 0 ||
-        PyModule_AddIntConstant(module, "AMP_MAX_FOUND", HL_MAX_FOUND) < 0)
-        return -1;
-    return 0;
+    return hl_add_int_constants(module, amp_constants);
 }

@@ -81,6 +81,13 @@ int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call
     return -1;
 }
 
+int hl_add_int_constants(PyObject *module, const hl_int_constant *constants) {
+    for (const hl_int_constant *c = constants; c->name != NULL; c++)
+        if (PyModule_AddIntConstant(module, c->name, c->value) < 0)
+            return -1;
+    return 0;
+}
+
 /* "75,80,90" -> [75, 80, 90]; "address,undefined" -> ["address", "undefined"] */
 static PyObject *split_commas(const char *text, int as_int) {
     PyObject *list = PyList_New(0);

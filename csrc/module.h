@@ -47,6 +47,15 @@ int hl_cuda_raise_if(PyObject *module, const hl_cuda_status *status);
 int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call, const char *file,
                   int line);
 
+/* A constant C owns and Python reads from _C (Python keeps no copy of the number). */
+typedef struct {
+    const char *name;
+    long value;
+} hl_int_constant;
+
+/* Add every constant of a table ended by {NULL, 0}: 0, or -1 with an exception set. */
+int hl_add_int_constants(PyObject *module, const hl_int_constant *constants);
+
 /* Each part adds its functions (and types) to the module: 0 on success, -1 with an exception set. */
 int hl_tensor_exec(PyObject *module);
 int hl_cuda_exec(PyObject *module);

@@ -4,6 +4,9 @@
 
 #include <stdint.h>
 
+/* csrc/amp.c exports every number here to Python as _C.AMP_* (norm modes, slots, the _LEN sizes,
+   AMP_MAX_FOUND): this header is their one owner. */
+
 /* norm modes of the check pass (python/hotloop/amp.py passes these numbers) */
 enum hl_norm_mode {
     HL_NORM_NONE = 0, /* found_inf only */
