@@ -6,6 +6,7 @@
 
 #include "dlpack.h"
 
+/* torch's name of each dtype, in enum hl_dtype order: error messages, and the keys of _C.DTYPE_CODES */
 static const char *const dtype_names[HL_DTYPE_COUNT] = {
     "float32", "float16", "bfloat16", "uint8", "int32", "int64",
     "float64", "int8", "int16", "bool", "complex64", "complex128",
@@ -39,26 +40,26 @@ PyObject *hl_device_name(int device) {
     return device < 0 ? PyUnicode_FromString("cpu") : PyUnicode_FromFormat("cuda:%d", device);
 }
 
-/* DLPack (code, bits, lanes) -> enum hl_dtype, or -1 */
+/* DLPack (code, bits, lanes) -> enum hl_dtype, or HL_DTYPE_UNKNOWN */
 static int dtype_from_dlpack(dl_dtype t) {
     if (t.lanes != 1)
-        return -1;
+        return HL_DTYPE_UNKNOWN;
     switch (t.code) {
     case DL_FLOAT:
-        return t.bits == 32 ? HL_FLOAT32 : t.bits == 16 ? HL_FLOAT16 : t.bits == 64 ? HL_FLOAT64 : -1;
+        return t.bits == 32 ? HL_FLOAT32 : t.bits == 16 ? HL_FLOAT16 : t.bits == 64 ? HL_FLOAT64 : HL_DTYPE_UNKNOWN;
     case DL_BFLOAT:
-        return t.bits == 16 ? HL_BFLOAT16 : -1;
+        return t.bits == 16 ? HL_BFLOAT16 : HL_DTYPE_UNKNOWN;
     case DL_UINT:
-        return t.bits == 8 ? HL_UINT8 : -1;
+        return t.bits == 8 ? HL_UINT8 : HL_DTYPE_UNKNOWN;
     case DL_INT:
         return t.bits == 8 ? HL_INT8 : t.bits == 16 ? HL_INT16 : t.bits == 32 ? HL_INT32
-                                                              : t.bits == 64 ? HL_INT64 : -1;
+                                                              : t.bits == 64 ? HL_INT64 : HL_DTYPE_UNKNOWN;
     case DL_BOOL:
         return HL_BOOL;
     case DL_COMPLEX:
-        return t.bits == 64 ? HL_COMPLEX64 : t.bits == 128 ? HL_COMPLEX128 : -1;
+        return t.bits == 64 ? HL_COMPLEX64 : t.bits == 128 ? HL_COMPLEX128 : HL_DTYPE_UNKNOWN;
     default:
-        return -1;
+        return HL_DTYPE_UNKNOWN;
     }
 }
 
@@ -405,11 +406,38 @@ static PyMethodDef tensor_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static const hl_int_constant tensor_constants[] = {
+    {"TABLE_ENTRY_BYTES", (long)sizeof(hl_table_entry)},
+    {"CHUNK_ELEMS", HL_CHUNK_ELEMS},
+    {"DTYPE_UNKNOWN", HL_DTYPE_UNKNOWN},
+    {"FLOATING_DTYPE_MASK", (long)HL_FLOATING_MASK},
+    {NULL, 0},
+};
+
+/* {"float32": 0, "float16": 1, ...}: enum hl_dtype by torch's name of each dtype, so that Python
+   packs the codes C reads without a copy of its own */
+static int add_dtype_codes(PyObject *module) {
+    PyObject *codes = PyDict_New(), *code = NULL;
+    int rc = -1;
+    if (codes == NULL)
+        return -1;
+    for (int d = 0; d < HL_DTYPE_COUNT; d++) {
+        code = PyLong_FromLong(d);
+        if (code == NULL || PyDict_SetItemString(codes, dtype_names[d], code) < 0)
+            goto error;
+        Py_CLEAR(code);
+    }
+    rc = PyModule_AddObjectRef(module, "DTYPE_CODES", codes);
+error:
+    Py_XDECREF(code);
+    Py_DECREF(codes);
+    return rc;
+}
+
 int hl_tensor_exec(PyObject *module) {
     if (PyModule_AddFunctions(module, tensor_methods) < 0)
         return -1;
-    if (PyModule_AddIntConstant(module, "TABLE_ENTRY_BYTES", (long)sizeof(hl_table_entry)) < 0 ||
-        PyModule_AddIntConstant(module, "CHUNK_ELEMS", HL_CHUNK_ELEMS) < 0)
+    if (hl_add_int_constants(module, tensor_constants) < 0 || add_dtype_codes(module) < 0)
         return -1;
     return 0;
 }
