@@ -715,14 +715,20 @@ static PyType_Spec monitor_spec = {
     .slots = monitor_slots,
 };
 
+static const hl_int_constant monitor_constants[] = {
+    {"MONITOR_MEMORY_SAMPLE_BYTES", (long)sizeof(hl_memory_sample)},
+    {"MONITOR_SLOW_SAMPLE_BYTES", (long)sizeof(hl_slow_sample)},
+    {"MONITOR_PCIE_SAMPLE_BYTES", (long)sizeof(hl_pcie_sample)},
+    {"MONITOR_UNSUPPORTED", (long)HL_UNSUPPORTED}, /* a u4 reading of a slow sample the device does not offer */
+    {NULL, 0},
+};
+
 int hl_monitor_exec(PyObject *module) {
     hl_state *state = hl_state_of(module);
     state->monitor_type = PyType_FromModuleAndSpec(module, &monitor_spec, NULL);
     if (state->monitor_type == NULL)
         return -1;
-    if (PyModule_AddIntConstant(module, "MONITOR_MEMORY_SAMPLE_BYTES", sizeof(hl_memory_sample)) < 0 ||
-        PyModule_AddIntConstant(module, "MONITOR_SLOW_SAMPLE_BYTES", sizeof(hl_slow_sample)) < 0 ||
-        PyModule_AddIntConstant(module, "MONITOR_PCIE_SAMPLE_BYTES", sizeof(hl_pcie_sample)) < 0)
+    if (hl_add_int_constants(module, monitor_constants) < 0)
         return -1;
     return PyModule_AddObjectRef(module, "Monitor", state->monitor_type);
 }

@@ -310,4 +310,23 @@ static PyMethodDef nvml_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int hl_nvml_exec(PyObject *module) { return PyModule_AddFunctions(module, nvml_methods); }
+/* the clock-event ("throttle") reason bits of nvml.h, which the sampler's readings and
+   nvml_device_info's "reasons" hold */
+static const hl_int_constant nvml_constants[] = {
+    {"NVML_REASON_GPU_IDLE", (long)HL_NVML_REASON_GPU_IDLE},
+    {"NVML_REASON_APP_CLOCKS", (long)HL_NVML_REASON_APP_CLOCKS},
+    {"NVML_REASON_SW_POWER_CAP", (long)HL_NVML_REASON_SW_POWER_CAP},
+    {"NVML_REASON_HW_SLOWDOWN", (long)HL_NVML_REASON_HW_SLOWDOWN},
+    {"NVML_REASON_SYNC_BOOST", (long)HL_NVML_REASON_SYNC_BOOST},
+    {"NVML_REASON_SW_THERMAL", (long)HL_NVML_REASON_SW_THERMAL},
+    {"NVML_REASON_HW_THERMAL", (long)HL_NVML_REASON_HW_THERMAL},
+    {"NVML_REASON_HW_POWER_BRAKE", (long)HL_NVML_REASON_HW_POWER_BRAKE},
+    {"NVML_REASON_DISPLAY_CLOCKS", (long)HL_NVML_REASON_DISPLAY_CLOCKS},
+    {NULL, 0},
+};
+
+int hl_nvml_exec(PyObject *module) {
+    if (PyModule_AddFunctions(module, nvml_methods) < 0)
+        return -1;
+    return hl_add_int_constants(module, nvml_constants);
+}
