@@ -4,15 +4,7 @@
 #include "cuda.h"
 #include "half_convert.h"
 #include "tensor.h"
-#ifdef HOTLOOP_WITH_CUDA
 #include "normalize.h"
-#else
-#define HL_NORMALIZE_MAX_CHANNELS 16
-typedef struct {
-    float mean[HL_NORMALIZE_MAX_CHANNELS];
-    float std[HL_NORMALIZE_MAX_CHANNELS];
-} hl_normalize_params;
-#endif
 
 /* C reference of kernels/normalize.cu, element for element */
 static void cpu_normalize(const uint8_t *src, void *dst, int dtype, int64_t n, int64_t h, int64_t w, int64_t c,
@@ -144,4 +136,13 @@ static PyMethodDef normalize_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-int hl_normalize_exec(PyObject *module) { return PyModule_AddFunctions(module, normalize_methods); }
+static const hl_int_constant normalize_constants[] = {
+    {"NORMALIZE_MAX_CHANNELS", HL_NORMALIZE_MAX_CHANNELS},
+    {NULL, 0},
+};
+
+int hl_normalize_exec(PyObject *module) {
+    if (PyModule_AddFunctions(module, normalize_methods) < 0)
+        return -1;
+    return hl_add_int_constants(module, normalize_constants);
+}
