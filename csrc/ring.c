@@ -23,6 +23,9 @@
 #define PyBUF_WRITE 0x200 /* the limited API names it only from 3.11; the value is CPython's */
 #endif
 
+/* the most slots a ring takes (at most 256 KiB of 64-byte control blocks before the first slot) */
+#define HL_RING_MAX_SLOTS 4096
+
 static uint64_t round_up(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
 static long futex(_Atomic uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
@@ -105,8 +108,8 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     RingObject *r = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LL|zp:Ring", kwlist, &nslots, &slot_bytes, &path, &populate))
         return NULL;
-    if (nslots < 1 || nslots > 4096) {
-        PyErr_Format(PyExc_ValueError, "nslots: expected 1 to 4096, got %lld", nslots);
+    if (nslots < 1 || nslots > HL_RING_MAX_SLOTS) {
+        PyErr_Format(PyExc_ValueError, "nslots: expected 1 to %d, got %lld", HL_RING_MAX_SLOTS, nslots);
         return NULL;
     }
     if (slot_bytes < 1) {
@@ -462,6 +465,17 @@ static PyType_Spec ring_spec = {
     .slots = ring_slots,
 };
 
+static const hl_int_constant ring_constants[] = {
+    {"RING_FREE", HL_SLOT_FREE},
+    {"RING_ASSIGNED", HL_SLOT_ASSIGNED},
+    {"RING_READY", HL_SLOT_READY},
+    {"RING_ERROR", HL_SLOT_ERROR},
+    {"RING_FLAG_OVERFLOW", HL_SLOT_FLAG_OVERFLOW},
+    {"RING_MAX_SLOTS", HL_RING_MAX_SLOTS},
+    {"RING_PAGE_BYTES", (long)HL_PAGE}, /* slot sizes and the data offset are multiples of it */
+    {NULL, 0},
+};
+
 int hl_ring_exec(PyObject *module) {
     hl_state *state = hl_state_of(module);
     state->ring_type = PyType_FromModuleAndSpec(module, &ring_spec, NULL);
@@ -469,11 +483,5 @@ int hl_ring_exec(PyObject *module) {
         return -1;
     if (PyModule_AddType(module, (PyTypeObject *)state->ring_type) < 0 || hl_ring_leases_exec(module) < 0)
         return -1;
-    return PyModule_AddIntConstant(module, "RING_FREE", HL_SLOT_FREE) < 0 ||
-                   PyModule_AddIntConstant(module, "RING_ASSIGNED", HL_SLOT_ASSIGNED) < 0 ||
-                   PyModule_AddIntConstant(module, "RING_READY", HL_SLOT_READY) < 0 ||
-                   PyModule_AddIntConstant(module, "RING_ERROR", HL_SLOT_ERROR) < 0 ||
-                   PyModule_AddIntConstant(module, "RING_FLAG_OVERFLOW", HL_SLOT_FLAG_OVERFLOW) < 0
-               ? -1
-               : 0;
+    return hl_add_int_constants(module, ring_constants);
 }
