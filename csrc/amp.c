@@ -108,9 +108,10 @@ error:
 
 /* ---------------------------------------------------------------------------------------------
    GradScaler: the C reference of kernels/amp.cu for CPU tensors (same chunks, same maths, same
-   rounding to the gradient's dtype), and the bindings python/hotloop/amp.py calls every step.
-   Per-step calls take raw addresses of tensors amp.py allocated and keeps alive (the gradients'
-   addresses were checked once, when their table was packed), so a step costs no DLPack round trip.
+   rounding to the gradient's dtype), and the bindings python/hotloop/amp/grad_scaler.py calls every
+   step. Per-step calls take raw addresses of tensors grad_scaler.py allocated and keeps alive (the
+   gradients' addresses were checked once, when their table was packed), so a step costs no DLPack
+   round trip.
    The table reaches the device through a pinned buffer and torch's own non-blocking copy, which
    never waits for the device and keeps the buffer until the copy is done.
    --------------------------------------------------------------------------------------------- */
@@ -161,7 +162,7 @@ static void chunk_range(const hl_table_entry *e, int64_t chunk, int64_t *begin, 
     *end = *begin + HL_CHUNK_ELEMS < e->numel ? *begin + HL_CHUNK_ELEMS : e->numel;
 }
 
-/* The arguments of each pass, as amp.py passes them (addresses of tensors it keeps alive). */
+/* The arguments of each pass, as grad_scaler.py passes them (addresses of tensors it keeps alive). */
 typedef struct {
     const hl_table_entry *table;
     int64_t count, total_chunks, step;
@@ -474,7 +475,7 @@ static PyMethodDef amp_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* kernels/amp_layout.h's slots and modes, for python/hotloop/amp.py */
+/* kernels/amp_layout.h's slots and modes, for python/hotloop/amp/grad_scaler.py */
 static const hl_int_constant amp_constants[] = {
     {"AMP_AUX_LEN", HL_AUX_LEN},
     {"AMP_REPORT_LEN", HL_REPORT_LEN},

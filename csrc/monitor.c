@@ -191,8 +191,8 @@ static void sample_memory(hl_monitor *m) {
 }
 
 /* one slow reading; `bit` marks the reading unsupported after NOT_SUPPORTED so it is not asked again */
-static uint32_t slow_reading(hl_monitor *m, nvmlReturn_t rc, uint32_t value, int bit, const char *call,
-                             int *unsupported, nvmlReturn_t *err, const char **err_call) {
+static uint32_t slow_reading(nvmlReturn_t rc, uint32_t value, int bit, const char *call, int *unsupported,
+                             nvmlReturn_t *err, const char **err_call) {
     if (rc == NVML_SUCCESS)
         return value;
     if (rc == NVML_ERROR_NOT_SUPPORTED || rc == NVML_ERROR_FUNCTION_NOT_FOUND || rc == NVML_ERROR_NO_PERMISSION)
@@ -201,7 +201,6 @@ static uint32_t slow_reading(hl_monitor *m, nvmlReturn_t rc, uint32_t value, int
         *err = rc;
         *err_call = call;
     }
-    (void)m;
     return HL_UNSUPPORTED;
 }
 
@@ -215,21 +214,21 @@ static void sample_slow(hl_monitor *m) {
     nvmlUtilization_t util = {0};
 
     rc = (skip & NO_UTIL) || !n->utilization ? NVML_ERROR_FUNCTION_NOT_FOUND : n->utilization(m->device, &util);
-    s.util_gpu = slow_reading(m, rc, util.gpu, NO_UTIL, "nvmlDeviceGetUtilizationRates", &unsupported, &err, &err_call);
+    s.util_gpu = slow_reading(rc, util.gpu, NO_UTIL, "nvmlDeviceGetUtilizationRates", &unsupported, &err, &err_call);
     s.util_memory = rc == NVML_SUCCESS ? util.memory : HL_UNSUPPORTED;
     rc = (skip & NO_POWER) || !n->power_usage ? NVML_ERROR_FUNCTION_NOT_FOUND : n->power_usage(m->device, &v);
-    s.power_mw = slow_reading(m, rc, v, NO_POWER, "nvmlDeviceGetPowerUsage", &unsupported, &err, &err_call);
+    s.power_mw = slow_reading(rc, v, NO_POWER, "nvmlDeviceGetPowerUsage", &unsupported, &err, &err_call);
     rc = (skip & NO_TEMP) || !n->temperature ? NVML_ERROR_FUNCTION_NOT_FOUND
                                              : n->temperature(m->device, NVML_TEMPERATURE_GPU, &v);
-    s.temperature_c = slow_reading(m, rc, v, NO_TEMP, "nvmlDeviceGetTemperature", &unsupported, &err, &err_call);
+    s.temperature_c = slow_reading(rc, v, NO_TEMP, "nvmlDeviceGetTemperature", &unsupported, &err, &err_call);
     rc = (skip & NO_SM_CLOCK) || !n->clock ? NVML_ERROR_FUNCTION_NOT_FOUND : n->clock(m->device, NVML_CLOCK_SM, &v);
-    s.sm_clock_mhz = slow_reading(m, rc, v, NO_SM_CLOCK, "nvmlDeviceGetClockInfo", &unsupported, &err, &err_call);
+    s.sm_clock_mhz = slow_reading(rc, v, NO_SM_CLOCK, "nvmlDeviceGetClockInfo", &unsupported, &err, &err_call);
     rc = (skip & NO_MEM_CLOCK) || !n->clock ? NVML_ERROR_FUNCTION_NOT_FOUND
                                             : n->clock(m->device, NVML_CLOCK_MEM, &v);
-    s.memory_clock_mhz = slow_reading(m, rc, v, NO_MEM_CLOCK, "nvmlDeviceGetClockInfo", &unsupported, &err, &err_call);
+    s.memory_clock_mhz = slow_reading(rc, v, NO_MEM_CLOCK, "nvmlDeviceGetClockInfo", &unsupported, &err, &err_call);
     unsigned long long reasons = 0;
     rc = (skip & NO_REASONS) || !n->reasons ? NVML_ERROR_FUNCTION_NOT_FOUND : n->reasons(m->device, &reasons);
-    slow_reading(m, rc, 0, NO_REASONS, "nvmlDeviceGetCurrentClocksEventReasons", &unsupported, &err, &err_call);
+    slow_reading(rc, 0, NO_REASONS, "nvmlDeviceGetCurrentClocksEventReasons", &unsupported, &err, &err_call);
     s.reasons = rc == NVML_SUCCESS ? reasons : 0;
     s.t = seconds(now_ns());
 

@@ -1,4 +1,4 @@
-/* What the GradScaler's kernels, the C reference and python/hotloop/amp.py agree on: slots and modes. */
+/* What the GradScaler's kernels, the C reference and python/hotloop/amp/ agree on: slots and modes. */
 #ifndef HOTLOOP_AMP_LAYOUT_H
 #define HOTLOOP_AMP_LAYOUT_H
 
@@ -7,7 +7,7 @@
 /* csrc/amp.c exports every number here to Python as _C.AMP_* (norm modes, slots, the _LEN sizes,
    AMP_MAX_FOUND): this header is their one owner. */
 
-/* norm modes of the check pass (python/hotloop/amp.py passes these numbers) */
+/* norm modes of the check pass (python/hotloop/amp/grad_scaler.py passes these numbers) */
 enum hl_norm_mode {
     HL_NORM_NONE = 0, /* found_inf only */
     HL_NORM_L2 = 1,   /* sum of squares, norm = sqrt */

@@ -4,7 +4,7 @@
 
 #include <stdint.h>
 
-/* dtype codes shared with python/hotloop/tensor_table.py (exported as _C.DTYPE_CODES, keyed by
+/* dtype codes shared with python/hotloop/amp/tensor_table.py (exported as _C.DTYPE_CODES, keyed by
    torch's dtype name, with _C.DTYPE_UNKNOWN and _C.FLOATING_DTYPE_MASK); kernels take the first three */
 enum hl_dtype {
     HL_DTYPE_UNKNOWN = -1, /* one C does not know (Python packs it for such a tensor): a TypeError */

@@ -1,6 +1,10 @@
-"""Test set-up: `gpu`-marked tests skip unless hotloop and torch can both use a CUDA device; under
-AddressSanitizer, torch's reference loaders wait for their feeder threads at shutdown (see the end)."""
+"""Test set-up: `gpu`-marked tests skip unless hotloop and torch can both use a CUDA device; a fake
+NVML library for the monitor and the command line (fake_nvml/fake_nvml.c); under AddressSanitizer,
+torch's reference loaders wait for their feeder threads at shutdown (see the end)."""
+import ctypes
 import os
+import shutil
+import subprocess
 import threading
 import time
 
@@ -22,6 +26,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+FAKE_NVML_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nvml", "fake_nvml.c")
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_library(tmp_path_factory):
+    """The path of the fake NVML, compiled for this session: hotloop opens it when HOTLOOP_NVML_LIBRARY
+    names it, and FakeNvml scripts what it reports."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc) to build the fake NVML")
+    path = str(tmp_path_factory.mktemp("fake_nvml") / "libfake_nvml.so")
+    subprocess.check_call([cc, "-shared", "-fPIC", "-O1", "-std=c11", "-o", path, FAKE_NVML_SOURCE])
+    return path
+
+
+class FakeNvml:
+    """The fake library's control functions (the same loaded copy hotloop._C opens by path)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.lib.fake_nvml_set.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_longlong]
+        self.lib.fake_nvml_get.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        self.lib.fake_nvml_get.restype = ctypes.c_longlong
+        self.lib.fake_nvml_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong]
+        self.lib.fake_nvml_set_device_count.argtypes = [ctypes.c_int]
+
+    def reset(self):
+        self.lib.fake_nvml_reset()
+
+    def set(self, field, value, device=0):
+        assert self.lib.fake_nvml_set(device, field.encode(), int(value)) == 0, field
+
+    def get(self, field, device=0):
+        return self.lib.fake_nvml_get(device, field.encode())
+
+    def fail(self, function, code, after=0):
+        assert self.lib.fake_nvml_fail(function.encode(), code, after) == 0
+
+    def set_device_count(self, n):
+        self.lib.fake_nvml_set_device_count(n)
 
 
 def _wait_thread_gone(native_id, timeout=5.0):

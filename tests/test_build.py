@@ -41,7 +41,7 @@ HIDDEN_GPU_SCRIPT = textwrap.dedent("""
     reason = hotloop._C.cuda_unavailable_reason()
     assert reason, reason
     import torch
-    from hotloop import tensor_table
+    from hotloop.amp import tensor_table
     packed = tensor_table.pack([torch.ones(4)])
     # the same table, claiming to live on cuda:0: a GPU-only call must refuse clearly
     import struct

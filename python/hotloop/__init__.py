@@ -12,10 +12,11 @@ __all__ = ["CudaError", "DataLoader", "GradScaler", "MemoryMonitor", "MemoryRepo
            "__version__", "build_info", "cuda_available", "memory_monitor", "ops"]
 
 
-_LAZY_SUBMODULES = ("ops", "amp", "monitor", "doctor", "loader")
-# names offered at the top level, defined in a submodule that loads on first use
-_LAZY_ATTRIBUTES = {"GradScaler": "amp", "memory_monitor": "monitor", "MemoryMonitor": "monitor",
-                    "MemoryReport": "monitor", "DataLoader": "loader", "Normalize": "normalize"}
+# names offered at the top level, defined in a submodule that loads on first use (the components
+# import torch; `import hotloop` does not)
+_LAZY_ATTRIBUTES = {"DataLoader": "data", "Normalize": "data", "GradScaler": "amp", "memory_monitor": "memory",
+                    "MemoryMonitor": "memory", "MemoryReport": "memory"}
+_LAZY_MODULES = {"ops": "amp.ops"}
 
 
 def build_info() -> dict:
@@ -30,8 +31,8 @@ def cuda_available() -> bool:
 
 def __getattr__(name):
     # submodules that need torch load on first use, so that `import hotloop` stays light
-    if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"{__name__}.{_LAZY_MODULES[name]}")
     if name in _LAZY_ATTRIBUTES:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY_ATTRIBUTES[name]}"), name)
     raise AttributeError(f"module 'hotloop' has no attribute {name!r}")

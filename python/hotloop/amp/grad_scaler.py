@@ -1,0 +1,712 @@
+"""hotloop.GradScaler: a drop-in for torch.amp.GradScaler with fused kernels and no host syncs.
+
+Replace ``torch.amp.GradScaler(...)`` by ``hotloop.GradScaler(...)`` and nothing changes but speed: the
+same methods, arguments, errors, scale trajectory and skipped steps (hysteresis=1, no min/max), and
+state dicts that load both ways. Underneath, for all gradients of an optimizer at once (float32,
+float16 and bfloat16 mixed, one launch, any number of tensors):
+
+* a read-only *check* pass finds inf/NaN and the norm of the unscaled gradients, reduced in two fixed
+  stages (one partial per 32768-element chunk, then one block adds them in chunk order), so the same
+  gradients give bit-identical norms on every run;
+* a one-thread *epilogue* computes the norm, torch's clip coefficient, the combined factors and the
+  skip flag on the device;
+* ``step`` hands torch's fused optimizers (``fused=True``) ``grad_scale`` and ``found_inf`` tensors, so
+  they unscale, clip and skip inside their own kernel: check + optimizer, no host sync. Any other
+  optimizer gets one read-write *apply* pass and then the skip decision as torch makes it (one
+  ``.item()``);
+* ``update`` grows or backs off the scale on the device (growth, backoff, hysteresis, min/max scale,
+  growth tracker, skipped-step counter).
+
+``clip_grad_norm_(optimizer, max_norm)`` replaces ``scaler.unscale_(optimizer)`` followed by
+``torch.nn.utils.clip_grad_norm_(params, max_norm)`` in one line.
+
+Per optimizer the table of gradient addresses is built, checked and uploaded once and reused while
+the gradients stay where they are (a step compares their ``data_ptr()``\\ s), so a step costs a few
+microseconds of Python per thousand tensors.
+"""
+import dataclasses
+import inspect
+import logging
+import math
+import warnings
+import weakref
+from collections import defaultdict
+from enum import Enum
+
+import torch
+
+from .. import _C
+from . import tensor_table
+
+_logger = logging.getLogger(__name__)
+
+__all__ = ["GradScaler", "OptState", "OverflowReport"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class OptState(Enum):
+    """Where an optimizer stands between two update() calls (the same values as torch's)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _refresh_per_optimizer_state():
+    # torch's two keys, plus what hotloop still has to do to the gradients before the step
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "pending": None}
+
+
+@dataclasses.dataclass
+class OverflowReport:
+    """The first parameter whose gradient was non-finite in the last skipped step."""
+
+    step: int  # the scaler's update count at that step (0 = before the first update)
+    optimizer: int  # which optimizer, in the order the scaler first saw them
+    param_index: int  # flat index over the optimizer's param_groups
+    param_group: int
+    index_in_group: int
+    name: str | None
+    shape: tuple
+    dtype: torch.dtype
+    overflows: int  # checks of this optimizer that found a non-finite gradient
+
+    def __str__(self):
+        who = f"parameter {self.param_index}" + (f" ({self.name})" if self.name else "")
+        return (f"step {self.step}: the first non-finite gradient was {who}, group {self.param_group} "
+                f"index {self.index_in_group}, shape {list(self.shape)}, {str(self.dtype).replace('torch.', '')}"
+                f" (optimizer {self.optimizer}; {self.overflows} overflow(s) seen)")
+
+
+class _OptimizerCache:
+    """Per optimizer: the flat parameter list, the gradient table and the overflow report."""
+
+    __slots__ = ("groups_key", "params", "table", "report", "number", "__weakref__")
+
+    def __init__(self, number):
+        self.groups_key = None
+        self.params = []
+        self.table = None
+        self.report = None
+        self.number = number
+
+
+class GradScaler:
+    """A drop-in for :class:`torch.amp.GradScaler` with fused CUDA kernels and no host syncs.
+
+    Args are those of torch's GradScaler (same names and defaults), plus keyword-only:
+
+    hysteresis (int, default 1): back off only after this many overflows since the last growth
+        (Megatron-LM's rule; 1 is torch's behaviour).
+    min_scale / max_scale (float, optional): bounds the scale never crosses.
+    named_parameters (iterable of (name, Parameter), optional): names for :meth:`overflow_report`.
+
+    Usage is torch's::
+
+        scaler = hotloop.GradScaler()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.clip_grad_norm_(optimizer, max_norm=1.0)  # was: scaler.unscale_(opt); clip_grad_norm_(...)
+        scaler.step(optimizer)
+        scaler.update()
+
+    Host syncs: none with a fused optimizer (``fused=True``), as with torch's scaler; one ``.item()``
+    in ``step`` for any other optimizer (torch's scaler makes the same one). Reading ``get_scale()``,
+    ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits for the device.
+
+    Differences from torch, all deliberate: gradients may be float32, float16 or bfloat16, mixed
+    (torch's unscale_ refuses float16 and cannot do bfloat16); when unscale_ or clip_grad_norm_
+    unscale, a half gradient that would become inf only once unscaled (a scale below 1) counts as
+    an overflow (torch would write the inf and step); all gradients of one optimizer must live on
+    the scaler's device (torch also allows model-parallel layouts); a scaler for "cuda" refuses CPU
+    tensors and vice versa; clip_grad_norm_ returns float32 whatever the gradients' dtype, computed
+    in float64 per chunk (torch's float32 norm of a large tensor can be off by ~1e-5).
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
+                 hysteresis: int = 1, min_scale: float | None = None, max_scale: float | None = None,
+                 named_parameters=None) -> None:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+        self._device = device
+        self._enabled = enabled
+        if device == "cuda" and enabled:
+            if not torch.cuda.is_available():
+                warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                              stacklevel=2)
+                self._enabled = False
+            elif _C.cuda_unavailable_reason() is not None:
+                raise RuntimeError(f"hotloop.GradScaler(device='cuda'): {_C.cuda_unavailable_reason()}")
+        if hysteresis < 1:
+            raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+        self._hysteresis = int(hysteresis)
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._names = {}
+        if named_parameters is not None:
+            self.set_parameter_names(named_parameters)
+        self._caches = weakref.WeakKeyDictionary()
+        self._cache_count = 0
+        self._updates = 0
+        self._last_found_inf = None
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+            self._init_scale = init_scale
+            self._scale = None
+            self._growth_factor = growth_factor
+            self._backoff_factor = backoff_factor
+            self._growth_interval = growth_interval
+            self._init_growth_tracker = 0
+            self._growth_tracker = None
+            self._amp_state = None  # int64 [skipped steps, hysteresis left] on the scale's device
+            self._init_skipped = 0
+            self._init_hysteresis = self._hysteresis
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # ---- torch's state machinery ----
+
+    def _check_scale_growth_tracker(self, funcname):
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return (self._scale, self._growth_tracker)
+
+    def _lazy_init_scale_growth_tracker(self, dev):
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._amp_state = torch.zeros(2, dtype=torch.int64, device=dev)
+        self._amp_state[_C.AMP_STATE_SKIPPED] = self._init_skipped  # fills on the device: no sync
+        self._amp_state[_C.AMP_STATE_HYSTERESIS] = self._init_hysteresis
+
+    def _check_device(self, t):
+        if t.device.type != self._device:
+            raise ValueError(f"GradScaler(device={self._device!r}) was given a tensor on {t.device}; "
+                             f"create the scaler with device={t.device.type!r}")
+
+    def scale(self, outputs):
+        """Multiply a tensor, or nested lists/tuples of tensors, by the scale factor (as torch's)."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            self._check_device(outputs)
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+
+        stash = []
+
+        def apply_scale(val):
+            if isinstance(val, torch.Tensor):
+                self._check_device(val)
+                if len(stash) == 0:
+                    if self._scale is None:
+                        self._lazy_init_scale_growth_tracker(val.device)
+                    stash.append({})
+                scale = stash[0].get(val.device)
+                if scale is None:
+                    scale = stash[0][val.device] = self._scale.to(device=val.device, non_blocking=True, copy=True)
+                return val * scale
+            if isinstance(val, (list, tuple)) or hasattr(val, "__iter__"):
+                iterable = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(iterable)
+                return iterable
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply_scale(outputs)
+
+    # ---- the gradient table ----
+
+    def _cache_for(self, optimizer):
+        cache = self._caches.get(optimizer)
+        if cache is None:
+            cache = _OptimizerCache(self._cache_count)
+            self._cache_count += 1
+            self._caches[optimizer] = cache
+        groups = optimizer.param_groups
+        groups_key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if groups_key != cache.groups_key:
+            params = []
+            for g in groups:
+                for p in g["params"]:
+                    if not isinstance(p, torch.Tensor):
+                        raise AssertionError(f"expected param to be torch.Tensor, got {type(p).__name__}")
+                    params.append(p)
+            cache.params = params
+            cache.groups_key = groups_key
+            cache.table = None
+        return cache
+
+    def _grads(self, optimizer):
+        """(cache, table or None, the gradient list) for this step; rebuilds the table when the
+        gradients moved. Parameters without a gradient are skipped, as torch does."""
+        cache = self._cache_for(optimizer)
+        grads = [p.grad for p in cache.params]
+        try:
+            key = [g.data_ptr() if g is not None else 0 for g in grads]
+        except RuntimeError:  # a sparse gradient has no data pointer: say so below
+            key = None
+        table = cache.table
+        if table is None or key is None or key != table.key:
+            table = self._build_table(cache, grads, key)
+        elif table.device.type == "cuda":
+            stream = torch.cuda.current_stream(table.device).cuda_stream
+            if stream != table.stream:  # partials are reused in stream order: keep them per stream
+                table = self._build_table(cache, grads, key)
+        return cache, table, grads
+
+    def _build_table(self, cache, grads, key):
+        present, index = [], []
+        device = None
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if g.layout is not torch.strided:
+                raise TypeError(f"parameter {i}: expected a dense gradient, got a {g.layout} one "
+                                f"(sparse gradients are not supported by hotloop.GradScaler)")
+            if g.dtype not in _KERNEL_DTYPES:
+                raise TypeError(f"parameter {i}: expected a float32, float16 or bfloat16 gradient, got "
+                                f"{str(g.dtype).replace('torch.', '')}")
+            if device is None:
+                device = g.device
+            elif g.device != device:
+                raise ValueError(f"expected all gradients of one optimizer on one device; parameter "
+                                 f"{index[0]} has its gradient on {device}, parameter {i} on {g.device}")
+            if not tensor_table.is_dense(g):
+                raise ValueError(f"parameter {i}: expected a dense gradient, got one with strides {g.stride()} "
+                                 f"for shape {tuple(g.shape)}")
+            present.append(g)
+            index.append(i)
+        if not present:
+            cache.table = None
+            return None
+        self._check_device(present[0])
+        if self._scale is not None and present[0].device != self._scale.device:
+            raise ValueError(f"the scale lives on {self._scale.device} but the gradients on {present[0].device}: "
+                             f"hotloop.GradScaler needs them on one device")
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        cache.table = tensor_table.GradientTable(key, present, index, device, stream)
+        if cache.report is None or cache.report.device != device:
+            cache.report = torch.zeros(_C.AMP_REPORT_LEN, dtype=torch.int64, device=device)
+            cache.report[_C.AMP_REPORT_PARAM] = -1
+        return cache.table
+
+    def _check(self, table, cache, write, mode, p, max_norm, unscale):
+        """Launch the check pass + epilogue; returns the fresh aux tensor."""
+        aux = torch.empty(_C.AMP_AUX_LEN, dtype=torch.float32, device=table.device)
+        _C.amp_check(table.device_index, table.table_ptr, table.count, table.total_chunks, table.partials_ptr,
+                     self._scale.data_ptr() if unscale else 0, 1 if write else 0, mode, p, max_norm,
+                     aux.data_ptr(), table.index_ptr, cache.report.data_ptr(), self._updates, 0, table.stream)
+        return aux
+
+    def _apply_pending(self, optimizer_state):
+        """Bring gradients to their unscaled, clipped values (one read-write pass), unless skipped."""
+        pending = optimizer_state["pending"]
+        if pending is None:
+            return
+        optimizer_state["pending"] = None
+        table, aux, unscale, clip, _grads = pending
+        _C.amp_apply(table.device_index, table.table_ptr, table.count, table.total_chunks, aux.data_ptr(),
+                     1 if unscale else 0, 1 if clip else 0, table.stream)
+
+    def _record(self, optimizer_state, table, aux):
+        found = aux[_C.AMP_AUX_FOUND]
+        optimizer_state["found_inf_per_device"] = {table.device: found}
+        self._last_found_inf = found
+
+    # ---- torch's public methods ----
+
+    def unscale_(self, optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place, now (one launch for all dtypes).
+
+        As torch: optional, at most once per optimizer between two update() calls, and not after
+        step(). No host sync.
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        elif optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        with torch.no_grad():
+            cache, table, grads = self._grads(optimizer)
+            if table is not None:
+                aux = self._check(table, cache, True, _C.AMP_NORM_NONE, 0.0, -1.0, True)
+                self._record(optimizer_state, table, aux)
+            else:
+                optimizer_state["found_inf_per_device"] = {}
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """Unscale and clip the optimizer's gradients; the one-line replacement for
+        ``scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``.
+
+        Returns the total norm of the *unscaled* gradients as a 0-dim float32 tensor on their device,
+        without a host sync (2, inf or any p > 0). One read-only pass computes the norm and the
+        inf/NaN check now; the factor min(max_norm / (norm + 1e-6), 1) / scale is applied in step():
+        inside a fused optimizer's own kernel, or in one read-write pass before any other optimizer
+        runs (so read the gradients after step() if you need their final values). A skipped step
+        (inf/NaN found) leaves the gradients untouched. ``max_norm=inf`` measures without clipping.
+        ``error_if_nonfinite=True`` waits for the device, as torch's does. ``foreach`` is accepted
+        and ignored. With the scaler disabled this is torch.nn.utils.clip_grad_norm_ on the
+        optimizer's parameters.
+        """
+        max_norm = float(max_norm)
+        norm_type = float(norm_type)
+        if math.isnan(max_norm) or max_norm < 0:
+            raise ValueError(f"max_norm: expected a number >= 0 (inf to measure without clipping), got {max_norm}")
+        if math.isnan(norm_type) or norm_type <= 0:
+            raise ValueError(f"norm_type: expected a number > 0 or inf, got {norm_type}")
+        if not self._enabled:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        self._check_scale_growth_tracker("clip_grad_norm_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step().")
+        with torch.no_grad():
+            if optimizer_state["pending"] is not None:  # clipped twice: make the first one real
+                self._apply_pending(optimizer_state)
+            cache, table, grads = self._grads(optimizer)
+            if table is None:
+                optimizer_state["stage"] = OptState.UNSCALED
+                return torch.zeros((), dtype=torch.float32, device=self._scale.device)
+            if norm_type == 2.0:
+                mode, p = _C.AMP_NORM_L2, 2.0
+            elif math.isinf(norm_type):
+                mode, p = _C.AMP_NORM_INF, 0.0
+            else:
+                mode, p = _C.AMP_NORM_P, norm_type
+            unscale = optimizer_state["stage"] is OptState.READY
+            clip_to = max_norm if not math.isinf(max_norm) else -1.0
+            aux = self._check(table, cache, False, mode, p, clip_to, unscale)
+            self._record(optimizer_state, table, aux)
+            if unscale or clip_to >= 0:
+                optimizer_state["pending"] = (table, aux, unscale, clip_to >= 0, grads)
+            optimizer_state["stage"] = OptState.UNSCALED
+            total_norm = aux[_C.AMP_AUX_NORM]
+        if error_if_nonfinite and not torch.isfinite(total_norm):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from "
+                "`parameters` is non-finite, so it cannot be clipped. To disable "
+                "this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`")
+        return total_norm
+
+    def finalize_grads_(self, optimizer) -> None:
+        """Write the unscaled (and, after clip_grad_norm_, clipped) gradients now, in one read-write
+        pass, rather than inside step(): for code that reads the optimizer's gradients between
+        clip_grad_norm_ and step() (logging, a custom update). Nothing happens after unscale_ alone
+        (its gradients are final already) or when nothing is pending; gradients of a step found to
+        hold inf/NaN stay as they are. No host sync."""
+        optimizer_state = self._per_optimizer_states.get(id(optimizer)) if self._enabled else None
+        if optimizer_state is not None:
+            with torch.no_grad():
+                self._apply_pending(optimizer_state)
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        retval = None
+        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            retval = optimizer.step(*args, **kwargs)
+        return retval
+
+    def step(self, optimizer, *args, **kwargs):
+        """Unscale (and clip, after clip_grad_norm_) the gradients and run ``optimizer.step(*args,
+        **kwargs)`` unless a gradient held inf/NaN; returns its return value (None when skipped).
+
+        Fused optimizers (``_step_supports_amp_scaling``) get ``grad_scale`` and ``found_inf`` device
+        tensors and do the rest in their own kernel: no host sync. Other optimizers get one
+        read-write pass, then one ``.item()`` decides whether to call them, as torch's scaler does.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            kwargs_ = kwargs
+            has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            if has_grad_scaler_kwarg:
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning, stacklevel=2)
+                self._apply_pending(optimizer_state)
+                kwargs_.update({"grad_scaler": self})
+            else:
+                if optimizer_state["stage"] is OptState.READY:
+                    self._check_inf_per_device(optimizer)
+                found = optimizer_state["found_inf_per_device"]
+                found_inf = next(iter(found.values())) if len(found) == 1 else \
+                    sum(t.to(self._scale.device, non_blocking=True) for t in found.values())
+                pending = optimizer_state["pending"]
+                user_scale = getattr(optimizer, "grad_scale", None)
+                if pending is not None:
+                    # the optimizer divides by scale / clip: unscale and clip inside its kernel
+                    optimizer_state["pending"] = None
+                    grad_scale = pending[1][_C.AMP_AUX_GRAD_SCALE]
+                    if user_scale is not None:
+                        grad_scale = grad_scale * user_scale
+                elif optimizer_state["stage"] is OptState.UNSCALED:
+                    grad_scale = user_scale
+                else:
+                    grad_scale = self._scale if user_scale is None else self._scale * user_scale
+                optimizer.grad_scale = grad_scale
+                optimizer.found_inf = found_inf
+            retval = optimizer.step(*args, **kwargs_)
+            optimizer_state["stage"] = OptState.STEPPED
+            if not has_grad_scaler_kwarg:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            return retval
+
+        if optimizer_state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        else:
+            with torch.no_grad():
+                self._apply_pending(optimizer_state)
+        if len(optimizer_state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    def update(self, new_scale=None) -> None:
+        """Update the scale on the device: back off when a step was skipped, grow after
+        ``growth_interval`` clean steps in a row (as torch), with hysteresis and min/max when set."""
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        found_infs = [found_inf for state in self._per_optimizer_states.values()
+                      for found_inf in state["found_inf_per_device"].values()]
+        if new_scale is not None:
+            if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
+                self._scale.fill_(float(new_scale))
+            else:
+                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                          "torch.FloatTensor with requires_grad=False.")
+                if new_scale.device.type != self._device:
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+                self._scale.copy_(new_scale)
+            if found_infs:  # the scale was set by hand; still count a skipped step
+                self._launch_update(found_infs, adjust=False)
+        else:
+            if len(found_infs) == 0:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            self._launch_update(found_infs, adjust=True)
+        if found_infs:
+            self._last_found_inf = found_infs[0] if len(found_infs) == 1 else sum(found_infs)
+        self._updates += 1
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _launch_update(self, found_infs, adjust):
+        dev = self._scale.device
+        found_infs = [f.to(dev, non_blocking=True) for f in found_infs]
+        if len(found_infs) > _C.AMP_MAX_FOUND:
+            found_infs = [torch.stack(found_infs).sum()]
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        _C.amp_update(dev.index if dev.type == "cuda" else -1, self._scale.data_ptr(),
+                      self._growth_tracker.data_ptr(), self._amp_state.data_ptr(),
+                      tuple(f.data_ptr() for f in found_infs), float(self._growth_factor),
+                      float(self._backoff_factor), int(self._growth_interval), self._hysteresis,
+                      float(self._min_scale) if self._min_scale is not None else 0.0,
+                      float(self._max_scale) if self._max_scale is not None else math.inf,
+                      1 if adjust else 0, stream)
+        # keep the found tensors alive until the kernel has read them (stream order does the rest)
+        self._update_inputs = found_infs
+
+    def _get_scale_async(self):
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Waits for the device."""
+        if self._enabled:
+            return self._init_scale if (scale := self._get_scale_async()) is None else scale.item()
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        if self._enabled:
+            return self._init_growth_tracker if self._growth_tracker is None else self._growth_tracker.item()
+        return 0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _get_amp_state(self):
+        if self._amp_state is None:
+            return self._init_skipped, self._init_hysteresis
+        values = self._amp_state.tolist()
+        return values[_C.AMP_STATE_SKIPPED], values[_C.AMP_STATE_HYSTERESIS]
+
+    def state_dict(self) -> dict:
+        """torch's five entries (loadable by torch.amp.GradScaler), plus "hysteresis",
+        "_hysteresis_tracker", "min_scale", "max_scale" only where they differ from the defaults."""
+        if not self._enabled:
+            return {}
+        state = {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+        }
+        if self._hysteresis != 1:
+            state["hysteresis"] = self._hysteresis
+            state["_hysteresis_tracker"] = self._get_amp_state()[1]
+        if self._min_scale is not None:
+            state["min_scale"] = self._min_scale
+        if self._max_scale is not None:
+            state["max_scale"] = self._max_scale
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this class or of torch.amp.GradScaler (settings it lacks are kept)."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        self._init_scale = state_dict["scale"]
+        if self._scale is not None:
+            self._scale.fill_(state_dict["scale"])
+        self._growth_factor = state_dict["growth_factor"]
+        self._backoff_factor = state_dict["backoff_factor"]
+        self._growth_interval = state_dict["growth_interval"]
+        self._init_growth_tracker = state_dict["_growth_tracker"]
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(state_dict["_growth_tracker"])
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._max_scale = state_dict.get("max_scale", self._max_scale)
+        self._init_hysteresis = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        if self._amp_state is not None:
+            self._amp_state[_C.AMP_STATE_HYSTERESIS] = self._init_hysteresis
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                                     "of an iteration, or at the end after scaler.update().")
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_skipped"], state["_init_hysteresis"] = self._get_amp_state()
+            state["_scale"] = None
+            state["_growth_tracker"] = None
+            state["_amp_state"] = None
+        state["_caches"] = None
+        state["_last_found_inf"] = None
+        state.pop("_update_inputs", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._caches = weakref.WeakKeyDictionary()
+
+    def _check_inf_per_device(self, optimizer):
+        """Find inf/NaN in the optimizer's (still scaled) gradients: one read-only pass."""
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        with torch.no_grad():
+            cache, table, _ = self._grads(optimizer)
+            if table is None:
+                optimizer_state["found_inf_per_device"] = {}
+            else:
+                aux = self._check(table, cache, False, _C.AMP_NORM_NONE, 0.0, -1.0, False)
+                self._record(optimizer_state, table, aux)
+        return optimizer_state["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer):
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    # ---- hotloop's extras ----
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because of inf/NaN so far: reads a device counter, so it waits for the device."""
+        if not self._enabled:
+            return 0
+        return self._get_amp_state()[0]
+
+    @property
+    def found_inf(self):
+        """The 0-dim float32 device tensor of the last check: 1.0 when that step is (to be) skipped.
+        None before the first check. Reading its value waits for the device."""
+        return self._last_found_inf
+
+    def set_parameter_names(self, named_parameters) -> None:
+        """Names for overflow_report(): an iterable of (name, parameter), e.g. model.named_parameters()."""
+        self._names = {id(p): name for name, p in named_parameters}
+
+    def overflow_report(self, named_parameters=None):
+        """The first parameter whose gradient was non-finite in the last skipped step, as an
+        OverflowReport (str() reads as a sentence), or None if no step was skipped. Waits for the device."""
+        names = {id(p): n for n, p in named_parameters} if named_parameters is not None else self._names
+        best = None
+        if not self._enabled:
+            return None
+        for optimizer, cache in list(self._caches.items()):
+            if cache.report is None:
+                continue
+            report = cache.report.tolist()
+            param, step, count = (report[i] for i in (_C.AMP_REPORT_PARAM, _C.AMP_REPORT_STEP, _C.AMP_REPORT_COUNT))
+            if count == 0 or param < 0:
+                continue
+            if best is None or step > best[0]:
+                best = (step, optimizer, cache, param, count)
+        if best is None:
+            return None
+        step, optimizer, cache, param, count = best
+        group, within, flat = 0, param, 0
+        for gi, g in enumerate(optimizer.param_groups):
+            if param < flat + len(g["params"]):
+                group, within = gi, param - flat
+                break
+            flat += len(g["params"])
+        p = cache.params[param] if param < len(cache.params) else None
+        return OverflowReport(step=step, optimizer=cache.number, param_index=param, param_group=group,
+                              index_in_group=within, name=names.get(id(p)) if p is not None else None,
+                              shape=tuple(p.shape) if p is not None else (), dtype=p.dtype if p is not None else None,
+                              overflows=count)

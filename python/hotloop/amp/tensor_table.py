@@ -1,0 +1,101 @@
+"""Packs many tensors into the table that hotloop._C reads: (data pointer, element count, dtype, device).
+
+One bytes object per call lets one kernel launch walk any number of tensors. Only what C cannot see
+from a pointer is checked here (layout, density); C checks dtypes, devices and pointers.
+GradientTable is the GradScaler's form of it: uploaded to the device once, reused every step.
+"""
+import struct
+
+import torch
+
+from .. import _C
+
+# enum hl_dtype of kernels/tensor_table.h, as C exports it: torch dtype -> code
+DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
+
+
+def as_tensor_list(tensors, argname="tensors"):
+    """A tensor, or an iterable of tensors, as a list; anything else is a TypeError."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    try:
+        items = list(tensors)
+    except TypeError:
+        raise TypeError(f"{argname}: expected a tensor or an iterable of tensors, "
+                        f"got {type(tensors).__name__}") from None
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{argname}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+    return items
+
+
+def is_dense(t) -> bool:
+    """Non-overlapping and without gaps (contiguous in some order of its dimensions, e.g. a
+    channels_last gradient): its numel() elements are the ones from data_ptr() on, which is all an
+    elementwise kernel over the table needs."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((stride, size) for stride, size in zip(t.stride(), t.shape) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def pack(tensors, argname="tensors"):
+    """The packed table of `tensors` (a list of torch.Tensor) as bytes, after checking each."""
+    for i, t in enumerate(tensors):
+        if t.layout is not torch.strided:
+            raise TypeError(f"{argname}[{i}]: expected a dense (strided) tensor, got layout {t.layout}")
+        if not is_dense(t):
+            raise ValueError(f"{argname}[{i}]: expected a dense tensor (contiguous in some order of its "
+                             f"dimensions), got strides {t.stride()} for shape {tuple(t.shape)} "
+                             f"(call .contiguous() first)")
+    return packed_bytes(tensors)
+
+
+def packed_bytes(tensors):
+    """The packed table of tensors the caller has already checked (strided and dense)."""
+    fields = []
+    for t in tensors:
+        fields += (t.data_ptr(), t.numel(), DTYPE_CODES.get(t.dtype, _C.DTYPE_UNKNOWN), t.get_device())
+    return struct.pack(f"{len(fields)}q", *fields)
+
+
+def device_scratch(count, device):
+    """Device memory for `count` table entries, from torch's caching allocator on the current stream."""
+    return torch.empty(count * _C.TABLE_ENTRY_BYTES, dtype=torch.uint8, device=device)
+
+
+class GradientTable:
+    """The gradients of one optimizer as the GradScaler's kernels read them: packed with the index of
+    each one's parameter (for the overflow report), uploaded once and reused every step while `key`
+    (their data pointers) holds; `partials` are the check pass's per-chunk sums."""
+
+    __slots__ = ("key", "count", "total_chunks", "device", "device_index", "table", "table_ptr", "index_ptr",
+                 "partials", "partials_ptr", "stream")
+
+    def __init__(self, key, grads, param_index, device, stream):
+        count = len(grads)
+        packed = packed_bytes(grads)  # the scaler checked them, naming parameters
+        index = struct.pack(f"{count}i", *param_index)
+        nbytes = count * (_C.TABLE_ENTRY_BYTES + 4)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.count, self.total_chunks, _numel, self.device_index = _C.amp_table_pack(packed, index, host)
+        if device.type == "cuda":
+            # a pinned source: the copy neither waits for the device nor lets the buffer go too early
+            table = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            table.copy_(host, non_blocking=True)
+        else:
+            table = host
+        self.key = key
+        self.device = device
+        self.table = table
+        self.table_ptr = table.data_ptr()
+        self.index_ptr = self.table_ptr + count * _C.TABLE_ENTRY_BYTES
+        # zeroed once so that nothing reads garbage; every check rewrites the partials it uses
+        self.partials = torch.zeros(max(2 * self.total_chunks, 2), dtype=torch.float32, device=device)
+        self.partials_ptr = self.partials.data_ptr()
+        self.stream = stream

@@ -1,0 +1,10 @@
+"""hotloop's benchmarks: per component a module whose rows(ctx) yields Row objects (harness.py),
+run by `python -m hotloop bench components` (hotloop/cli/bench.py). They use hotloop's public API."""
+
+# component name -> module with rows(ctx); each component issue adds its line
+COMPONENTS = {
+    "ops": "hotloop.bench.ops",
+    "scaler": "hotloop.bench.scaler",
+    "monitor": "hotloop.bench.monitor",
+    "loader": "hotloop.bench.loader",
+}

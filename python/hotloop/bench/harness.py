@@ -1,0 +1,96 @@
+"""How a benchmark row is measured and shown: hotloop's way and torch's way of one job, alternated
+in one process (CUDA events on a GPU, perf_counter on the CPU; warm-up, median), hotloop ÷ torch.
+Benchmarks are never tests: nothing here asserts on speed."""
+import dataclasses
+import statistics
+import time
+
+
+@dataclasses.dataclass
+class Row:
+    component: str
+    figure: str
+    hotloop: float
+    torch: float
+    unit: str  # "ms" (lower is better) or a rate such as "GB/s", "img/s" (higher is better)
+    note: str = ""
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.unit in ("ms", "us", "s")
+
+    @property
+    def ratio(self) -> float:
+        """hotloop ÷ torch, as the figure is stated."""
+        return self.hotloop / self.torch if self.torch else float("nan")
+
+    @property
+    def speedup(self) -> float:
+        """how many times better hotloop does (time: torch ÷ hotloop; rate: hotloop ÷ torch)."""
+        if self.lower_is_better:
+            return self.torch / self.hotloop if self.hotloop else float("nan")
+        return self.ratio
+
+
+class Context:
+    """What a component needs to measure: the device, and timers that alternate two ways of one job."""
+
+    def __init__(self, device, quick=False):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.quick = quick
+
+    def sync(self):
+        if self.is_cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def time_ms(self, fn):
+        """One timed call of fn, in milliseconds (CUDA events around it on a GPU)."""
+        if self.is_cuda:
+            start = self.torch.cuda.Event(enable_timing=True)
+            end = self.torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def host_time_ms(self, fn):
+        """Host (CPU) time of one call, without waiting for the device: what the launch costs."""
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        elapsed = (time.perf_counter() - t0) * 1e3
+        self.sync()
+        return elapsed
+
+    def compare(self, hotloop_fn, torch_fn, warmup=3, reps=20, timer=None):
+        """Median milliseconds of (hotloop_fn, torch_fn), run alternately after warm-up."""
+        timer = timer or self.time_ms
+        if self.quick:
+            warmup, reps = 1, 3
+        for _ in range(warmup):
+            hotloop_fn()
+            torch_fn()
+        self.sync()
+        ours, theirs = [], []
+        for _ in range(reps):
+            ours.append(timer(hotloop_fn))
+            theirs.append(timer(torch_fn))
+        return statistics.median(ours), statistics.median(theirs)
+
+
+def format_table(rows) -> str:
+    header = ("component", "figure", "hotloop", "torch", "unit", "hotloop÷torch", "better by", "note")
+    body = [(r.component, r.figure, f"{r.hotloop:.4g}", f"{r.torch:.4g}", r.unit, f"{r.ratio:.3f}",
+             f"{r.speedup:.2f}x", r.note) for r in rows]
+    widths = [max(len(str(line[i])) for line in [header] + body) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header] + body]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

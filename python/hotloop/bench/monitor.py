@@ -1,0 +1,182 @@
+"""Benchmarks of the memory monitor: what a 1 kHz sampler costs a training step, and the rate it holds.
+
+Step time of a ResNet-50 AMP step (torchvision; a small conv net without it) with no monitor, with
+hotloop's C sampler at 1 kHz, with torch's `_record_memory_history`, and with a Python thread polling
+NVML every 1 ms (pynvml, else ctypes), the configurations alternated block by block in one process.
+Then the sample rate the C sampler achieves when 1 kHz and 10 kHz are asked, against a Python thread.
+"""
+import ctypes
+import os
+import statistics
+import threading
+import time
+
+from .. import _C
+from ..memory import MemoryMonitor
+from .harness import Row
+
+
+class PythonNvmlPoller:
+    """What users write today: a Python thread that reads NVML memory info every `interval` seconds."""
+
+    def __init__(self, index=0, interval=0.001):
+        self.interval = interval
+        self.samples = 0
+        self.peak = 0
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.read = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used
+            self.how = "pynvml"
+        except Exception:  # no nvidia-ml-py: the same calls through ctypes
+            lib = ctypes.CDLL(os.environ.get("HOTLOOP_NVML_LIBRARY") or "libnvidia-ml.so.1")
+            lib.nvmlInit_v2()
+            handle = ctypes.c_void_p()
+            lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle))
+            memory = (ctypes.c_ulonglong * 3)()
+            self.read = lambda: (lib.nvmlDeviceGetMemoryInfo(handle, memory), memory[2])[1]
+            self.how = "ctypes"
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            self.samples += 1
+            time.sleep(self.interval)
+
+    def start(self):
+        self._stop.clear()
+        self.samples = 0
+        self.t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self.t1 = time.perf_counter()
+
+    @property
+    def rate(self):
+        return self.samples / (self.t1 - self.t0)
+
+
+def _model(torch, device, quick):
+    try:
+        import torchvision
+
+        model = torchvision.models.resnet18() if quick else torchvision.models.resnet50()
+        name = "ResNet-18" if quick else "ResNet-50"
+    except ImportError:
+        layers = []
+        ch = 3
+        for out in (64, 128, 256, 512):
+            layers += [torch.nn.Conv2d(ch, out, 3, stride=2, padding=1), torch.nn.BatchNorm2d(out), torch.nn.ReLU()]
+            ch = out
+        model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                    torch.nn.Linear(ch, 1000))
+        name = "small conv net (no torchvision)"
+    return model.to(device).to(memory_format=torch.channels_last), name
+
+
+def _sample_rate(device, interval_ms, seconds):
+    """(the memory sample rate hotloop's monitor held, its report) over `seconds` of an idle host"""
+    with MemoryMonitor(interval_ms=interval_ms, device=device) as mon:
+        time.sleep(seconds)
+    r = mon.report()
+    return r.sample_rate_hz or float("nan"), r
+
+
+def rows(ctx):
+    reason = _C.nvml_unavailable_reason()
+    if reason is not None:
+        print(f"  monitor: skipped, no NVML ({reason})", flush=True)
+        return
+    torch = ctx.torch
+    seconds = 0.3 if ctx.quick else 1.0
+    device = ctx.device if ctx.is_cuda else 0  # torch's device, or NVML's first without one
+
+    # achieved sample rate, idle host, against a Python thread asked for the same rate
+    for hz in (1000, 10000):
+        rate, r = _sample_rate(device, 1000.0 / hz, seconds)
+        poller = None
+        try:
+            poller = PythonNvmlPoller(ctx.device.index or 0 if ctx.is_cuda else 0, 1.0 / hz)
+            poller.start()
+            time.sleep(seconds)
+            poller.stop()
+            py_rate = poller.rate
+        except Exception as e:  # no real NVML for Python (a fake one, say)
+            print(f"  monitor: Python NVML poller unavailable ({e})", flush=True)
+            py_rate = float("nan")
+        yield Row("monitor", f"achieved sample rate, {hz} Hz asked", rate, py_rate, "Hz",
+                  f"hotloop {100 * rate / hz:.1f} % of asked, {r.ticks_missed} ticks missed; torch column: "
+                  f"Python thread ({getattr(poller, 'how', '-')})")
+
+    if not ctx.is_cuda:
+        print("  monitor: step-time overhead skipped (needs a CUDA device)", flush=True)
+        return
+
+    model, name = _model(torch, ctx.device, ctx.quick)
+    batch = 32 if ctx.quick else 128
+    x = torch.randn(batch, 3, 224, 224, device=ctx.device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    steps = 3 if ctx.quick else 10
+    rounds = 2 if ctx.quick else 6
+
+    def block():
+        for _ in range(steps):
+            step()
+
+    hotloop_monitor = MemoryMonitor(interval_ms=1.0, device=ctx.device)
+    poller = PythonNvmlPoller(ctx.device.index or 0, 0.001)
+
+    def record_history(on):
+        if on:
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+        else:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    configs = {
+        "none": (lambda: None, lambda: None),
+        "hotloop": (hotloop_monitor.start, hotloop_monitor.stop),
+        "history": (lambda: record_history(True), lambda: record_history(False)),
+        "python": (poller.start, poller.stop),
+    }
+    for _ in range(3):
+        step()
+    ctx.sync()
+    times = {k: [] for k in configs}
+    rates = []
+    for _ in range(rounds):  # alternate the configurations, block by block
+        for key, (on, off) in configs.items():
+            on()
+            step()  # the first step under a new configuration is not timed
+            ms = ctx.time_ms(block) / steps
+            off()
+            times[key].append(ms)
+            if key == "hotloop":
+                rates.append(hotloop_monitor.report().sample_rate_hz or float("nan"))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    label = f"{name} AMP step, batch {batch}"
+    overhead = 100 * (med["hotloop"] / med["none"] - 1)
+    yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs no monitor", med["hotloop"], med["none"], "ms",
+              f"overhead {overhead:+.2f} %; sampler held {statistics.median(rates):.0f} Hz during training")
+    yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs torch _record_memory_history", med["hotloop"],
+              med["history"], "ms", f"history overhead {100 * (med['history'] / med['none'] - 1):+.1f} %")
+    yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs Python NVML thread (1 ms)", med["hotloop"],
+              med["python"], "ms", f"Python thread ({poller.how}) overhead "
+              f"{100 * (med['python'] / med['none'] - 1):+.1f} %")

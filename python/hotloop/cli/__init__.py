@@ -1,0 +1,39 @@
+"""The command line, `python -m hotloop [--version] {info,doctor,monitor,bench}`: one module per
+command, each with add_arguments(parser) and main(args) -> exit code."""
+import argparse
+import importlib
+import sys
+
+from .._version import __version__
+
+# command -> (module, help)
+COMMANDS = {
+    "info": ("hotloop.cli.info", "what hotloop was built with and what this machine offers"),
+    "doctor": ("hotloop.cli.doctor", "check driver, torch, GPUs, PCIe, power and host settings; advise"),
+    "monitor": ("hotloop.cli.monitor", "an nvidia-smi -l like logger: memory, utilisation, power, clocks, PCIe"),
+    "bench": ("hotloop.cli.bench", "hotloop against torch, side by side in one process"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hotloop", description="hotloop: keep the GPU busy.")
+    parser.add_argument("--version", action="version", version=f"hotloop {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return importlib.import_module(args.module).main(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

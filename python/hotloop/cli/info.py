@@ -1,0 +1,78 @@
+"""`python -m hotloop info`: what hotloop was built with and what this machine offers it."""
+import os
+import platform
+import sys
+
+from .. import _C
+from .._version import __version__
+
+
+def add_arguments(parser):
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+
+
+def collect() -> dict:
+    """Build and machine facts as a dict; works without torch and without a GPU."""
+    facts = {
+        "hotloop": __version__,
+        "build": _C.build_info(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cuda_unavailable_reason": _C.cuda_unavailable_reason(),
+        "cuda_driver_version": _C.cuda_driver_version(),
+        "cuda_runtime_version": _C.cuda_runtime_version(),
+        "cuda_devices": [],
+        "torch": None,
+        "torch_cuda": None,
+    }
+    try:
+        import torch
+    except ImportError:
+        return facts
+    facts["torch"] = torch.__version__
+    facts["torch_cuda"] = torch.version.cuda
+    if facts["cuda_unavailable_reason"] is None and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            facts["cuda_devices"].append({
+                "index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+                "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count,
+            })
+    return facts
+
+
+def cuda_version_text(version):
+    return "none" if not version else f"{version // 1000}.{version % 1000 // 10}"
+
+
+def main(args) -> int:
+    facts = collect()
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(facts, indent=2))
+        return 0
+    build = facts["build"]
+    archs = ", ".join(f"sm_{a}" for a in build["cuda_archs"]) or "-"
+    lines = [
+        ("hotloop", facts["hotloop"]),
+        ("built with CUDA", build["cuda"] or "no (CPU-only build)"),
+        ("GPU architectures", archs + (f" + PTX {build['ptx_arch']}" if build["ptx_arch"] else "")),
+        ("stable ABI (abi3)", "yes" if build["abi3"] else "no"),
+        ("sanitizers", ", ".join(build["sanitizers"]) or "none"),
+        ("python", f"{facts['python']} on {facts['platform']}"),
+        ("CPU cores", str(facts["cpu_count"])),
+        ("torch", facts["torch"] or "not installed"),
+        ("torch built for CUDA", facts["torch_cuda"] or "no"),
+        ("CUDA driver supports", cuda_version_text(facts["cuda_driver_version"])),
+        ("hotloop can use CUDA", "yes" if facts["cuda_unavailable_reason"] is None
+         else f"no: {facts['cuda_unavailable_reason']}"),
+    ]
+    for d in facts["cuda_devices"]:
+        lines.append((f"cuda:{d['index']}", f"{d['name']}, sm_{d['capability'].replace('.', '')}, "
+                      f"{d['memory_gib']} GiB, {d['multiprocessors']} SMs"))
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        print(f"{key:<{width}}  {value}")
+    return 0

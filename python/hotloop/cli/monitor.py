@@ -1,0 +1,124 @@
+"""`python -m hotloop monitor`: an nvidia-smi -l like logger driven by the C sampler, with a summary at the end."""
+import csv
+import signal
+import sys
+import time
+
+from .. import _C
+from ..memory.clock_reasons import reason_names
+from ..memory.text import GiB
+from ..memory.timeline import Timeline
+
+COLUMNS = ["time", "gpu", "used_mib", "reserved_mib", "util_pct", "mem_util_pct", "power_w", "temp_c",
+           "sm_mhz", "mem_mhz", "pcie_rx_mb_s", "pcie_tx_mb_s", "reasons"]
+
+
+def add_arguments(parser):
+    parser.add_argument("--interval-ms", type=float, default=100.0, help="sampling and print period (default 100)")
+    parser.add_argument("--device", type=int, action="append", help="NVML device index (repeatable; default all)")
+    parser.add_argument("--csv", metavar="FILE", help="also write every row to this CSV file")
+    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until Ctrl-C)")
+
+
+def _value(raw, scale=1.0, digits=0):
+    if raw is None or raw == _C.MONITOR_UNSUPPORTED:
+        return ""
+    return f"{raw * scale:.{digits}f}"
+
+
+def _row(t, index, tl):
+    """one output row from the newest sample of each kind"""
+    used = reserved = ""
+    if len(tl.memory):
+        used, reserved = f"{tl.used[-1] / 2**20:.0f}", f"{tl.reserved[-1] / 2**20:.0f}"
+    slow = tl.slow[-1] if len(tl.slow) else None
+    pcie = tl.pcie[-1] if len(tl.pcie) else None
+    return [time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}", str(index), used, reserved,
+            _value(slow["util_gpu"]) if slow is not None else "",
+            _value(slow["util_memory"]) if slow is not None else "",
+            _value(slow["power_mw"], 1e-3, 1) if slow is not None else "",
+            _value(slow["temperature_c"]) if slow is not None else "",
+            _value(slow["sm_clock_mhz"]) if slow is not None else "",
+            _value(slow["memory_clock_mhz"]) if slow is not None else "",
+            _value(pcie["rx_kb_per_s"], 1 / 1024, 0) if pcie is not None else "",
+            _value(pcie["tx_kb_per_s"], 1 / 1024, 0) if pcie is not None else "",
+            ",".join(reason_names(int(slow["reasons"]))) if slow is not None else ""]
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(args) -> int:
+    reason = _C.nvml_unavailable_reason()
+    if reason is not None:
+        print(f"hotloop monitor: no NVML, so nothing to watch ({reason})", file=sys.stderr)
+        return 1
+    count = _C.nvml_system()["device_count"]
+    if count == 0:
+        print("hotloop monitor: NVML sees no GPU on this machine", file=sys.stderr)
+        return 1
+    if args.interval_ms <= 0:
+        print("hotloop monitor: --interval-ms must be positive", file=sys.stderr)
+        return 2
+    devices = args.device if args.device else list(range(count))
+    interval = args.interval_ms
+    monitors = []
+    for d in devices:
+        try:
+            # PCIe throughput blocks ~40 ms per reading: never ask for it faster than that
+            monitors.append(_C.Monitor(d, interval, interval, max(interval, 100.0), 4096))
+        except (ValueError, _C.NvmlError) as e:
+            print(f"hotloop monitor: device {d}: {e}", file=sys.stderr)
+            return 2
+    writer = None
+    csv_file = open(args.csv, "w", newline="") if args.csv else None
+    if csv_file:
+        writer = csv.writer(csv_file)
+        writer.writerow(COLUMNS)
+    header = ("{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8}  {}"
+              .format("time", "gpu", "used MiB", "rsvd MiB", "sm%", "mem%", "power W", "temp", "SM MHz",
+                      "memMHz", "rx MB/s", "tx MB/s", "clock-event reasons"))
+    # SIGTERM ends the logger like Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    t_start, wall_start = time.monotonic(), time.time()
+    lines = 0
+    try:
+        for m in monitors:
+            m.start()
+        # --duration counts from when sampling began, not from the (possibly slow) set-up
+        t_start, wall_start = time.monotonic(), time.time()
+        next_print = t_start + interval / 1000.0
+        while args.duration is None or time.monotonic() - t_start < args.duration:
+            time.sleep(max(0.0, next_print - time.monotonic()))
+            next_print += interval / 1000.0
+            now = time.time()
+            if lines % 20 == 0:
+                print(header, flush=True)
+            for d, m in zip(devices, monitors):
+                row = _row(now, d, Timeline(m.snapshot()))
+                print("{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8}  {}"
+                      .format(*row), flush=True)
+                if writer:
+                    writer.writerow(row)
+            lines += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for m in monitors:
+            m.stop()
+        signal.signal(signal.SIGTERM, previous)
+        if csv_file:
+            csv_file.close()
+    elapsed = time.monotonic() - t_start
+    for d, m in zip(devices, monitors):
+        s = m.snapshot()
+        util = "-" if s["util_mean"] < 0 else f"{s['util_mean']:.0f}%"
+        power = "-" if s["power_mean_w"] < 0 else f"{s['power_mean_w']:.0f}/{(s['power_max_mw'] or 0) / 1e3:.0f} W"
+        temp = "-" if s["temperature_max_c"] is None else f"{s['temperature_max_c']} C"
+        reasons = ", ".join(reason_names(s["reasons_seen"])) or "none"
+        errors = f"; {s['error']['count']} NVML errors ({s['error']['text']})" if s["error"] else ""
+        print(f"summary gpu {d}: {elapsed:.1f} s from {time.strftime('%H:%M:%S', time.localtime(wall_start))}, "
+              f"{s['memory_samples']} samples, peak used {s['peak_used'] / GiB:.2f} GiB, util mean {util}, "
+              f"power mean/max {power}, temp max {temp}, reasons {reasons}{errors}", flush=True)
+    return 0

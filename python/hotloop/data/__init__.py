@@ -1,0 +1,10 @@
+"""hotloop.DataLoader and its GPU transform. dataloader.py holds the user-facing class and its
+iterators; the underscore modules beside it are the machinery they drive: _pool (worker processes,
+the ring, copies out of it), _worker (the worker loop), _launcher (forks workers 1..), _batch and
+_rows (a batch's layout in a slot), _device (copies to the GPU), _prefetch (the thread that queues
+them), _resume (state_dict), _rng (worker RNG states), _messages (what the processes send each
+other), _shutdown (what ends at interpreter exit)."""
+from .dataloader import DataLoader, LoaderStats
+from .normalize import Normalize
+
+__all__ = ["DataLoader", "LoaderStats", "Normalize"]

@@ -1,0 +1,316 @@
+"""CUDA delivery of ring slots: copies on a side stream, slots and device buffers reused only once events allow it."""
+import array
+import collections
+import dataclasses
+import time
+import warnings
+import weakref
+
+import torch
+
+from .. import _C
+from ._batch import unflatten
+from ._shutdown import LOCAL_RINGS, close_at_exit, forget
+
+# torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class CudaCalls:
+    """Every CUDA call of the device path, for one device. Tests replace this class (DeviceCopies.calls)
+    to run the path's logic on the CPU; nothing else of the loader touches CUDA."""
+
+    def __init__(self, device):
+        self.device = device
+        self._streams = []  # torch.cuda.Stream objects own the streams whose handles we hand out
+
+    def new_stream(self) -> int:
+        stream = torch.cuda.Stream(self.device)
+        self._streams.append(stream)
+        return stream.cuda_stream
+
+    def current_stream(self) -> int:
+        """The handle of the consumer's current stream on our device (~1 us where torch has the raw
+        call, against ~15 us to build a torch.cuda.Stream: it is asked twice per batch)."""
+        if _raw_current_stream is not None:
+            return _raw_current_stream(self.device.index)
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def record_stream(self, tensors):
+        """The tensors are used on the current stream, not the one they were allocated for."""
+        stream = torch.cuda.current_stream(self.device)
+        for t in tensors:
+            t.record_stream(stream)
+
+    def event(self, timing):
+        return _C.cuda_event_create(self.device.index, timing)
+
+    def record(self, event, stream):
+        _C.cuda_event_record(event, stream)
+
+    def wait(self, stream, event):
+        _C.cuda_stream_wait_event(stream, event)
+
+    def done(self, event) -> bool:
+        return _C.cuda_event_query(event)
+
+    def synchronize(self, event):
+        _C.cuda_event_synchronize(event)
+
+    def elapsed_ms(self, start, end) -> float:
+        return _C.cuda_event_elapsed(start, end)
+
+    def destroy(self, event):
+        _C.cuda_event_destroy(event)
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def transform_output(self, tf, shape):
+        return tf.empty_output(shape, self.device)
+
+    def run_transform(self, tf, src, mem, stream):
+        tf.run(src, mem, stream)
+
+    def populate(self, ring, order):
+        """Allocate and page-lock the ring's slots in `order`, on the ring's background threads."""
+        ring.populate_all(order, self.device.index)
+
+    def register(self, ring, slot) -> bool:
+        """Page-lock the slot now (True if this call did it)."""
+        return ring.cuda_register_slot(slot, self.device.index)
+
+    def slot_pinned(self, ring, slot) -> bool:
+        return ring.slot_pinned(slot)
+
+    def copy(self, ring, slot, packed, stream):
+        ring.copy_to_device(slot, packed, stream, self.device.index)
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """A batch whose copy to the device is queued: its slot is freed once `event` completed."""
+
+    slot: int
+    event: int
+    result: object
+    keep: list  # staging buffers the copy stream still writes
+    stream: int  # the stream the device tensors were allocated for (its handle)
+    tensors: list
+    nbytes: int
+    timing: tuple  # (start, end) timing events or None
+
+
+class DeviceCopies:
+    """The side stream, the events and the copies in flight of one ring: a slot goes back (through
+    the `release` callable given to deliver/reclaim) only once the copy out of it finished."""
+
+    calls = CudaCalls  # the seam the CPU tests replace
+
+    def __init__(self, device, loader):
+        self.device = device
+        self.cuda = self.calls(device)
+        self.loader = weakref.proxy(loader)  # its gpu_transform and stats; a proxy: the loader owns a LocalRing
+        self.copy_stream = None
+        self.pin_slots = True
+        self.inflight = collections.deque()
+        self.event_pool = []
+        self.alloc_event = None
+        self.timing_pool = []  # timing events (h2d seconds in stats) are made once, not per batch
+        self.pinned = set()  # slots page-locked through this object
+
+    def populate(self, ring, order):
+        """Background threads of the ring allocate its pages and page-lock its slots, in `order`:
+        a worker's first write finds its pages and a copy its slot page-locked, without the training
+        thread doing either (unless a copy comes first: ring_pin.c)."""
+        self.cuda.populate(ring, order)
+
+    def _pin(self, ring, slot):
+        if not self.pin_slots:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.cuda.register(ring, slot):
+                self.loader.stats.register_seconds += time.perf_counter() - t0
+            self.pinned.add(slot)
+        except Exception as exc:  # still correct without pinning, only slower
+            self.pin_slots = False
+            warnings.warn(f"hotloop.DataLoader: the ring could not be page-locked ({exc}); copies will be "
+                          "slower", stacklevel=5)
+
+    def slot_pinned(self, ring, slot):
+        """Whether a copy out of the slot can start without page-locking it first (which holds the
+        driver lock, 2-3 ms for a 38 MB slot whose pages exist, while the training thread's launches
+        wait: ring_pin.c)."""
+        return not self.pin_slots or slot in self.pinned or self.cuda.slot_pinned(ring, slot)
+
+    def _event(self, timing=False):
+        pool = self.timing_pool if timing else self.event_pool
+        return pool.pop() if pool else self.cuda.event(timing)
+
+    def copy_to_device(self, ring, slot, spec, leaves):
+        """Queue the slot's copy to the device on the side stream; the result is usable once the
+        consumer's stream waited on the returned Pending's event (deliver)."""
+        cuda = self.cuda
+        tf = self.loader.gpu_transform
+        if self.copy_stream is None:
+            self.copy_stream = cuda.new_stream()
+            self.alloc_event = cuda.event(False)
+        consumer = cuda.current_stream()
+        outs, triples, staged, keep, nbytes = [], [], [], [], 0
+        for off, dtype, shape in leaves:
+            size = torch.Size(shape).numel() * dtype.itemsize
+            nbytes += size
+            if tf is not None and tf.applies_to(dtype, shape):
+                staging = cuda.empty(shape, torch.uint8)
+                out, mem = cuda.transform_output(tf, shape)
+                staged.append((staging, mem))
+                keep.append(staging)
+                triples += (off, staging.data_ptr(), size)
+                outs.append(out)
+            else:
+                t = cuda.empty(shape, dtype)
+                triples += (off, t.data_ptr(), size)
+                outs.append(t)
+        if slot not in self.pinned:
+            self._pin(ring, slot)  # what the ring's pinning thread has not page-locked yet
+        side = self.copy_stream
+        # the tensors were allocated for the consumer's stream: blocks it freed may still be in use
+        # by work queued there, so the copy stream waits for everything queued so far (timm #2781)
+        cuda.record(self.alloc_event, consumer)
+        cuda.wait(side, self.alloc_event)
+        timing = (self._event(True), self._event(True))
+        cuda.record(timing[0], side)
+        if triples:
+            cuda.copy(ring, slot, array.array("q", triples).tobytes(), side)
+        cuda.record(timing[1], side)
+        for staging, mem in staged:
+            cuda.run_transform(tf, staging, mem, side)
+        event = self._event()
+        cuda.record(event, side)
+        return Pending(slot, event, unflatten(spec, outs), keep, consumer, outs, nbytes, timing)
+
+    def deliver(self, pending, release):
+        """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""
+        consumer = self.cuda.current_stream()
+        self.cuda.wait(consumer, pending.event)
+        if consumer != pending.stream:
+            self.cuda.record_stream(pending.tensors)
+        # the staging buffers go back to the allocator now: later work on the consumer's stream is
+        # ordered after the event, so it cannot overwrite them while the copy stream reads them
+        pending.keep = None
+        pending.tensors = None
+        result, pending.result = pending.result, None
+        self.inflight.append(pending)
+        self.reclaim(False, release)
+        return result
+
+    def abandon(self, pending):
+        """A batch whose copy was queued but that will never be handed out: its slot is released
+        (by the next reclaim) once the copy is over."""
+        self.inflight.append(pending)
+
+    def reclaim(self, block, release):
+        """Release the slots whose copies finished (with block: wait for the oldest if none did)."""
+        st = self.loader.stats
+        while self.inflight:
+            p = self.inflight[0]
+            if not self.cuda.done(p.event):
+                if not block:
+                    return
+                self.cuda.synchronize(p.event)
+            self.inflight.popleft()
+            block = False
+            release(p.slot)
+            if p.timing is not None:
+                st.h2d_seconds += self.cuda.elapsed_ms(*p.timing) / 1e3
+                st.h2d_bytes += p.nbytes
+            self._recycle(p)
+
+    def _recycle(self, p):
+        """Its events back to the pools, for later copies (or for close to destroy)."""
+        self.event_pool.append(p.event)
+        if p.timing is not None:
+            self.timing_pool += p.timing
+
+    def close(self):
+        """Wait for the copies in flight (DMA must be over before the ring is unregistered) and
+        destroy the events."""
+        try:
+            for p in self.inflight:
+                self.cuda.synchronize(p.event)
+                self._recycle(p)
+            self.inflight.clear()
+            for e in self.event_pool + self.timing_pool + ([self.alloc_event] if self.alloc_event else []):
+                self.cuda.destroy(e)
+        except Exception:  # at interpreter exit CUDA may already be torn down
+            pass
+        self.event_pool = []
+        self.timing_pool = []
+        self.alloc_event = None
+
+
+def page_round(nbytes):
+    page = _C.RING_PAGE_BYTES
+    return (nbytes + page - 1) // page * page
+
+
+def slot_layout(sizes, start=0):
+    """([(offset, capacity)] of each leaf in a slot, page-aligned from `start`; the slot's bytes)."""
+    layout, offset = [], start
+    for nbytes in sizes:
+        cap = page_round(max(nbytes, 1))
+        layout.append((offset, cap))
+        offset += cap
+    return layout, offset
+
+
+class LocalRing:
+    """num_workers=0 with a device: a small ring in this process that the main thread writes batches
+    into (one host copy), page-locked in the background, copied to the device by DeviceCopies. It
+    lives as long as its loader, so slots are page-locked once, not once per epoch."""
+
+    def __init__(self, loader, sizes):
+        layout, offset = slot_layout(sizes)
+        # the batches queued ahead, the one being handed out, one whose copy may still run
+        nslots = loader.prefetch_batches + 2
+        self.ring = _C.Ring(nslots, offset)
+        self.layout = layout
+        self.slot_u8 = [torch.frombuffer(self.ring.view(i), dtype=torch.uint8) for i in range(nslots)]
+        self.free_slots = list(range(nslots))
+        self.copies = DeviceCopies(loader.device, loader)
+        loader.stats.ring_bytes = self.ring.nbytes
+        # in the order take_slot hands them out, while this thread makes the next batches; it
+        # registers only what they have not reached
+        self.copies.populate(self.ring, self.free_slots[::-1])
+        close_at_exit(self, LOCAL_RINGS)
+
+    def fits(self, tensors):
+        return len(tensors) <= len(self.layout) and all(
+            t.numel() * t.element_size() <= cap for t, (_, cap) in zip(tensors, self.layout))
+
+    def take_slot(self):
+        """A free slot (after waiting for the oldest copy in flight if none is), or None."""
+        if not self.free_slots:
+            self.copies.reclaim(True, self.release_slot)
+        if not self.free_slots:
+            return None  # another iterator of the same loader holds them all
+        slot = self.free_slots.pop()
+        if not self.ring.faulted(slot):
+            self.ring.prefault(slot)  # one madvise instead of a page fault per 4 kB of the first batch
+        return slot
+
+    def slot(self, slot):
+        return self.slot_u8[slot]
+
+    def release_slot(self, slot):
+        self.free_slots.append(slot)
+
+    def close(self):
+        if self.ring is None:
+            return
+        forget(self)
+        self.copies.close()  # copies over before the ring is unregistered and unmapped
+        self.slot_u8 = None
+        self.ring.close()
+        self.ring = None

@@ -1,0 +1,718 @@
+"""The worker pool behind hotloop.DataLoader: worker processes, their pipes, the shared ring, and the
+copies out of it (to the CPU, or to the GPU on a side stream). Persistent workers keep one pool across
+epochs; every other epoch makes its own. The messages it exchanges with workers are in _messages.py."""
+import array
+import collections
+import dataclasses
+import fcntl
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import time
+
+import torch
+from torch.utils.data.dataloader import _DatasetKind
+
+from .. import _C
+from ._batch import unflatten
+from ._device import DeviceCopies, page_round, slot_layout
+from ._launcher import LaunchedWorker, Launcher
+from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
+                        Result, Setup, UseRing)
+from ._shutdown import WORKER_POOLS, close_at_exit, forget
+from ._worker import worker_main
+
+_logger = logging.getLogger("hotloop.data")
+
+POLL_S = 0.1  # how often a waiting main process looks at its workers' health
+_META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
+LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
+USE_LAUNCHER = True  # fork workers 1.. through a launcher process (tests turn it off to cover both ways)
+
+
+@dataclasses.dataclass(eq=False)
+class Task:
+    id: int
+    wid: int
+    index: object
+    slot: int
+    consumed: bool = False
+    kind: str = None  # once taken: "batch", "error", "stop", or "drop" (never done: its worker had ended)
+    rng: bytes = None  # the worker's RNG states right after it, until the iterator logged it
+    handed: bool = False  # its batch went to the consumer (or its error was raised)
+
+
+@dataclasses.dataclass
+class WorkerEpoch:
+    """Where one worker stands in the current epoch, as far as the main process knows: what a
+    replacement needs to carry on where it died."""
+
+    start_rng: bytes = None  # the RNG states it started the epoch with (None: as seeded at its start)
+    recreate: bool = False  # its iterator was made anew after start_rng was set
+    base: int = 0  # batches (and errors) of its IterableDataset it replayed at the epoch's start
+    base_stopped: bool = False  # and its iteration had ended there
+    taken: int = 0  # batches and errors the main process took from it since (in the order it made them)
+    stopped: bool = False  # its Ended was taken
+    last_rng: bytes = None  # its states after the last of those outcomes (None: none yet)
+    # its tasks after those, in the order it makes them: a worker's second batch can be ready before
+    # its first (the first waits for Place), and in_order=False takes it first
+    open: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+
+class Pool:
+    """Worker processes, their pipes, the ring and the copies out of it: what persistent workers keep."""
+
+    track = None  # [WorkerEpoch] for the current epoch, from begin_epoch on
+    replay_index = None  # the index an IterableDataset's tasks carry (all the same)
+    resumed_rng = None  # worker -> its RNG states when it began this epoch (persistent workers' EpochStarted)
+
+    def __init__(self, loader, spec):
+        """spec: the WorkerSpec every worker starts with."""
+        self.loader = loader
+        self.ctx = loader.multiprocessing_context or torch.multiprocessing
+        self.n = loader.num_workers
+        self.kind = spec.dataset_kind
+        self.spec = spec
+        self.main_pid = os.getpid()
+        self.device = loader.device
+        self.ring = None
+        self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
+        self.ring_msg = None  # the UseRing every worker is sent
+        self.layout = []
+        self.free_slots = []
+        self.tasks = {}
+        self.pipe_results = {}
+        self.layouts = {}  # task id -> its Layout, for batches waiting for the ring
+        # tasks given a slot when the ring was made, before their own layout came: until it comes,
+        # their outcome may still take the pipe (an error or a stop before their first sample's layout)
+        self.placed_early = set()
+        self.task_worker = {}  # task id -> worker, for every task not yet finished
+        self.resuming = False
+        self.resumed = set()
+        self.next_task_id = 0
+        self.restarts = 0
+        self.closed = False
+        self.procs = [None] * self.n
+        self.task_conns = [None] * self.n
+        self.result_conns = [None] * self.n
+        self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
+        self.leases = None  # CPU batches lent out as views of their slots (copy_out)
+        self.started = [False] * self.n
+        self.launcher = None  # the process that forked the first workers (_launcher.py)
+        close_at_exit(self, WORKER_POOLS)
+
+    # workers ---------------------------------------------------------------------------------------
+    def start_worker(self, wid):
+        """Start worker wid unless it was started already. Worker 0 is forked by this process, so its
+        first task follows its fork at once; in a forking pool the first start of any other worker
+        starts workers 1.. through the launcher (_launcher.py): one more fork of this process
+        instead of one per worker, and worker 0 computes its batch meanwhile. Otherwise (spawn, one
+        worker, a restart) the iterator starts each worker as it sends it its first task."""
+        if not self.started[wid] and wid > 0 and self._launcher_ok():
+            self._start_all_by_launcher()
+        if not self.started[wid]:
+            self.started[wid] = True
+            self._start(wid)
+            # the workers forked so far may have sent their first layout: the ring is made from the
+            # first one now, not after the last fork, so the workers' first batches go straight in
+            self.drain_all()
+            if self.layouts:
+                self.place_layouts()
+
+    def start_all(self):
+        for wid in range(self.n):
+            self.start_worker(wid)
+
+    def _launcher_ok(self):
+        # the first start of workers 1.. in a forking pool (a restart forks one worker itself)
+        return (USE_LAUNCHER and self.launcher is None and self.n > 1 and not any(self.started[1:])
+                and self.ctx.get_start_method() == "fork")
+
+    def _start_all_by_launcher(self):
+        """Workers 1.. forked by the launcher, which is forked from here (worker 0 never is: see start_worker)."""
+        workers = []
+        for wid in range(1, self.n):
+            task_r, task_w, res_r, res_w = self._pipes()
+            self.task_conns[wid], self.result_conns[wid] = task_w, res_r
+            workers.append((wid, task_r, res_w))
+        # the launcher closes this process's ends of every pipe (worker 0's too, if it runs) and the
+        # ring's fd, so that its workers hold none of them and every EOF shows
+        close = [c for c in self.task_conns + self.result_conns if c is not None]
+        if self.ring is not None:
+            close.append(self.ring.fd)
+        self.launcher = Launcher(self.ctx, self.spec, workers, close)
+        for wid in range(1, self.n):
+            self.procs[wid] = LaunchedWorker(self.launcher, wid - 1)
+            self.started[wid] = True
+            if self.ring_msg is not None:
+                self.task_conns[wid].send(self.ring_msg)
+
+    def _pipes(self):
+        task_r, task_w = self.ctx.Pipe(duplex=False)
+        res_r, res_w = self.ctx.Pipe(duplex=False)
+        for conn in (task_w, res_r):
+            try:  # 1 MiB pipes (Linux): large index lists and side objects rarely fill them
+                fcntl.fcntl(conn.fileno(), _F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
+        return task_r, task_w, res_r, res_w
+
+    def _start(self, wid):
+        task_r, task_w, res_r, res_w = self._pipes()
+        # a forked worker inherits the main process's ends of the other workers' pipes (and the
+        # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
+        inherited = []
+        if self.ctx.get_start_method() == "fork":
+            inherited = [c.fileno() for c in self.task_conns + self.result_conns if c is not None and not c.closed]
+            if self.ring is not None:
+                inherited.append(self.ring.fd)
+        proc = self.ctx.Process(target=worker_main, args=(self.spec, wid, task_r, res_w, self.main_pid, inherited),
+                                daemon=True)
+        proc.start()
+        task_r.close()  # the worker's ends: closed here so that the worker's exit shows as EOF
+        res_w.close()
+        self.procs[wid], self.task_conns[wid], self.result_conns[wid] = proc, task_w, res_r
+        if self.ring_msg is not None:
+            task_w.send(self.ring_msg)
+
+    def sentinels(self):
+        """What becomes readable when a worker dies (the launcher's one status pipe counts once)."""
+        return list({id(s): s for s in (p.sentinel for p in self.procs if p is not None)}.values())
+
+    def send(self, wid, msg):
+        if not self.started[wid]:
+            self.start_worker(wid)  # e.g. a resumed epoch's Setup, sent before the worker's first task
+        try:
+            self.task_conns[wid].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the worker is dead: check_workers restarts it and gives its tasks again
+
+    def _drain(self, wid):
+        """Read every complete message waiting in worker wid's pipe. False at EOF."""
+        conn = self.result_conns[wid]
+        try:
+            while conn.poll():
+                self._on_message(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _on_message(self, msg):
+        if isinstance(msg, Result):
+            self.pipe_results[msg.task_id] = msg.outcome
+            self._unplace(msg.task_id)
+        elif isinstance(msg, Overflow):
+            self.pipe_results[msg.task_id] = msg.outcome
+        elif isinstance(msg, Layout):
+            self.layouts[msg.task_id] = msg
+            self.place_layouts()
+        elif isinstance(msg, EpochStarted):
+            self.resumed.add(msg.worker_id)
+            self.resumed_rng[msg.worker_id] = msg.rng
+        else:
+            raise TypeError(f"hotloop.DataLoader: unexpected message from a worker: {msg!r:.200}")
+
+    def _unplace(self, tid):
+        """The task's outcome came through the pipe: its worker had it without a slot and never
+        writes the one it was given when the ring was made (it writes a placed slot only for a batch
+        it kept for Place), so that slot goes back now, once; the task is a pipe task from here."""
+        self.placed_early.discard(tid)
+        task = self.tasks.get(tid)
+        if task is not None and task.slot >= 0:
+            self.release_slot(task.slot)
+            task.slot = -1
+
+    def place_layouts(self):
+        """Batches made before the ring existed: size the ring from the first (which places every
+        task without a slot at once, see make_ring), then give each one still without a slot its slot."""
+        if self.ring is None and not self.ring_unused and self.layouts and not self.resuming:
+            first = self.layouts[min(self.layouts)]
+            self.make_ring(first.sizes, first.side_bytes)
+        for tid in sorted(self.layouts):
+            del self.layouts[tid]
+            task = self.tasks.get(tid)
+            if task is not None and task.slot >= 0:
+                self.placed_early.discard(tid)  # its Place went out with the ring: no second slot
+                continue
+            if task is None or self.resuming:
+                wid = self.task_worker.get(tid)
+                if wid is not None and self.procs[wid] is not None:
+                    self.send(wid, Discard(tid))
+                continue
+            task.slot = self.take_slot() if self.ring is not None else -1
+            self.send(task.wid, Place(tid, task.slot))
+
+    def check_workers(self):
+        """Replace every worker that died (or raise: max_worker_restarts)."""
+        for wid, proc in enumerate(self.procs):
+            if proc is not None and proc.exitcode is not None:
+                self._on_death(wid)
+
+    def is_done(self, task):
+        """Whether the task's outcome is there to take (in its slot, or come through the pipe)."""
+        if task.slot >= 0:
+            state, _, _, _, flags = self.ring.info(task.slot)
+            if state == _C.RING_ASSIGNED:
+                return False
+            # an overflowing batch is done once its metadata came through the pipe
+            return not flags & _C.RING_FLAG_OVERFLOW or task.id in self.pipe_results
+        return task.id in self.pipe_results
+
+    def _on_death(self, wid):
+        proc = self.procs[wid]
+        self._drain(wid)
+        lost = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed and not self.is_done(t)),
+                      key=lambda t: t.id)
+        code = proc.exitcode
+        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        held = [list(t.index) if t.index is not None else None for t in lost]
+        desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
+        # the launcher's death takes every worker it had not yet seen exit with it: one event, which
+        # does not use up max_worker_restarts (it cannot recur: restarts are forked from here)
+        orphaned = isinstance(proc, LaunchedWorker) and proc.launcher.lost
+        if orphaned:
+            desc += " (its launcher process had died)"
+        elif self.restarts >= self.loader.max_worker_restarts:
+            self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
+            raise RuntimeError(desc + (f"; {self.restarts} worker(s) were restarted already "
+                                       f"(max_worker_restarts={self.loader.max_worker_restarts})"))
+        else:
+            self.restarts += 1
+        self.loader.stats.worker_restarts += 1
+        plan = self._successor_plan(wid, lost)
+        self._forget(wid)
+        self._start(wid)
+        if self.resuming:
+            # an abandoned epoch: nothing of it is redone, the successor only joins the next one
+            _logger.warning("%s; restarting it", desc)
+            for item in plan:
+                if not isinstance(item, Task):
+                    self.send(wid, item)
+            self.send(wid, NewEpoch())
+            return
+        _logger.warning("%s; restarting it and redoing %d batch(es)", desc, len(lost))
+        for item in plan:
+            if not isinstance(item, Task):
+                self.send(wid, item)
+                continue
+            t = item
+            self.layouts.pop(t.id, None)  # its batch died with the worker: made again below
+            self.placed_early.discard(t.id)  # the successor has the ring: its outcome goes to the slot
+            if t.slot < 0 and self.ring is not None:
+                t.slot = self.take_slot()
+            elif t.slot >= 0:
+                self.ring.set_state(t.slot, _C.RING_ASSIGNED)  # e.g. flagged overflow, metadata lost
+            self.send(wid, Fetch(t.id, t.index, t.slot))
+
+    def _successor_plan(self, wid, lost):
+        """What a fresh worker is sent to stand where worker wid stood: Setup messages and the lost
+        tasks, in the order wid made them. A map-style worker is given the RNG states after the last
+        outcome before each lost task, so that redone batches are the ones it would have made; an
+        IterableDataset's worker, whose position is not an RNG state, starts from its epoch's start
+        and replays (fetches and drops) every batch the main process already has from it."""
+        track = self.track[wid] if self.track is not None else None
+        if track is None:
+            return list(lost)
+        iterable = self.kind == _DatasetKind.Iterable and not self.resuming
+        missing = [t for t in lost if not any(t is o for o in track.open)]  # none expected: redone all the same
+        lost = set(lost)
+        items = list(missing)
+        rng = None
+        if iterable:
+            replay, ended = track.base + track.taken, track.base_stopped or track.stopped
+            setup = Setup(track.start_rng, track.recreate, replay, ended, self.replay_index)
+            if setup.changes_anything():
+                items.append(setup)
+        else:
+            rng = track.last_rng if track.last_rng is not None else track.start_rng
+        for t in track.open:
+            if t in lost:
+                if rng is not None:
+                    items.append(Setup(rng))
+                    rng = None
+                items.append(t)
+                continue
+            kind, after = t.kind, t.rng
+            if kind is None:  # done, not taken yet: its outcome is in the ring or the pipe
+                outcome = self._peek(t)
+                if outcome is None:
+                    continue
+                kind, after = ("stop" if isinstance(outcome, Ended) else "batch"), outcome.rng
+            if kind == "drop":
+                continue
+            if iterable:
+                stop = kind == "stop"
+                items.append(Setup(replay=0 if stop else 1, expect_stop=stop, replay_index=self.replay_index))
+            elif after is not None:
+                rng = after
+        if rng is not None:  # for the tasks still to come
+            items.append(Setup(rng))
+        return items
+
+    def _peek(self, task):
+        """A done task's outcome, left where it is."""
+        if task.slot >= 0:
+            _, tid, _, meta_len, flags = self.ring.info(task.slot)
+            if flags & _C.RING_FLAG_OVERFLOW or tid != task.id:
+                return self.pipe_results.get(task.id)
+            return self._slot_meta(task.slot, meta_len)
+        return self.pipe_results.get(task.id)
+
+    def _slot_meta(self, slot, meta_len):
+        """The outcome a worker pickled at the start of its slot."""
+        view = self.ring.view(slot)
+        try:
+            return pickle.loads(view[:meta_len])
+        finally:
+            view.release()
+
+    def begin_epoch(self, setups):
+        """Before the epoch's first task: give each worker its Setup (resume: RNG states, replay), or
+        None, and remember where each starts."""
+        if self.kind == _DatasetKind.Iterable:  # torch's batches of an IterableDataset: batch_size Nones
+            self.replay_index = [None] * self.loader.batch_size if self.spec.auto_collation else None
+        self.track = []
+        for wid in range(self.n):
+            setup = setups[wid] if setups is not None else None
+            track = WorkerEpoch()
+            if setup is not None:
+                track.start_rng, track.recreate = setup.rng, setup.recreate
+                track.base, track.base_stopped = setup.replay, setup.expect_stop
+                if setup.changes_anything():
+                    self.send(wid, dataclasses.replace(setup, replay_index=self.replay_index))
+            elif self.resumed_rng and wid in self.resumed_rng:
+                # persistent workers: their states at NewEpoch, before they made their iterator anew
+                track.start_rng, track.recreate = self.resumed_rng[wid], True
+            self.track.append(track)
+
+    def took(self, task, outcome):
+        """The main process took this outcome of the task (a batch, Failed or Ended)."""
+        task.kind = "stop" if isinstance(outcome, Ended) else "error" if isinstance(outcome, Failed) else "batch"
+        task.rng = outcome.rng
+        self._fold(task.wid)
+
+    def ghost(self, wid, index, rng):
+        """A resumed epoch: a batch of worker wid that the saved run handed out, beyond what its saved
+        states cover. Brings the worker past it: with rng (map-style) by setting the states after
+        it, else (IterableDataset) by fetching and dropping it. Returns its stand-in task."""
+        task = Task(-1, wid, index, -1, consumed=True, kind="batch", rng=rng, handed=True)
+        if rng is not None:
+            self.send(wid, Setup(rng))
+        else:
+            self.send(wid, Setup(replay=1, replay_index=index))
+        if self.track is not None:
+            self.track[wid].open.append(task)
+            self._fold(wid)
+        return task
+
+    def _fold(self, wid):
+        """Count the worker's taken outcomes into its track, as far as they follow each other."""
+        if self.track is None:
+            return
+        track = self.track[wid]
+        while track.open and track.open[0].kind is not None:
+            t = track.open.popleft()
+            if t.kind == "stop":
+                track.stopped = True
+            elif t.kind in ("batch", "error"):
+                track.taken += 1
+            if t.rng is not None:
+                track.last_rng = t.rng
+
+    def _forget(self, wid):
+        for conn in (self.task_conns[wid], self.result_conns[wid]):
+            try:
+                conn.close()
+            except OSError:
+                pass
+        proc = self.procs[wid]
+        proc.join(0)
+        try:
+            proc.close()
+        except ValueError:
+            pass
+        self.procs[wid] = None
+
+    # tasks -----------------------------------------------------------------------------------------
+    def new_task(self, wid, index):
+        self.start_worker(wid)
+        slot = self.take_slot() if self.ring is not None else -1
+        task = Task(self.next_task_id, wid, index, slot)
+        self.next_task_id += 1
+        if self.track is not None:
+            self.track[wid].open.append(task)
+        self.tasks[task.id] = task
+        self.task_worker[task.id] = wid
+        self.send(wid, Fetch(task.id, index, slot))
+        return task
+
+    def poll(self, task):
+        """The task's outcome if it is done, else None (never blocks for long)."""
+        if task.id in self.placed_early and self.ring.state(task.slot) == _C.RING_ASSIGNED:
+            self._drain(task.wid)  # placed before its layout came: its outcome may take the pipe
+        if task.slot >= 0:
+            state, tid, wid, meta_len, flags = self.ring.info(task.slot)
+            if state == _C.RING_ASSIGNED:
+                return None
+            if tid != task.id:
+                raise AssertionError(f"slot {task.slot} holds task {tid}, expected {task.id}")
+            if flags & _C.RING_FLAG_OVERFLOW:
+                self.drain_all()  # the metadata follows through the worker's pipe
+                return self.pipe_results.pop(task.id, None)
+            return self._slot_meta(task.slot, meta_len)
+        if self.ring is None and not self.ring_unused:
+            for wid in range(self.n):  # layouts of any worker may make the ring
+                if self.procs[wid] is not None:
+                    self._drain(wid)
+        else:
+            self._drain(task.wid)
+        if task.slot >= 0:
+            return self.poll(task)  # placed into the ring meanwhile
+        return self.pipe_results.pop(task.id, None)
+
+    def wait(self, task, timeout, batch_number, on_idle=None):
+        """Block until the task is done; a dead worker is replaced meanwhile (or raises), and every
+        sleep is bounded, so that nothing here can wait for an event that will not come."""
+        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        while True:
+            outcome = self.poll(task)
+            if outcome is not None:
+                return outcome
+            self.check_workers()
+            if self.layouts:
+                self.place_layouts()
+            if on_idle is not None:
+                on_idle()  # e.g. hand out more tasks as soon as the ring exists
+            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
+                                   f"(worker {task.wid}, indices {task.index})")
+            self.doze(task.slot, left)
+
+    def doze(self, slot, timeout):
+        """Sleep until something may have changed, at most `timeout` seconds, then read the pipes.
+        While `slot` (>= 0) is being written: until any slot changes state (a worker that flagged an
+        overflow is now writing its metadata into its pipe and must be read, whichever task is
+        awaited), at most 20 ms while a task still waits for its slot (its layout comes through a
+        pipe, which does not wake the futex) or a task placed before its layout came may still
+        deliver through its pipe. Otherwise: until a pipe has a message or a worker dies."""
+        if slot >= 0 and self.ring.state(slot) == _C.RING_ASSIGNED:
+            if self.placed_early or any(t.slot < 0 for t in self.tasks.values()):
+                timeout = min(timeout, 0.02)
+            self.ring.wait(slot, _C.RING_ASSIGNED, timeout, True)
+        else:
+            waitables = [c for c in self.result_conns if c is not None and not c.closed]
+            multiprocessing.connection.wait(waitables + self.sentinels(), timeout)
+        self.drain_all()
+
+    def drain_all(self):
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                self._drain(wid)
+
+    def finish(self, task):
+        """The task's result was taken: forget it (its slot is freed by whoever used the data)."""
+        task.consumed = True
+        self.tasks.pop(task.id, None)
+        self.task_worker.pop(task.id, None)
+        self.placed_early.discard(task.id)
+
+    def drop(self, task):
+        """A task whose result will never be used (exhausted iterable worker)."""
+        self.finish(task)
+        task.kind = "drop"
+        self._fold(task.wid)
+        if task.slot >= 0 and self.procs[task.wid] is not None:
+            # the worker skips tasks after its end, but may still be in the middle of this one
+            self.ring.wait(task.slot, _C.RING_ASSIGNED, 0)
+            self.release_slot(task.slot)
+
+    def resume(self):
+        """New epoch with persistent workers: let every worker finish what it had, then drop it."""
+        self.resumed.clear()
+        self.resumed_rng = {}
+        self.resuming = True
+        for wid in range(self.n):
+            self.send(wid, NewEpoch())
+        while len(self.resumed) < self.n:
+            for wid in range(self.n):
+                if wid not in self.resumed and not self._drain(wid):
+                    self.check_workers()
+            if len(self.resumed) < self.n:
+                self.check_workers()
+                multiprocessing.connection.wait([c for w, c in enumerate(self.result_conns) if w not in self.resumed],
+                                                POLL_S)
+        for task in list(self.tasks.values()):
+            if task.slot >= 0:
+                self.release_slot(task.slot)
+        self.tasks.clear()
+        self.task_worker.clear()
+        self.pipe_results.clear()
+        self.layouts.clear()
+        self.placed_early.clear()
+        self.resuming = False
+
+    # the ring --------------------------------------------------------------------------------------
+    def make_ring(self, sizes, spec_bytes):
+        """Size the ring from the first batch's layout, tell every worker about it and place every
+        task that has no slot yet."""
+        if not sizes:
+            self.ring_unused = True
+            return
+        meta_cap = page_round(max(_META_MIN, 8 * spec_bytes + 4096))
+        layout, offset = slot_layout(sizes, meta_cap)
+        loader = self.loader
+        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else LEASE_SLOTS)
+        ring = _C.Ring(nslots, offset)
+        self.ring, self.layout = ring, layout
+        self.free_slots = list(range(nslots))
+        loader.stats.ring_bytes = ring.nbytes
+        if self.copies is not None:
+            self.copies.populate(ring, self.free_slots[::-1])  # in the order take_slot hands slots out
+        self.ring_msg = UseRing(f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                self.send(wid, self.ring_msg)
+        # eager placement: a worker still making its first batch finds its Place right behind the
+        # UseRing in its pipe and writes the batch straight in, however long this thread takes to read
+        # its layout (the consumer's training step, say); that layout is ignored when it comes
+        for task in sorted(self.tasks.values(), key=lambda t: t.id):
+            if task.slot < 0 and task.id not in self.pipe_results:
+                task.slot = self.take_slot()
+                if task.id not in self.layouts:
+                    self.placed_early.add(task.id)
+                self.send(task.wid, Place(task.id, task.slot))
+
+    def take_slot(self):
+        if not self.free_slots:
+            self.reclaim(block=True)
+        if not self.free_slots:
+            raise AssertionError("hotloop.DataLoader: no free slot in the ring")
+        slot = self.free_slots.pop()
+        self.ring.set_state(slot, _C.RING_ASSIGNED)
+        return slot
+
+    def release_slot(self, slot):
+        self.ring.set_state(slot, _C.RING_FREE)
+        self.free_slots.append(slot)
+
+    def copy_out(self, slot, spec, leaves, pin):
+        """CPU delivery. Without pin the leaves are views of the slot (zero-copy): the slot is leased
+        and comes back once the last tensor, view, storage or numpy array made from them is gone;
+        past LEASE_SLOTS leases (a consumer that keeps batches) they are copied out instead, so that
+        the workers always find free slots. Leaves the transform applies to are normalised into new
+        tensors.
+
+        With pin the leaves are copied into torch's pinned memory, as torch does. A view of the slot
+        is not page-locked, and even if the ring were, a `.to(device, non_blocking=True)` from it is
+        a DMA that runs after the call returned: the consumer may drop the batch right after queuing
+        it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
+        it. torch's pinned allocator keeps a block until events recorded on the streams that used it
+        completed; a lease sees no such event."""
+        tf = self.loader.gpu_transform
+        outs, triples = [], []
+        view = parts = None
+        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for off, dtype, shape in leaves
+                if tf is None or not tf.applies_to(dtype, shape)]
+        if not pin and lent:
+            self.collect_leases()
+            if self.leases is None:
+                self.leases = _C.RingLeases(self.ring)
+            if self.leases.outstanding < LEASE_SLOTS:
+                # one capsule per leaf: each tensor gets a storage of its own bytes, as collated ones do
+                parts = iter(self.leases.lease(slot, array.array("q", [x for p in lent for x in p]).tobytes()))
+        try:
+            for off, dtype, shape in leaves:
+                if tf is not None and tf.applies_to(dtype, shape):
+                    if view is None:
+                        view = self.ring.view(slot)
+                    nbytes = torch.Size(shape).numel()
+                    src = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=off).view(shape)
+                    out, mem = tf.empty_output(shape, "cpu")
+                    tf.run(src, mem)
+                    del src
+                    outs.append(out)
+                elif parts is not None:
+                    outs.append(torch.from_dlpack(next(parts)).view(dtype).view(shape))
+                else:
+                    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                    triples += (off, t.data_ptr(), t.numel() * t.element_size())
+                    outs.append(t)
+            if triples:
+                self.ring.copy_out(slot, array.array("q", triples).tobytes())
+        finally:
+            if view is not None:
+                view.release()
+        if parts is None:
+            self.release_slot(slot)
+        else:
+            self.loader.stats.view_batches += 1  # the slot comes back through collect_leases
+        return unflatten(spec, outs)
+
+    def collect_leases(self):
+        """Free the slots whose leased tensors are all gone."""
+        if self.leases is not None:
+            for slot in self.leases.returned():
+                self.release_slot(slot)
+
+    # CUDA: the side stream, events and copies in flight live in _device.DeviceCopies ----------------
+    def copy_to_device(self, slot, spec, leaves):
+        return self.copies.copy_to_device(self.ring, slot, spec, leaves)
+
+    def copy_can_wait(self, task):
+        """A batch copied ahead whose slot the background thread has not page-locked yet: better
+        copied once it has than page-locked now (the batch due next is copied either way)."""
+        return self.copies is not None and task.slot >= 0 and not self.copies.slot_pinned(self.ring, task.slot)
+
+    def deliver(self, pending):
+        return self.copies.deliver(pending, self.release_slot)
+
+    def abandon(self, pending):
+        """A copy queued for a batch that will never be handed out: its slot is freed once it is over."""
+        self.copies.abandon(pending)
+
+    def reclaim(self, block):
+        """Free the slots whose copies finished (with block: wait for the oldest if none did) or
+        whose leased tensors are gone."""
+        self.collect_leases()
+        if self.copies is not None:
+            self.copies.reclaim(block, self.release_slot)
+
+    # shutdown --------------------------------------------------------------------------------------
+    def close(self):
+        if self.closed or os.getpid() != self.main_pid:
+            return  # a forked worker may hold a copy of this object: it owns none of it
+        self.closed = True
+        forget(self)
+        for wid in range(self.n):
+            if self.procs[wid] is not None:
+                try:
+                    self.send(wid, Exit())
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + 2.0  # then SIGTERM, as torch does after its 5 s
+        for wid, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(1.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+            self._forget(wid)
+        if self.copies is not None:
+            self.copies.close()
+        if self.ring is not None:
+            if self.leases is not None:
+                self.leases.close_ring()  # batches handed out as views may still read it: the last one closes it
+            else:
+                self.ring.close()
+            self.ring = None
+            self.leases = None
+        if self.launcher is not None:
+            self.launcher.close()  # it exits once its last worker did

@@ -1,0 +1,88 @@
+"""The thread that queues the next batches' copies to the device while the training step runs.
+
+With a device, next() hands out a batch whose copy is already queued; it then used to take the
+next batches from the workers and queue their copies itself: Python work (slot metadata, the
+sampler's next indices, the task sent to a worker, three allocations, the copy, the transform's
+launch) on the training thread between one step and the next, while the GPU had little queued
+(a step that ends with a sync, as torch's GradScaler's does). This thread does that part instead,
+after next() returned, largely while the training thread waits for the GPU with the GIL released
+(backward, `.item()`). On the H200 feeding ResNet-50 AMP, next() went from 0.56-0.62 ms to
+0.20-0.26 ms, and steady state from 98.7-98.9 % to 99.0-99.3 % of the GPU-resident speed (4, 8,
+12 workers): the rest of the saving goes to the GIL the two threads share.
+
+It never waits for a worker: it takes what is done when next() wakes it and sleeps again; a batch
+that was not done is taken by the next next() as before. Nor does it page-lock a slot: the ring's
+background thread does that, slot after slot, and until it reaches a done batch's slot this thread
+looks again every RETRY_S. Page-locking here would hold the driver lock, which the training
+thread's kernel launches wait for, and the iterator's lock, which next() waits for; one profiling
+run on the H200 at 12 workers spent 45-53 ms of its first 25 steps page-locking that way.
+
+Everything it does runs under the iterator's lock, which next() holds too, so the pool and the
+iterator's state never see two threads. It holds the iterator only through a weak reference, so
+dropping the iterator still shuts its workers down.
+"""
+import threading
+import weakref
+
+from ._shutdown import PREFETCH_THREADS, close_at_exit, forget
+
+RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to be page-locked
+
+
+class Prefetcher:
+    """Runs `it.top_up()` under `it.lock` in a thread of its own each time `kick()` is called."""
+
+    def __init__(self, it):
+        self._it = weakref.ref(it)
+        self._lock = it.lock
+        self._cond = threading.Condition()
+        self._wanted = False
+        self._stopped = False
+        self._thread = None
+        close_at_exit(self, PREFETCH_THREADS)  # no top-up may be left working on a pool being closed
+
+    def kick(self):
+        """Top up once, soon, in the thread (started on the first call)."""
+        with self._cond:
+            if self._stopped:
+                return
+            self._wanted = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="hotloop-prefetch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def close(self):
+        """No more top-ups; wait for one in progress unless called from the thread itself (the
+        iterator, collected there, shutting down) or with the iterator's lock held (it would wait
+        for that lock)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        forget(self)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and not _held(self._lock):
+            thread.join()
+
+    def _loop(self):
+        again = False
+        while True:
+            with self._cond:
+                if again and not self._wanted and not self._stopped:
+                    self._cond.wait(RETRY_S)
+                while not self._wanted and not self._stopped and not again:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._wanted = False
+            it = self._it()
+            if it is None:
+                return
+            with self._lock:
+                again = not self._stopped and it.top_up()
+            del it  # may be the last reference: the iterator's shutdown then runs here, lock released
+
+
+def _held(lock):
+    """Whether this thread holds the RLock (its _is_owned is what Condition uses to ask the same)."""
+    return lock._is_owned()

@@ -1,0 +1,26 @@
+"""What hotloop.DataLoader still runs at interpreter exit, ended by one atexit hook in one order:
+prefetch threads first (none may be queueing copies out of a pool being closed), then worker pools
+(workers told to exit and reaped, copies waited for, rings closed), then single-process rings."""
+import atexit
+import weakref
+
+PREFETCH_THREADS, WORKER_POOLS, LOCAL_RINGS = 0, 1, 2
+_live = (weakref.WeakSet(), weakref.WeakSet(), weakref.WeakSet())
+
+
+def close_at_exit(obj, stage):
+    """obj.close() runs at exit, in `stage`'s turn, unless obj is gone or forgotten by then."""
+    _live[stage].add(obj)
+
+
+def forget(obj):
+    """obj was closed: nothing to do for it at exit."""
+    for live in _live:
+        live.discard(obj)
+
+
+@atexit.register
+def _close_all():
+    for live in _live:
+        for obj in list(live):
+            obj.close()

@@ -1,0 +1,776 @@
+"""hotloop.DataLoader: torch's DataLoader, with workers that write batches into a shared pinned ring.
+
+Swap `torch.utils.data.DataLoader` for `hotloop.DataLoader` and nothing changes in what the loop
+receives: the same arguments and defaults, torch's own samplers (so the same batches in the same
+order for the same generator), workers seeded as torch seeds them. What changes is how batches move:
+
+* workers write each sample's leaves straight into a slot of a ring of shared memory (memfd, no
+  /dev/shm file, nothing pickled for tensor data), the main process never unpickles batch data;
+* with `device="cuda"` the ring is page-locked once (`cudaHostRegister`) and each batch goes to the
+  GPU with one `cudaMemcpyAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
+  stream waits on an event, and a slot is reused only once its copy finished; a thread queues those
+  copies while the training step runs (_prefetch.py), so next() only hands a batch out;
+* with num_workers=0 and a device, the main thread makes each batch as torch does but writes it
+  straight into a small page-locked ring of its own, and the copies run on the side stream as
+  above: the copy of one batch overlaps the making of the next;
+* without a device (and without pin_memory) a batch's tensors are views of its slot, not copies: the
+  slot goes back to the workers once the last tensor, view or numpy array made from them is gone
+  (a consumer that keeps many batches gets copies past a few, so the workers never starve);
+* `gpu_transform=hotloop.Normalize(mean, std)` turns uint8 HWC image batches into normalised
+  float16/bfloat16/float32 NCHW or channels_last in one kernel, on the copy stream.
+
+Extras: `stats` (batches, samples, seconds waited in `__next__`, stall fraction, host-to-device bytes
+and seconds, worker busy seconds, ring bytes), `state_dict()`/`load_state_dict()` for mid-epoch
+resume (the same batches from then on, random transforms in workers included), and a worker that
+dies is replaced and its batches redone (`max_worker_restarts`), for an IterableDataset too.
+"""
+import collections
+import contextlib
+import dataclasses
+import itertools
+import threading
+import time
+import weakref
+
+import torch
+from torch.utils.data._utils.collate import default_collate
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _SingleProcessDataLoaderIter
+
+from .. import _C, input_wait
+from ._batch import FastPathDeclined, SlotWriter, flatten, unflatten, write_fast, write_general
+from ._device import LocalRing, Pending
+from ._messages import Ended, Failed, WholeBatch
+from ._pool import POLL_S, Pool, Task
+from ._prefetch import Prefetcher
+from ._resume import EpochLog, Plan
+from ._worker import WorkerSpec
+from .normalize import Normalize
+
+__all__ = ["DataLoader", "LoaderStats"]
+
+PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
+
+
+@dataclasses.dataclass
+class LoaderStats:
+    """What one DataLoader did since it was made (all epochs)."""
+
+    batches: int = 0
+    samples: int = 0
+    wait_seconds: float = 0.0  # time the consumer spent inside __next__
+    elapsed_seconds: float = 0.0  # from the first __next__ of an epoch to the last return, summed
+    h2d_bytes: int = 0
+    h2d_seconds: float = 0.0  # CUDA-event time of the host-to-device copies
+    worker_busy_seconds: float = 0.0  # time workers spent producing batches
+    ring_bytes: int = 0
+    view_batches: int = 0  # CPU batches handed out as views of their ring slot (no copy out of the ring)
+    register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
+    worker_restarts: int = 0
+
+    @property
+    def stall_fraction(self) -> float:
+        return self.wait_seconds / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
+
+    @property
+    def h2d_gbps(self) -> float:
+        return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["stall_fraction"] = self.stall_fraction
+        d["h2d_gbps"] = self.h2d_gbps
+        return d
+
+
+def _cuda_device(device):
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"DataLoader: expected device=None, 'cpu' or a CUDA device, got {device}")
+    reason = _C.cuda_unavailable_reason()
+    if reason is not None or not torch.cuda.is_available():
+        raise RuntimeError(f"DataLoader: device={device} needs CUDA: {reason or 'torch cannot see a CUDA device'}")
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch.utils.data.DataLoader with the same arguments, defaults, attributes and batches, fed by
+    a shared ring. Extra keyword arguments:
+
+    device: a CUDA device: batches arrive there as tensors usable on the current stream.
+    prefetch_batches: batches copied to the device ahead of the one being consumed (default 2); with
+        num_workers=0, batches made and queued ahead of the one returned (0: one at a time).
+    gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
+        too when device is None).
+    max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.
+
+    A replacement starts from its predecessor's RNG states after the last batch the main process
+    has from it (map-style), so redone batches equal those it would have made. An IterableDataset
+    worker has a position besides: its replacement gets the same worker id, seed and worker_info,
+    makes the iterator anew and replays it, dropping the batches its predecessor had delivered. So
+    every sample arrives exactly once, and state_dict() resumes an IterableDataset exactly, provided
+    its iteration in a worker is a function of the worker's seed and get_worker_info() (no other
+    randomness, no state kept outside the worker); a replay that ends early raises a RuntimeError
+    that says so.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
+                 collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
+                 multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
+                 pin_memory_device="", in_order=True, device=None, prefetch_batches=2, gpu_transform=None,
+                 max_worker_restarts=3):
+        if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+            raise ValueError(f"DataLoader: expected prefetch_batches >= 0, got {prefetch_batches!r}")
+        if gpu_transform is not None and not isinstance(gpu_transform, Normalize):
+            raise TypeError(f"DataLoader: expected gpu_transform=None or a hotloop.Normalize, got "
+                            f"{type(gpu_transform).__name__}")
+        if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
+            raise ValueError(f"DataLoader: expected max_worker_restarts >= 0, got {max_worker_restarts!r}")
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
+                         drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        self.device = _cuda_device(device)
+        self.prefetch_batches = prefetch_batches
+        self.gpu_transform = gpu_transform
+        self.max_worker_restarts = max_worker_restarts
+        self._hl_stats = LoaderStats()
+        self._hl_pool = None  # persistent workers keep theirs here
+        self._hl_local_ring = None  # num_workers=0 with a device: the ring batches go through
+        self._hl_resume = None  # a loaded state, applied by the next iterator
+        self._hl_epoch = None  # the current epoch's (generator state, base seed)
+        self._hl_epoch_done = False  # its last batch was handed out
+        self._hl_yielded = 0  # batches handed out in it
+        self._hl_iter = None  # weak reference to the live iterator
+        self._hl_plan = None  # the loaded state, as the next multi-worker iterator applies it
+        self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
+
+    @property
+    def stats(self) -> LoaderStats:
+        return self._hl_stats
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            it = _SingleIter(self)
+        else:
+            self.check_worker_number_rationality()
+            it = _MultiIter(self)
+        self._hl_iter = weakref.ref(it)
+        return it
+
+    def __iter__(self):
+        resume = self._hl_resume
+        if resume is not None and resume.get("epoch_done") and \
+                not resume.get("persistent", self.persistent_workers and self.num_workers):
+            # the saved epoch had ended: the next one starts from the generator as it was then, and
+            # draws its worker seed from it as the saved loader's next epoch did
+            self._hl_resume = None
+            self._generator().set_state(resume["generator_state"])
+        it = super().__iter__()
+        self._hl_iter = weakref.ref(it)
+        return it
+
+    def _generator(self):
+        return self.generator if self.generator is not None else torch.default_generator
+
+    def state_dict(self) -> dict:
+        """Where the current epoch stands, as a plain dict (ints, bools, bytes, lists and a tensor:
+        torch.save stores it). Load it into a loader built the same way (dataset, sampler, batch
+        size, collate_fn, worker_init_fn, num_workers) and every batch it yields from then on equals,
+        element for element, what this loader would have yielded after the point where the state
+        was taken, random transforms in the workers included; after a finished epoch, from the first
+        batch of the next one.
+
+        How: the loader's generator (torch's default one when generator=None) is rewound so that
+        the sampler draws the same order, and the epoch's worker seed is kept. Each worker reports,
+        with every batch, its global RNG states (torch's, `random`'s, numpy's) right after it; the
+        state holds, per worker, those after the last batch handed out from it, and which worker the
+        next batch comes from. A resumed epoch seeds its workers as usual, sets those states, and
+        goes on round robin from there. An IterableDataset's position is not an RNG state: each
+        worker instead gets the states it began the epoch with and replays (fetches and drops) the
+        batches it had produced, which requires its iteration to be a function of its seed and
+        get_worker_info(). With persistent_workers the RNG states carry over to the next epoch, and
+        so they do in the state taken at an epoch's end.
+
+        in_order=False: the order of batches depends on timing, in the saved run as in the resumed
+        one; what holds is that the resumed loader yields exactly the batches the saved one had not
+        yet yielded, each equal to what the saved loader would have made of it.
+
+        Not covered: RNGs other than those three global ones (a numpy Generator made in
+        worker_init_fn, say), and batches remade by a restarted worker of an IterableDataset that is
+        not a function of its seed. num_workers=0: transforms draw from the main process's RNGs, which
+        are the caller's to save and restore (this loader does not touch them beyond the generator).
+        A state from a loader with another num_workers still resumes at the same batch, without the
+        RNG states (a warning says so)."""
+        n = self.num_workers
+        state = {"version": 2, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
+                 "persistent": bool(self.persistent_workers and n), "num_workers": n,
+                 "iterable": self._dataset_kind == _DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
+                 "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
+                 "worker_stopped": None, "worker_ahead": None}
+        if self._hl_epoch is None:
+            return state
+        it = self._hl_iter() if self._hl_iter is not None else None
+        with getattr(it, "lock", None) or contextlib.nullcontext():  # the prefetch thread adds to the log
+            return self._fill_state(state, n)
+
+    def _fill_state(self, state, n):
+        log = self._hl_log
+        if self._hl_epoch_done:
+            state.update(generator_state=self._generator().get_state(), epoch_done=True)
+            if state["persistent"] and log is not None:  # the workers carry their states into the next epoch
+                state.update(base_seed=self._hl_epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
+                             worker_stopped=[False] * n, worker_ahead=[[] for _ in range(n)])
+            return state
+        gen_state, base_seed = self._hl_epoch
+        state.update(batches_yielded=self._hl_yielded, generator_state=gen_state.clone(), base_seed=base_seed,
+                     sampler_batches=self._hl_yielded)
+        if log is not None:
+            state.update(log.snapshot())
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` (of this version, or a version-1 one: same batches, random
+        transforms in workers matching only from an epoch start) with the next iterator."""
+        if not isinstance(state, dict) or state.get("version") not in (1, 2):
+            raise ValueError(f"load_state_dict: expected a dict from DataLoader.state_dict(), got {state!r:.80}")
+        needed = ["batches_yielded", "generator_state", "base_seed", "epoch_done"]
+        if state["version"] == 2:
+            needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "yielded_after_rng",
+                       "next_worker", "worker_rng", "worker_batches", "worker_stopped", "worker_ahead"]
+        missing = [k for k in needed if k not in state]
+        if missing:
+            raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
+                             f"state, {missing} are missing")
+        self._hl_resume = dict(state)
+
+    def _hl_begin_epoch(self, it):
+        """Called by an iterator once its sampler iterator exists and before it draws from it: rewinds
+        the generator for a resumed epoch, remembers where this epoch starts, returns batches to skip.
+        A multi-worker iterator finds the rest of a loaded state in _hl_plan."""
+        gen = self._generator()
+        resume, self._hl_resume = self._hl_resume, None
+        self._hl_plan = None
+        self._hl_log = None
+        skip = 0
+        if resume is not None and resume.get("generator_state") is not None:
+            gen.set_state(resume["generator_state"])  # epoch_done with persistent workers: undo the seed draw
+            if resume.get("base_seed") is not None:
+                it._base_seed = resume["base_seed"]
+            skip = int(resume["batches_yielded"])
+            if resume["version"] >= 2 and self.num_workers > 0:
+                self._hl_plan = Plan.of(resume, self.num_workers, it._dataset_kind == _DatasetKind.Iterable)
+        self._hl_epoch = (gen.get_state(), it._base_seed)
+        self._hl_epoch_done = False
+        self._hl_yielded = skip
+        return skip
+
+    def __del__(self):
+        pool = getattr(self, "_hl_pool", None)
+        if pool is not None:
+            pool.close()
+        ring = getattr(self, "_hl_local_ring", None)
+        if ring is not None:
+            ring.close()
+
+
+def _record(loader, t0, samples):
+    dt = time.perf_counter() - t0
+    loader._hl_yielded += 1
+    st = loader._hl_stats
+    st.wait_seconds += dt
+    st.batches += 1
+    st.samples += samples
+    input_wait.add(dt, samples)
+
+
+def _count_elapsed(it, loader, t0):
+    """Epoch wall time as the consumer sees it: from entering the first __next__ to the last return."""
+    now = time.perf_counter()
+    last = getattr(it, "_last_return", None)
+    loader._hl_stats.elapsed_seconds += now - (t0 if last is None else last)
+    it._last_return = now
+
+
+def _batch_samples(batch, default):
+    tensors = []
+    flatten(batch, tensors)
+    for t in tensors:
+        if t.dim() > 0:
+            return int(t.shape[0])
+    return default
+
+
+def _host_batch_out(loader, batch, pin):
+    """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
+    through the transform, as the ring path would deliver it."""
+    device, tf = loader.device, loader.gpu_transform
+    if device is None and tf is None:
+        if pin:
+            from torch.utils.data._utils.pin_memory import pin_memory
+            return pin_memory(batch)
+        return batch
+    tensors = []
+    spec = flatten(batch, tensors)
+    outs = []
+    for t in tensors:
+        if device is not None:
+            t = t.to(device)
+        if tf is not None and tf.applies_to(t.dtype, tuple(t.shape)):
+            t = tf(t)
+        elif pin and device is None:
+            t = t.pin_memory()
+        outs.append(t)
+    return unflatten(spec, outs)
+
+
+class _SingleIter(_SingleProcessDataLoaderIter):
+    """num_workers=0: torch's own single-process iterator, plus device, transform, stats and resume.
+
+    With a device, batches are made in the main thread as torch makes them (the dataset need not be
+    thread-safe), but written straight into a slot of a small page-locked ring (LocalRing) and copied
+    to the device asynchronously on a side stream: the copy of batch k overlaps the making of batch
+    k+1. `prefetch_batches` batches are made and queued ahead of the one returned."""
+
+    def __init__(self, loader):
+        super().__init__(loader)
+        self._loader = loader
+        self._last_return = None
+        self._prepared = collections.deque()  # (Pending or batch or _Raise, samples), oldest first
+        self._exhausted = False
+        self._fast = (self._dataset_kind == _DatasetKind.Map and self._auto_collation
+                      and self._collate_fn is default_collate and not getattr(self._dataset, "__getitems__", None))
+        skip = loader._hl_begin_epoch(self)
+        self._skip(skip)
+
+    def _skip(self, n):
+        for _ in range(n):
+            if self._dataset_kind == _DatasetKind.Map:
+                next(self._sampler_iter)
+            else:
+                super()._next_data()  # an iterable's position is only known by walking it
+            self._num_yielded += 1
+
+    def _next_data(self):
+        t0 = time.perf_counter()
+        loader = self._loader
+        if loader.device is None:
+            try:
+                batch = super()._next_data()  # torch pins it there when pin_memory
+            except StopIteration:
+                loader._hl_epoch_done = True
+                raise
+            batch = _host_batch_out(loader, batch, False)
+            _record(loader, t0, _batch_samples(batch, 1))
+        else:
+            try:
+                if not self._prepared:
+                    if self._exhausted:
+                        raise StopIteration
+                    self._prepared.append(self._produce())
+            except StopIteration:
+                self._exhausted = True
+                loader._hl_epoch_done = True
+                raise
+            batch, samples = self._prepared.popleft()
+            if isinstance(batch, _Raise):
+                raise batch.exc
+            if isinstance(batch, Pending):
+                ring = loader._hl_local_ring
+                batch = ring.copies.deliver(batch, ring.release_slot)
+            # the next batches are made while the copy of this one runs
+            while not self._exhausted and len(self._prepared) < loader.prefetch_batches:
+                try:
+                    self._prepared.append(self._produce())
+                except StopIteration:
+                    self._exhausted = True
+                except Exception as exc:  # raised when its batch's turn comes, as torch would
+                    self._prepared.append((_Raise(exc), 0))
+                    break
+            _record(loader, t0, samples)
+        _count_elapsed(self, loader, t0)
+        return batch
+
+    def _produce(self):
+        """The next batch: made as torch makes it, written into a slot of the local ring and its copy
+        to the device queued (a Pending), or, when it does not fit the ring, sent to the device as
+        the plain path does. Returns (batch, samples)."""
+        loader = self._loader
+        index = self._next_index()
+        ring = loader._hl_local_ring
+        if ring is not None and ring.ring is None:
+            ring = loader._hl_local_ring = None  # closed (interpreter exit)
+        if self._fast:
+            samples = [self._dataset[i] for i in index]
+            if ring is not None:
+                slot = ring.take_slot()
+                if slot is not None:
+                    writer = SlotWriter(ring.slot(slot), ring.layout)
+                    try:
+                        spec = write_fast(samples, writer)
+                    except FastPathDeclined:
+                        ring.release_slot(slot)
+                    except BaseException:
+                        ring.release_slot(slot)
+                        raise
+                    else:
+                        return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), len(index)
+            batch = self._collate_fn(samples)
+        else:
+            batch = self._dataset_fetcher.fetch(index)
+        tensors = []
+        flatten(batch, tensors)
+        if not self._auto_collation:
+            n = 1
+        else:  # an iterable's last batch may be short
+            n = len(index) if self._dataset_kind == _DatasetKind.Map else _batch_samples(batch, 1)
+        if tensors and ring is None:
+            ring = loader._hl_local_ring = LocalRing(loader, [t.numel() * t.element_size() for t in tensors])
+        if tensors and ring.fits(tensors):
+            slot = ring.take_slot()
+            if slot is not None:
+                writer = SlotWriter(ring.slot(slot), ring.layout)
+                spec = write_general(batch, writer)  # every tensor fits: none stays in the spec
+                return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), n
+        return _host_batch_out(loader, batch, False), n
+
+    def __del__(self):
+        # copies queued for batches never handed out: their slots are freed once those end
+        ring = getattr(self._loader, "_hl_local_ring", None) if hasattr(self, "_loader") else None
+        for batch, _ in getattr(self, "_prepared", ()):
+            if isinstance(batch, Pending) and ring is not None and ring.ring is not None:
+                ring.copies.abandon(batch)
+        self._prepared = collections.deque()
+
+
+class _Raise:
+    """An exception of a batch made ahead, raised when that batch is due."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+
+class _MultiIter(_BaseDataLoaderIter):
+    """num_workers > 0: tasks go round robin to the workers as torch sends them, results come back
+    through the ring (the first batch of each worker too: it gets its slot when the ring is made), or
+    through the worker's pipe when there is no ring (batches without tensors) or the outcome of a
+    first batch came before its worker sent a layout (an error or a stop at its first sample)."""
+
+    def __init__(self, loader):
+        super().__init__(loader)
+        self._loader = loader
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        self._pool = None
+        # next() and the prefetch thread both drive the pool: one at a time (reentrant: next() may
+        # shut the epoch down while holding it)
+        self.lock = threading.RLock()
+        self._prefetcher = None
+        self._reset(loader, first_iter=True)
+
+    def _reset(self, loader, first_iter=False):
+        self._stop_prefetcher()
+        super()._reset(loader, first_iter)
+        skip = loader._hl_begin_epoch(self)
+        plan = loader._hl_plan
+        pool = loader._hl_pool if self._persistent_workers else None
+        if pool is not None and not pool.closed and plan is not None and plan.setups is not None:
+            # saved RNG states and replays start from freshly seeded workers: these are not
+            self._abandon_prepared(pool)
+            pool.close()
+        if pool is None or pool.closed:
+            pool = Pool(loader, WorkerSpec(self._num_workers, self._dataset_kind, self._dataset,
+                                           self._auto_collation, self._collate_fn, self._drop_last,
+                                           self._base_seed, loader.worker_init_fn))
+            if self._persistent_workers:
+                loader._hl_pool = pool
+        elif not first_iter or self._pool is None:
+            pool.resume()
+            pool.loader = loader
+        self._abandon_prepared(pool)
+        self._pool = pool
+        self._last_return = None
+        self._order = []  # tasks of this epoch in the order torch would return them
+        self._rcvd_idx = 0
+        self._outstanding = 0
+        n = self._num_workers
+        self._workers_status = [True] * n if plan is None else [not s for s in plan.stopped]
+        self._stop_ids = [-1 if not active else 1 << 62 for active in self._workers_status]
+        self._worker_cycle = itertools.cycle(range(n))
+        for _ in range(plan.next_worker if plan is not None else 0):
+            next(self._worker_cycle)
+        self._prepared = collections.deque()
+        self._skip_batches = 0
+        self._skip_positions = {}  # position -> None or the RNG states after it (in_order=False)
+        self._ahead = [list(a) for a in plan.ahead] if plan is not None else [[] for _ in range(n)]
+        self._fetches = [0] * n  # an IterableDataset's batches per worker in this resumed epoch
+        pool.begin_epoch(plan.setups if plan is not None else None)
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        pos0 = 0
+        if not iterable:
+            pos0 = plan.positions if plan is not None else skip
+            for _ in range(pos0):
+                next(self._sampler_iter)
+            if plan is not None:
+                self._skip_positions = dict(zip(plan.yielded_after, plan.yielded_after_rng))
+        elif plan is None or plan.setups is None:
+            self._skip_batches = skip  # no worker positions: walk the iterable through the workers
+        self._num_yielded = skip
+        self._next_pos = pos0
+        self._log = loader._hl_log = EpochLog(n, iterable, self._order, pos0,
+                                               plan.next_worker if plan is not None else 0, pool.track)
+        self._fill()
+        pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
+        if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
+            self._prefetcher = Prefetcher(self)
+
+    def _stop_prefetcher(self):
+        prefetcher, self._prefetcher = getattr(self, "_prefetcher", None), None
+        if prefetcher is not None:
+            prefetcher.close()
+
+    def _abandon_prepared(self, pool):
+        for old in getattr(self, "_prepared", ()):  # copies of an abandoned epoch: free their slots later
+            if isinstance(old[0], Pending):
+                pool.abandon(old[0])
+        self._prepared = collections.deque()
+
+    def _fill(self):
+        while self._try_put_index():
+            pass
+
+    def _try_put_index(self):
+        pool = self._pool
+        ring_known = pool.ring is not None or pool.ring_unused
+        max_tasks = self._prefetch_factor * self._num_workers if ring_known else self._num_workers
+        if self._outstanding >= max_tasks:
+            return False
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return False
+        for _ in range(self._num_workers):  # the next active worker, round robin as torch does
+            wid = next(self._worker_cycle)
+            if self._workers_status[wid]:
+                break
+        else:
+            return False
+        pos = self._next_pos
+        self._next_pos += 1
+        if pos in self._skip_positions:  # a resumed epoch: handed out before the state was taken
+            rng = self._skip_positions.pop(pos)
+            if rng is None:  # its worker's saved states already cover it
+                self._order.append(Task(-1, wid, None, -1, consumed=True, kind="batch", handed=True))
+            else:
+                ghost = pool.ghost(wid, index, rng)
+                self._order.append(ghost)
+                self._log.add(ghost)
+            return True
+        ahead = self._ahead[wid]
+        while ahead and ahead[0] == self._fetches[wid]:  # a resumed IterableDataset: skip what was handed out
+            ahead.pop(0)
+            self._log.add(pool.ghost(wid, index, None))
+            self._fetches[wid] += 1
+        self._fetches[wid] += 1
+        task = pool.new_task(wid, index)
+        self._order.append(task)
+        self._log.add(task)
+        self._outstanding += 1
+        return True
+
+    def _next_task(self):
+        """The next task to return (in order, or any finished one when in_order=False)."""
+        while self._rcvd_idx < len(self._order):
+            task = self._order[self._rcvd_idx]
+            if task.consumed:
+                self._rcvd_idx += 1
+                continue
+            if self._live(task) or self._pool.is_done(task):
+                break
+            self._pool.drop(task)
+            self._log.settle(task)
+            self._outstanding -= 1
+            self._rcvd_idx += 1
+        else:
+            return None
+        if not self._in_order:
+            for task in self._order[self._rcvd_idx:]:
+                if not task.consumed and self._pool.is_done(task):
+                    return task
+        return self._order[self._rcvd_idx]
+
+    def _live(self, task):
+        """Its worker may still deliver it: it is active, or the task came before its stop (with
+        in_order=False a stop can be taken before an earlier batch of the same worker)."""
+        return self._workers_status[task.wid] or task.id < self._stop_ids[task.wid]
+
+    def _first_done(self, head):
+        """in_order=False: sleep until any outstanding task is done and return it (the head once
+        `timeout` passed: pool.wait then raises)."""
+        pool = self._pool
+        deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
+        while deadline is None or time.monotonic() < deadline:
+            candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._live(t)]
+            for task in candidates:
+                if pool.is_done(task):
+                    return task
+            pool.check_workers()
+            if pool.layouts:
+                pool.place_layouts()
+            self._fill()
+            waiting = [t for t in candidates if t.slot >= 0 and pool.ring.state(t.slot) == _C.RING_ASSIGNED]
+            # a slot's change wakes it, a pipe message does not: candidates that take the pipe
+            # (side path, layouts) are looked at again after 20 ms
+            pool.doze(waiting[0].slot if waiting else -1, 0.02 if waiting else POLL_S)
+        return head
+
+    def _next_result(self, block=True):
+        """(the next batch, assembled (CPU) or with its copy queued (Pending, CUDA), its samples, its
+        task). None when the next one is not ready and block is False."""
+        pool = self._pool
+        while True:
+            task = self._next_task()
+            if task is None:
+                raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
+            if not block and (not pool.is_done(task) or pool.copy_can_wait(task)):
+                return None
+            if not self._in_order and not pool.is_done(task):
+                task = self._first_done(task)
+            outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
+            pool.finish(task)
+            pool.took(task, outcome)
+            self._outstanding -= 1
+            if isinstance(outcome, Ended):
+                self._log.settle(task)
+                self._workers_status[task.wid] = False
+                self._stop_ids[task.wid] = task.id
+                if task.slot >= 0:
+                    pool.release_slot(task.slot)
+                self._fill()
+                continue
+            if isinstance(outcome, Failed):
+                if task.slot >= 0:
+                    pool.release_slot(task.slot)
+                self._fill()
+                try:
+                    outcome.error.reraise()
+                except Exception as exc:  # raised when its batch is due (a device prefetch takes it early)
+                    return _Raise(exc), 0, task
+            self._loader.stats.worker_busy_seconds += outcome.busy
+            if isinstance(outcome, WholeBatch):
+                batch = outcome.batch
+                self._fill()
+                samples = self._samples_of(task, lambda: _batch_samples(batch, 1))
+                out = _host_batch_out(self._loader, batch, self._pin_memory)
+                return out, samples, task
+            spec, leaves = outcome.spec, outcome.leaves  # a SlotBatch
+            samples = self._samples_of(task, lambda: int(leaves[0][2][0]) if leaves and leaves[0][2] else 1)
+            if pool.device is None:
+                out = pool.copy_out(task.slot, spec, leaves, self._pin_memory)
+            else:
+                out = pool.copy_to_device(task.slot, spec, leaves)
+            self._fill()
+            return out, samples, task
+
+    def _samples_of(self, task, from_batch):
+        if not self._auto_collation:
+            return 1
+        if self._dataset_kind == _DatasetKind.Map:
+            return len(task.index)
+        return from_batch()  # an iterable's last batch may be short
+
+    def _next_data(self):
+        t0 = time.perf_counter()
+        with self.lock:
+            out, samples = self._take_next()
+        _record(self._loader, t0, samples)
+        _count_elapsed(self, self._loader, t0)
+        return out
+
+    def _take_next(self):
+        """(the next batch, its samples), with the lock held."""
+        if self._pool is None:
+            self._loader._hl_epoch_done = True
+            raise StopIteration
+        if self._pool.closed:
+            raise RuntimeError("DataLoader: this epoch ended with an error in a worker (see above); start a new "
+                               "one with iter(loader)")
+        while self._skip_batches:
+            self._skip_batches -= 1
+            out, _, task = self._next_result()
+            self._hand_out(out, task)
+            if isinstance(out, Pending):
+                self._pool.deliver(out)
+        pool = self._pool
+        try:
+            if pool.device is None:
+                out, samples, task = self._next_result()
+            else:
+                if not self._prepared:
+                    self._prepared.append(self._next_result())
+                out, samples, task = self._prepared.popleft()
+        except StopIteration:
+            self._loader._hl_epoch_done = True
+            self._stop_prefetcher()
+            if not self._persistent_workers:
+                self._shutdown()
+            raise
+        if pool.device is None:
+            self._hand_out(out, task)
+            return out, samples
+        try:
+            self._hand_out(out, task)
+            if isinstance(out, Pending):
+                out = pool.deliver(out)
+        finally:
+            if self._prefetcher is not None:
+                self._prefetcher.kick()  # the next batches' copies, queued while the step runs
+            else:
+                self.top_up()
+        return out, samples
+
+    def top_up(self):
+        """With a device, lock held (the prefetch thread, or next() without it): take the batches
+        after the one handed out from the workers and queue their copies, up to prefetch_batches,
+        as far as they are done and their slots page-locked (it never waits: next() takes a batch
+        that was not, and page-locks its slot if need be). True when the next batch is done but its
+        slot not yet page-locked: worth looking again soon. An exception here is raised by next()
+        at the turn of the batch it was preparing."""
+        pool = self._pool
+        if pool is None or pool.closed:
+            return False
+        try:
+            while len(self._prepared) < self._loader.prefetch_batches:
+                nxt = self._next_result(block=False)
+                if nxt is None:
+                    task = self._next_task()
+                    return task is not None and pool.is_done(task)
+                self._prepared.append(nxt)
+        except StopIteration:
+            pass  # the epoch's last batches are prepared; they are handed out by the next calls
+        except Exception as exc:
+            self._prepared.append((_Raise(exc), 0, None))
+        return False
+
+    def _hand_out(self, out, task):
+        """The task's batch goes to the consumer now: log it (state_dict), or raise its error (task
+        None: an error of the prefetch itself, no batch of its own)."""
+        if task is not None:
+            task.handed = True
+            self._log.settle(task)
+        if isinstance(out, _Raise):
+            raise out.exc
+
+    def _shutdown(self):
+        self._stop_prefetcher()
+        pool, self._pool = self._pool, None
+        if pool is not None and not self._persistent_workers:
+            self._abandon_prepared(pool)  # their copies must end before the ring is unregistered
+            pool.close()
+
+    def __del__(self):
+        if not getattr(self, "_persistent_workers", True):
+            self._shutdown()

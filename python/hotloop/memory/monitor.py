@@ -1,0 +1,379 @@
+"""Peak-memory reports that add up: a C sampler reads NVML at ~1 kHz without the GIL, torch gives exact peaks.
+
+`@hotloop.memory_monitor` on a train function (or `with hotloop.MemoryMonitor() as mon:`) starts the
+C sampler (hotloop._C.Monitor: device memory every tick; utilisation, power, temperature, clocks and
+clock-event reasons on a slower tick), resets torch's allocator peaks, optionally hooks a model's
+modules, and at the end joins what the device saw with what torch's caching allocator saw:
+
+    peak device used (NVML) = CUDA context (and other processes) at start
+                            + torch peak reserved (= peak allocated + fragmentation)
+                            + memory outside torch at the peak (cuBLAS/cuDNN/NCCL, other libraries)
+
+followed by advice computed from those figures. Works without torch's CUDA (NVML figures only) and
+without NVML (torch figures only), and says which part is missing.
+"""
+import functools
+import logging
+import re
+import sys
+import time
+
+from .. import _C, input_wait
+from .advice import compute_advice
+from .clock_reasons import reason_names
+from .hooks import ModuleHooks
+from .report import MemoryReport
+from .timeline import Timeline
+
+_logger = logging.getLogger(__name__)
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None
+
+
+
+
+def _parse_size(text):
+    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", text or "")
+    if not m:
+        return None
+    scale = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def _oom_types(torch):
+    if torch is None:
+        return ()
+    types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                              getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)) if t is not None)
+    return types
+
+
+class MemoryMonitor:
+    """Watch device memory (and utilisation, power, temperature, clocks) while a block runs.
+
+        with hotloop.MemoryMonitor(model=model) as mon:
+            train(model, loader)
+        print(mon.report())
+        mon.timeline.used  # numpy array of bytes, one per sample
+
+    interval_ms: memory sampling period of the C thread (1.0: 1 kHz). device: a torch device or
+    index (default: torch's current device), or an NVML index when torch has no CUDA. model: an
+    nn.Module whose modules are hooked to measure their activation memory. report: "table",
+    "json" or None: what is printed to `file` (default sys.stderr) when the block ends. plot: a
+    PNG path the timeline is drawn to (needs matplotlib). slow_interval_ms: utilisation, power,
+    temperature, clocks. pcie_interval_ms: PCIe throughput on its own thread (0: off). capacity:
+    memory samples kept (the oldest are dropped; peaks still see every sample).
+    """
+
+    def __init__(self, interval_ms=1.0, device=None, model=None, report=None, file=None, plot=None,
+                 slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072):
+        if report not in ("table", "json", None):
+            raise ValueError(f"report: expected 'table', 'json' or None, got {report!r}")
+        if not (isinstance(interval_ms, (int, float)) and interval_ms > 0):
+            raise ValueError(f"interval_ms: expected a positive number of milliseconds, got {interval_ms!r}")
+        self.interval_ms = float(interval_ms)
+        self.slow_interval_ms = max(float(slow_interval_ms), self.interval_ms)
+        self.pcie_interval_ms = float(pcie_interval_ms)
+        self.capacity = int(capacity)
+        self.model = model
+        self.report_format = report
+        self.file = file
+        self.plot_path = plot
+        self._device_arg = device
+        self._sampler = None
+        self._running = False
+        self._report = None
+        self._hooks = None
+
+    # -- device resolution: torch index for the allocator, NVML index or UUID for the sampler --
+    def _resolve(self):
+        torch = _torch()
+        self.torch = torch
+        self.torch_device = None
+        dev = self._device_arg
+        torch_cuda = torch is not None and torch.cuda.is_available()
+        if torch_cuda:
+            if dev is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            elif isinstance(dev, int):
+                dev = torch.device("cuda", dev)
+            else:
+                dev = torch.device(dev)
+            if dev.type == "cuda":
+                self.torch_device = torch.device("cuda", dev.index if dev.index is not None
+                                                 else torch.cuda.current_device())
+        if self.torch_device is not None:
+            self.device_label = str(self.torch_device)
+            nvml_device = self.torch_device.index
+            try:  # NVML counts devices its own way; the UUID names the one torch uses
+                uuid = str(torch.cuda.get_device_properties(self.torch_device).uuid)
+                nvml_device = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+            except Exception:
+                pass
+        else:
+            index = dev if isinstance(dev, int) else (getattr(dev, "index", None) or 0)
+            self.device_label = f"nvml:{index}"
+            nvml_device = index
+        return nvml_device
+
+    def _open_sampler(self, nvml_device):
+        self.nvml_reason = None
+        try:
+            return _C.Monitor(nvml_device, self.interval_ms, self.slow_interval_ms, self.pcie_interval_ms,
+                              self.capacity)
+        except _C.NvmlError as e:
+            if isinstance(nvml_device, str):  # an old NVML without UUID lookup: fall back to the index
+                try:
+                    return _C.Monitor(self.torch_device.index, self.interval_ms, self.slow_interval_ms,
+                                      self.pcie_interval_ms, self.capacity)
+                except _C.NvmlError:
+                    pass
+            self.nvml_reason = str(e)
+            return None
+
+    def start(self):
+        """Reset torch's peaks, start the sampler (and hooks). Returns self."""
+        if self._running:
+            raise RuntimeError("MemoryMonitor.start(): already running")
+        nvml_device = self._resolve()
+        if self._sampler is None:
+            self._sampler = self._open_sampler(nvml_device)
+        torch = self.torch
+        self._torch_start = None
+        if self.torch_device is not None:
+            torch.cuda.synchronize(self.torch_device)  # creates the context, so the baseline includes it
+            torch.cuda.reset_peak_memory_stats(self.torch_device)
+            stats = torch.cuda.memory_stats(self.torch_device)
+            self._torch_start = {"reserved": torch.cuda.memory_reserved(self.torch_device),
+                                 "retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
+        self._used_at_start = None
+        if self._sampler is not None:
+            self._used_at_start, _, _, self._total = self._sampler.read_memory()
+        if self.model is not None:
+            allocated = None
+            if self.torch_device is not None:
+                dev = self.torch_device
+                allocated = functools.partial(torch.cuda.memory_allocated, dev)
+            self._hooks = ModuleHooks(self.model, allocated)
+        if self._sampler is None and self.torch_device is None:
+            _logger.warning("hotloop.MemoryMonitor: no GPU to watch (NVML: %s; torch sees no CUDA device)",
+                            self.nvml_reason)
+        self._loader_start = input_wait.snapshot()
+        self._oom = None
+        self._t0 = time.monotonic()
+        if self._sampler is not None:
+            self._sampler.start()
+        self._running = True
+        return self
+
+    def stop(self) -> MemoryReport:
+        """Stop the sampler (its thread is joined), remove hooks, and build the report."""
+        if not self._running:
+            if self._report is None:
+                raise RuntimeError("MemoryMonitor.stop(): not started")
+            return self._report
+        if self._sampler is not None:
+            self._sampler.stop()
+        self._t1 = time.monotonic()
+        self._running = False
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._report = self._build_report()
+        return self._report
+
+    def report(self) -> MemoryReport:
+        """The report: the final one after stop(), else one of the run so far."""
+        if self._running:
+            self._t1 = time.monotonic()
+            return self._build_report()
+        if self._report is None:
+            raise RuntimeError("MemoryMonitor.report(): not started")
+        return self._report
+
+    @property
+    def timeline(self) -> Timeline:
+        if self._sampler is None:
+            return Timeline()
+        return Timeline(self._sampler.snapshot(), getattr(self, "_t0", 0.0))
+
+    @property
+    def running(self):
+        return self._running
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb):
+        # the block's result or exception comes out unchanged, whatever happens to the report
+        try:
+            self._exit_with(exc)
+        except Exception:
+            _logger.warning("hotloop.MemoryMonitor: no report for this run", exc_info=True)
+            self._abandon()
+        return False
+
+    def _exit_with(self, exc):
+        if exc is not None and isinstance(exc, _oom_types(self.torch)):
+            self.note_oom(exc)
+        report = self.stop()
+        if exc is not None and self._oom is not None:
+            try:
+                exc.hotloop_report = report
+            except AttributeError:
+                pass
+            self._emit(report, force=True)
+        else:
+            self._emit(report)
+
+    def _abandon(self):
+        """stop sampling and unhook without a report"""
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._running = False
+
+    def note_oom(self, exc):
+        """Record what memory looked like when `exc` (torch.OutOfMemoryError) was raised."""
+        oom = {"message": str(exc).split("\n")[0][:500], "requested_bytes": _parse_size(str(exc)),
+               "free_bytes": None, "total_bytes": None, "reserved_bytes": None, "allocated_bytes": None,
+               "fragmentation_bytes": None}
+        if self._sampler is not None:
+            try:
+                _, _, oom["free_bytes"], oom["total_bytes"] = self._sampler.read_memory()
+            except _C.NvmlError:
+                pass
+        torch = self.torch
+        if self.torch_device is not None:
+            if oom["free_bytes"] is None:
+                oom["free_bytes"], oom["total_bytes"] = torch.cuda.mem_get_info(self.torch_device)
+            oom["reserved_bytes"] = torch.cuda.memory_reserved(self.torch_device)
+            oom["allocated_bytes"] = torch.cuda.memory_allocated(self.torch_device)
+            oom["fragmentation_bytes"] = oom["reserved_bytes"] - oom["allocated_bytes"]
+        self._oom = oom
+
+    def _emit(self, report, force=False):
+        out = self.file if self.file is not None else sys.stderr
+        fmt = self.report_format or ("table" if force else None)
+        if fmt == "table":
+            print(str(report), file=out, flush=True)
+        elif fmt == "json":
+            print(report.to_json(), file=out, flush=True)
+        if self.plot_path:
+            try:
+                report.plot(self.plot_path)
+            except ImportError as e:
+                print(f"hotloop: no plot: {e}", file=out)
+
+    def _build_report(self) -> MemoryReport:
+        r = MemoryReport(device=self.device_label, duration_s=self._t1 - self._t0, interval_ms=self.interval_ms)
+        torch = self.torch
+        r.nvml = self._sampler is not None
+        r.nvml_unavailable_reason = self.nvml_reason
+        r.torch_cuda = self.torch_device is not None
+        if r.torch_cuda:
+            dev = self.torch_device
+            r.device_name = torch.cuda.get_device_name(dev)
+            stats = torch.cuda.memory_stats(dev)
+            r.peak_allocated = int(torch.cuda.max_memory_allocated(dev))
+            r.peak_reserved = int(torch.cuda.max_memory_reserved(dev))
+            r.fragmentation_at_peak = r.peak_reserved - r.peak_allocated
+            r.inactive_split_peak = int(stats.get("inactive_split_bytes.all.peak", 0))
+            r.alloc_retries = int(stats.get("num_alloc_retries", 0) - self._torch_start["retries"])
+            r.ooms = int(stats.get("num_ooms", 0) - self._torch_start["ooms"])
+        if r.nvml:
+            s = self._sampler.snapshot()
+            r.timeline = Timeline(s, self._t0)
+            if s["memory_samples"]:
+                r.peak_device_used = int(s["peak_used"])
+                r.peak_time_s = s["peak_t"] - self._t0
+                r.driver_reserved = int(s["reserved_at_peak"])
+            r.device_total = int(self._total)
+            if r.device_name is None:
+                try:
+                    r.device_name = _C.nvml_device_info(self._sampler.device).get("name")
+                except (_C.NvmlError, ValueError):
+                    pass
+            if r.torch_cuda:
+                r.context_baseline = int(self._used_at_start - self._torch_start["reserved"])
+                if r.peak_device_used is not None:
+                    r.non_torch_at_peak = max(0, r.peak_device_used - r.peak_reserved - r.context_baseline)
+            else:
+                r.context_baseline = int(self._used_at_start)
+            r.util_mean = None if s["util_mean"] < 0 else s["util_mean"]
+            r.power_mean_w = None if s["power_mean_w"] < 0 else s["power_mean_w"]
+            r.power_max_w = None if s["power_max_mw"] is None else s["power_max_mw"] / 1e3
+            r.temperature_max_c = s["temperature_max_c"]
+            r.sm_clock_min_mhz = s["sm_clock_min_mhz"]
+            r.sm_clock_max_mhz = s["sm_clock_max_mhz"]
+            r.throttle_reasons = reason_names(s["reasons_seen"])
+            r.samples = int(s["memory_samples"])
+            r.samples_kept = len(r.timeline.memory)
+            r.samples_dropped = int(s["memory_dropped"])
+            r.ticks_missed = int(s["ticks_missed"])
+            span = (s["last_t"] - s["first_t"])
+            r.sample_rate_hz = (r.samples - 1) / span if r.samples > 1 and span > 0 else None
+            r.nvml_errors = s["error"]
+            try:
+                limit = _C.nvml_device_info(self._sampler.device).get("power_limit_mw")
+                r.power_limit_w = None if limit is None else limit / 1e3
+            except (_C.NvmlError, ValueError):
+                pass
+        loader_end = input_wait.snapshot()
+        if loader_end["batches"] > self._loader_start["batches"]:  # a hotloop.DataLoader fed this run
+            r.loader_wait_s = loader_end["wait_seconds"] - self._loader_start["wait_seconds"]
+            r.stall_fraction = r.loader_wait_s / r.duration_s if r.duration_s > 0 else 0.0
+        if self._hooks is not None:
+            r.modules = self._hooks.modules()
+            r.autocast_seen = self._hooks.autocast_seen
+            r.fp32_matmul_seen = self._hooks.fp32_matmul_seen
+        r.oom = self._oom
+        r.advice = compute_advice(r)
+        return r
+
+    def __del__(self):
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None and self._running:
+            sampler.stop()
+
+
+def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report="table", file=None, plot=None,
+                   **options):
+    """Decorate a train function: its run is monitored and a MemoryReport is printed when it returns.
+
+        @hotloop.memory_monitor
+        def train(): ...
+
+        @hotloop.memory_monitor(model=model, report="json", plot="memory.png")
+        def train(): ...
+
+    The function's return value and exceptions are unchanged; the last report is kept on
+    `train.last_report`. On torch.OutOfMemoryError the report (with the failed request, free memory
+    and fragmentation) is printed and attached to the exception as `err.hotloop_report`.
+    Options are MemoryMonitor's.
+    """
+    if fn is not None and not callable(fn):
+        raise TypeError(f"memory_monitor: expected a function or keyword options, got {fn!r}")
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            monitor = MemoryMonitor(interval_ms=interval_ms, device=device, model=model, report=report, file=file,
+                                    plot=plot, **options)
+            try:
+                with monitor:
+                    return func(*args, **kwargs)
+            finally:
+                wrapper.last_report = monitor._report
+
+        wrapper.last_report = None
+        return wrapper
+
+    return decorate(fn) if fn is not None else decorate

@@ -1,0 +1,93 @@
+"""MemoryReport: what a monitored run used, from NVML and from torch's caching allocator, with advice."""
+import dataclasses
+import json
+
+from .plot import plot_report
+from .text import format_report
+from .timeline import Timeline
+
+
+@dataclasses.dataclass
+class ModuleMemory:
+    """What one module's forward kept alive (activations saved for backward plus its output)."""
+    name: str
+    activation_bytes: int  # memory_allocated() after forward minus before (max over calls)
+    output_bytes: int      # bytes of the tensors it returned
+    calls: int
+    backward_allocated_bytes: int = 0  # memory_allocated() when backward reached its output (max)
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """What a monitored run used, from NVML and from torch's caching allocator, with advice.
+
+    Sizes are bytes, None where the source was unavailable. `str(report)` is a table;
+    `to_dict()`/`to_json()` give every field; `plot(path)` draws the timeline.
+    """
+    device: str = "cuda:0"
+    device_name: str = None
+    duration_s: float = 0.0
+    nvml: bool = False
+    nvml_unavailable_reason: str = None
+    torch_cuda: bool = False
+    # torch's caching allocator, exact
+    peak_allocated: int = None
+    peak_reserved: int = None
+    fragmentation_at_peak: int = None  # peak reserved - peak allocated
+    inactive_split_peak: int = None
+    alloc_retries: int = None
+    ooms: int = None
+    # NVML
+    peak_device_used: int = None
+    peak_time_s: float = None
+    device_total: int = None
+    driver_reserved: int = None
+    context_baseline: int = None       # device used at start minus torch reserved at start
+    non_torch_at_peak: int = None      # peak device used - peak reserved - context baseline
+    util_mean: float = None
+    power_mean_w: float = None
+    power_max_w: float = None
+    power_limit_w: float = None
+    temperature_max_c: int = None
+    sm_clock_min_mhz: int = None
+    sm_clock_max_mhz: int = None
+    throttle_reasons: list = dataclasses.field(default_factory=list)
+    samples: int = 0
+    samples_kept: int = 0
+    samples_dropped: int = 0
+    ticks_missed: int = 0
+    sample_rate_hz: float = None
+    interval_ms: float = None
+    nvml_errors: dict = None
+    # hotloop.DataLoader
+    loader_wait_s: float = None
+    stall_fraction: float = None
+    # model=
+    modules: list = dataclasses.field(default_factory=list)
+    autocast_seen: bool = None
+    fp32_matmul_seen: bool = None
+    # torch.OutOfMemoryError inside the run
+    oom: dict = None
+    advice: list = dataclasses.field(default_factory=list)
+    timeline: Timeline = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name == "timeline":
+                continue
+            value = getattr(self, f.name)
+            if f.name == "modules":
+                value = [dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(m) for m in value]
+            out[f.name] = value
+        return out
+
+    def to_json(self, indent=2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self):
+        return format_report(self)
+
+    def plot(self, path):
+        """Memory, utilisation and power against time, as a PNG (needs matplotlib)."""
+        return plot_report(self, path)

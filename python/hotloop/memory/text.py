@@ -1,0 +1,86 @@
+"""The memory report as text: a table whose lines add up, the biggest modules, the advice."""
+
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+def format_size(n):
+    """Bytes as KiB, MiB or GiB ("-" for None)."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n >= 0.5 * GiB:
+        return f"{sign}{n / GiB:.2f} GiB"
+    return f"{sign}{n / MiB:.1f} MiB" if n >= 0.1 * MiB else f"{sign}{n / 1024:.1f} KiB"
+
+
+def top_level_modules(report):
+    """the model's direct children (no dot in the name): what one would checkpoint"""
+    return [m for m in report.modules if m.name and "." not in m.name]
+
+
+def format_report(r) -> str:
+    """The report (a MemoryReport) as the table `str(report)` prints."""
+    title = f"hotloop memory report: {r.device}" + (f" ({r.device_name})" if r.device_name else "")
+    title += f", {r.duration_s:.2f} s"
+    rows = []
+    if r.nvml and r.peak_device_used is not None:
+        parts = []
+        if r.context_baseline is not None and r.peak_reserved is not None:
+            parts = [f"context {format_size(r.context_baseline)}", f"torch reserved {format_size(r.peak_reserved)}",
+                     f"other {format_size(r.non_torch_at_peak)}"]
+        rows.append(("peak device used (NVML)", format_size(r.peak_device_used)
+                     + (f"  at {r.peak_time_s:.3f} s" if r.peak_time_s is not None else "")
+                     + (f"  = {' + '.join(parts)}" if parts else "")))
+        if r.device_total:
+            rows.append(("  of device total", format_size(r.device_total)))
+        rows.append(("  CUDA context (and others) at start" if r.torch_cuda else "  device used at start",
+                     format_size(r.context_baseline)))
+    elif not r.nvml:
+        rows.append(("NVML", f"not available: {r.nvml_unavailable_reason}"))
+    if r.torch_cuda:
+        rows.append(("  torch peak reserved", format_size(r.peak_reserved)))
+        rows.append(("    torch peak allocated", format_size(r.peak_allocated)))
+        rows.append(("    fragmentation at peak", f"{format_size(r.fragmentation_at_peak)}"
+                     f"  (inactive split {format_size(r.inactive_split_peak)})"))
+        if r.nvml:
+            rows.append(("  outside torch at peak", f"{format_size(r.non_torch_at_peak)}"
+                         "  (cuBLAS/cuDNN/NCCL, other libraries)"))
+        rows.append(("allocation retries / OOMs", f"{r.alloc_retries} / {r.ooms}"))
+    else:
+        rows.append(("torch", "no CUDA device in torch: allocator figures unavailable"))
+    if r.nvml:
+        rows.append(("GPU utilisation (mean)", "-" if r.util_mean is None else f"{r.util_mean:.0f} %"))
+        power = [("-" if v is None else f"{v:.0f}") for v in (r.power_mean_w, r.power_max_w, r.power_limit_w)]
+        rows.append(("power mean / max / limit", " / ".join(power) + " W"))
+        rows.append(("temperature max", "-" if r.temperature_max_c is None else f"{r.temperature_max_c} °C"))
+        if r.sm_clock_max_mhz is not None:
+            rows.append(("SM clock min / max", f"{r.sm_clock_min_mhz} / {r.sm_clock_max_mhz} MHz"))
+        rows.append(("clock-event reasons seen", ", ".join(r.throttle_reasons) or "none"))
+        rate = "-" if r.sample_rate_hz is None else f"{r.sample_rate_hz:.0f} Hz"
+        rows.append(("memory samples", f"{r.samples} at {rate} (asked {1e3 / r.interval_ms:.0f} Hz; "
+                     f"{r.samples_dropped} dropped from the ring, {r.ticks_missed} ticks missed)"))
+        if r.nvml_errors:
+            e = r.nvml_errors
+            rows.append(("NVML errors", f"{e['count']}, first: {e['call']}: {e['text']} ({e['code']})"))
+    if r.stall_fraction is not None:
+        rows.append(("data loader stalls", f"{100 * r.stall_fraction:.1f} % of the time ({r.loader_wait_s:.2f} s)"))
+    if r.oom:
+        o = r.oom
+        rows.append(("OUT OF MEMORY", f"asked for {format_size(o.get('requested_bytes'))} with {format_size(o.get('free_bytes'))}"
+                     f" free on the device; torch reserved {format_size(o.get('reserved_bytes'))}, allocated "
+                     f"{format_size(o.get('allocated_bytes'))}, fragmentation {format_size(o.get('fragmentation_bytes'))}"))
+    width = max(len(k) for k, _ in rows)
+    lines = [title] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    top = sorted(top_level_modules(r), key=lambda m: -m.activation_bytes)[:8]
+    if top:
+        lines.append("  activations per module (forward, max over calls):")
+        w = max(len(m.name) for m in top)
+        for m in top:
+            lines.append(f"    {m.name:<{w}}  {format_size(m.activation_bytes):>10}  (output {format_size(m.output_bytes)}, "
+                         f"{m.calls} call{'s' if m.calls != 1 else ''})")
+    if r.advice:
+        lines.append("advice:")
+        lines += [f"  - {a}" for a in r.advice]
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""`python -m hotloop doctor` and `python -m hotloop monitor` without a GPU, and against the fake NVML."""
+import csv
+import json
+import os
+import select
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, env=None, timeout=60):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML_", "HOTLOOP_NVML"))}
+    # the fake (or missing) NVML is the whole story: a real GPU on the test machine stays hidden from torch
+    full_env["CUDA_VISIBLE_DEVICES"] = ""
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "hotloop", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def checks_by_name(report):
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_doctor_json_without_a_gpu(tmp_path):
+    p = run_cli("doctor", "--json", env={"HOTLOOP_NVML_LIBRARY": str(tmp_path / "no-such-libnvidia-ml.so")})
+    assert p.returncode in (0, 1), p.stderr  # only host warnings can remain; never a traceback
+    assert "Traceback" not in p.stderr
+    report = json.loads(p.stdout)
+    checks = checks_by_name(report)
+    assert checks["GPU"]["status"] == "SKIP" and "no NVIDIA GPU" in checks["GPU"]["value"]
+    assert report["exit_code"] == p.returncode
+    assert report["facts"]["nvml"] is None and report["facts"]["cpu_cores"] >= 1
+    assert {"CPU cores", "/dev/shm", "open-file limit"} <= set(checks)
+    assert all(c["status"] in ("PASS", "WARN", "FAIL", "SKIP") for c in report["checks"])
+    assert not any(name.startswith("gpu ") for name in checks)
+
+
+def test_doctor_text_without_a_gpu(tmp_path):
+    p = run_cli("doctor", env={"HOTLOOP_NVML_LIBRARY": str(tmp_path / "missing.so")})
+    assert "[SKIP] GPU" in p.stdout and "passed" in p.stdout.splitlines()[-1]
+
+
+def test_doctor_finds_a_narrow_link_and_a_lowered_power_limit(fake_nvml_library):
+    env = {"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "FAKE_NVML_PCIE_WIDTH": "8", "FAKE_NVML_POWER_LIMIT_MW": "400000",
+           "FAKE_NVML_REASONS": str(0x40), "FAKE_NVML_PERSISTENCE": "0", "FAKE_NVML_MIG": "1",
+           "FAKE_NVML_DEVICE_COUNT": "2"}
+    p = run_cli("doctor", "--json", env=env)
+    report = json.loads(p.stdout)
+    checks = checks_by_name(report)
+    assert checks["driver"]["status"] == "PASS" and "580.00.fake" in checks["driver"]["value"]
+    assert "x8" in checks["gpu 0 PCIe link"]["value"] and "x16" in checks["gpu 0 PCIe link"]["value"]
+    assert checks["gpu 1 power"]["status"] == "WARN" and "57 %" in checks["gpu 1 power"]["advice"]
+    assert "never changes" in checks["gpu 0 power"]["advice"]
+    assert checks["gpu 0 thermal"]["status"] == "WARN" and "hardware thermal" in checks["gpu 0 thermal"]["value"]
+    assert checks["gpu 0 persistence"]["status"] == "WARN"
+    assert checks["gpu 1 MIG"]["status"] == "WARN"
+    assert len(report["facts"]["gpus"]) == 2
+    # torch cannot use the GPU NVML sees (a CPU build, or the device hidden): a failure, exit code 2
+    assert checks.get("torch CUDA", checks["torch"])["status"] == "FAIL"
+    assert p.returncode == report["exit_code"] == 2
+
+
+def test_doctor_healthy_fake_gpu_passes_gpu_checks(fake_nvml_library):
+    p = run_cli("doctor", "--json", env={"HOTLOOP_NVML_LIBRARY": fake_nvml_library})
+    checks = checks_by_name(json.loads(p.stdout))
+    for name in ("gpu 0 device", "gpu 0 power", "gpu 0 thermal", "gpu 0 persistence", "gpu 0 MIG"):
+        assert checks[name]["status"] == "PASS", checks[name]
+
+
+def test_monitor_cli_writes_rows_and_a_summary(fake_nvml_library, tmp_path):
+    out = tmp_path / "log.csv"
+    env = {"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "FAKE_NVML_DEVICE_COUNT": "2", "FAKE_NVML_PCIE_DELAY_US": "500",
+           "FAKE_NVML_USED": str(3 << 30), "FAKE_NVML_POWER_MW": "123456"}
+    p = run_cli("monitor", "--interval-ms", "20", "--duration", "1.0", "--device", "1", "--csv", str(out), env=env)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].startswith("time") and "used MiB" in lines[0]
+    assert lines[-1].startswith("summary gpu 1:") and "peak used 3.00 GiB" in lines[-1]
+    assert "power mean/max 123/123 W" in lines[-1]
+    rows = list(csv.DictReader(open(out)))
+    assert len(rows) >= 3
+    assert all(r["gpu"] == "1" and r["used_mib"] == "3072" and r["power_w"] == "123.5" for r in rows)
+
+
+def test_monitor_cli_without_nvml(tmp_path):
+    p = run_cli("monitor", "--duration", "0.1", env={"HOTLOOP_NVML_LIBRARY": str(tmp_path / "missing.so")})
+    assert p.returncode == 1 and "no NVML" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_monitor_cli_ends_cleanly_on_a_signal(fake_nvml_library, sig):
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "FAKE_NVML_PCIE_DELAY_US": "500", "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)  # bounded wait for the header
+        assert ready, "the monitor printed nothing in 30 s"
+        first = proc.stdout.readline()  # the header: it is running
+        assert first.startswith("time")
+        time.sleep(0.1)
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "summary gpu 0:" in out and "Traceback" not in err

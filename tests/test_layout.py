@@ -1,0 +1,68 @@
+"""The package's layout holds: no module of hotloop uses another module's underscore names (what one
+module needs from another is public there), and each component lives in its own folder."""
+import ast
+import pathlib
+
+import hotloop
+
+PACKAGE = pathlib.Path(hotloop.__file__).parent
+# the extension and the version are the package's own, offered to every module
+SHARED = {"_C", "_version", "__version__"}
+
+
+def modules():
+    return {p.relative_to(PACKAGE).as_posix(): ast.parse(p.read_text(), str(p)) for p in PACKAGE.rglob("*.py")}
+
+
+def private(name):
+    return name.startswith("_") and not name.startswith("__") and name not in SHARED
+
+
+def defined_names(tree):
+    """Underscore names a module binds: its functions, classes, attributes it assigns, what it imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if private(n)}
+
+
+def crossings(path, tree, defined_elsewhere):
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("hotloop")):
+            found += [f"{path}:{node.lineno}: imports {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if node.attr in defined_elsewhere:
+                found.append(f"{path}:{node.lineno}: uses .{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_underscore_names():
+    trees = modules()
+    defined = {path: defined_names(tree) for path, tree in trees.items()}
+    problems = []
+    for path, tree in trees.items():
+        elsewhere = set().union(*(names for other, names in defined.items() if other != path))
+        problems += crossings(path, tree, elsewhere)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_folder_per_component():
+    top = {p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
+    assert {"data", "amp", "memory", "cli", "bench"} <= top
+    # the top level holds the package's entry points and what components publish to each other, no component
+    assert top - {"data", "amp", "memory", "cli", "bench"} == {"__init__.py", "__main__.py", "_version.py",
+                                                              "input_wait.py"}
