@@ -1,5 +1,4 @@
-/* NVML for hotloop: the part of NVML's C API it uses (from NVML's documented API, no nvml.h needed
-   to build), and what csrc/nvml.c offers: the library opened at run time and its errors raised. */
+/* NVML for hotloop: the part of NVML's C API it uses (no nvml.h needed to build) and what nvml.c offers. */
 #ifndef HOTLOOP_NVML_H
 #define HOTLOOP_NVML_H
 
