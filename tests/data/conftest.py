@@ -136,7 +136,7 @@ def alive(pid):
 def wait_for(condition, seconds=20.0):
     deadline = time.monotonic() + seconds
     while not condition():
-        assert time.monotonic() < deadline, "the ring's background threads did not finish in time"
+        assert time.monotonic() < deadline, f"still not so after {seconds} s"
         time.sleep(0.005)
 
 
