@@ -1,6 +1,5 @@
 """The ring's background faulting and page-locking (populate_all) and its chunk-split copies to the device."""
 import array
-import time
 
 import pytest
 import torch
@@ -8,14 +7,9 @@ import torch
 import hotloop
 from hotloop import _C
 
+from .conftest import wait_for
+
 CHUNK = 8 << 20  # ring_pin.c's registration chunk
-
-
-def wait_for(condition, seconds=20.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "the ring's background threads did not finish in time"
-        time.sleep(0.005)
 
 
 def test_populate_all_faults_every_slot_in_the_background():
