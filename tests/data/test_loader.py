@@ -791,3 +791,13 @@ def test_in_order_false_does_not_wait_for_a_slow_batch():
     assert sorted(x for b in got for x in b) == list(range(24))
     ordered = [b.tolist() for b in hotloop.DataLoader(SlowFirst(), batch_size=4, num_workers=2)]
     assert ordered == [list(range(k, k + 4)) for k in range(0, 24, 4)]
+
+
+def test_generic_like_torchs():
+    """`-> DataLoader[X]` annotations work as with torch's class (torch's is Generic in the batch type)."""
+    import typing
+
+    alias = hotloop.DataLoader[typing.List[torch.Tensor]]
+    assert typing.get_origin(alias) is hotloop.DataLoader
+    assert typing.get_args(alias) == (typing.List[torch.Tensor],)
+    assert issubclass(hotloop.DataLoader, TorchDataLoader)

@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import typing
 import weakref
 
 import torch
@@ -47,6 +48,8 @@ from ._worker import WorkerSpec
 from .normalize import Normalize
 
 __all__ = ["DataLoader", "LoaderStats"]
+
+_T_co = typing.TypeVar("_T_co", covariant=True)  # what a batch is, as in torch's Generic DataLoader
 
 PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
 
@@ -96,7 +99,7 @@ def _cuda_device(device):
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """torch.utils.data.DataLoader with the same arguments, defaults, attributes and batches, fed by
     a shared ring. Extra keyword arguments:
 
