@@ -309,6 +309,34 @@ def test_exception_in_a_first_batch(num_workers, bad):
     assert_same(torch.cat(list(good)), torch.ones(20, 2) * torch.arange(20.0).view(20, 1))
 
 
+class Opaque:
+    """A sample default_collate rejects (as a PIL image without a transform)."""
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-batch", "later-batch"])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_collate_error_is_raised_once_as_torch_raises_it(num_workers, first):
+    """A batch default_collate rejects: torch raises the worker's TypeError; so must we, with its
+    traceback, and no worker dies for it (the first batches are collated outside the ring)."""
+    ds = [torch.ones(2) if first is False and i < 8 else Opaque() for i in range(16)]
+    errors = []
+    for cls in (TorchDataLoader, hotloop.DataLoader):
+        loader = cls(ds, batch_size=2, num_workers=num_workers)
+        it = iter(loader)
+        if not first:
+            for _ in range(4):
+                next(it)
+        with pytest.raises(TypeError) as info:
+            next(it)
+        errors.append(info.value)
+        del it
+    theirs, ours = (str(e) for e in errors)
+    # "Caught TypeError in DataLoader worker process k" (ours may add the indices it was loading)
+    assert ours.splitlines()[0].startswith(theirs.splitlines()[0].rstrip("."))
+    assert ours.splitlines()[-1] == theirs.splitlines()[-1]  # default_collate's own message
+    assert loader.stats.worker_restarts == 0
+
+
 class Slow(Dataset):
     def __len__(self):
         return 8

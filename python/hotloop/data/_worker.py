@@ -207,7 +207,7 @@ class _WorkerLoop:
             self.pending[task_id] = (outcome, busy)  # its layout is on its way: wait for Place
             return
         if isinstance(outcome, _Samples):
-            outcome = WholeBatch(collate_no_shm(outcome.samples))  # no early layout (the fast plan gave up)
+            outcome = self.collate(outcome.samples)  # no early layout (the fast plan gave up)
         if slot < 0 and self.ring is None and isinstance(outcome, WholeBatch):
             # no ring yet: say what the batch looks like and keep it until the main process has
             # sized the ring from it and names the slot (Place)
@@ -249,6 +249,14 @@ class _WorkerLoop:
         self.send(Layout(task_id, sizes, side_bytes))
         self.early.add(task_id)
 
+    def collate(self, samples):
+        """The batch default_collate makes of the samples, or Failed with its error (a sample it
+        rejects: the consumer gets that error, as from torch's worker, and the worker lives on)."""
+        try:
+            return WholeBatch(collate_no_shm(samples))
+        except Exception:
+            return Failed(ExceptionWrapper(where=self.where))
+
     def write_samples(self, samples, slot, placed):
         """The batch default_collate would make of `samples`, written into the slot."""
         writer = SlotWriter(self.slot_tensor(slot), self.layout)
@@ -270,7 +278,7 @@ class _WorkerLoop:
             # the ring was made, before its layout): the main process has given that slot back
             return
         if isinstance(outcome, _Samples) and slot < 0:
-            outcome = WholeBatch(collate_no_shm(outcome.samples))
+            outcome = self.collate(outcome.samples)
         elif not isinstance(outcome, Failed) and slot >= 0:
             try:
                 if isinstance(outcome, _Samples):
