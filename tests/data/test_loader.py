@@ -829,3 +829,20 @@ def test_generic_like_torchs():
     assert typing.get_origin(alias) is hotloop.DataLoader
     assert typing.get_args(alias) == (typing.List[torch.Tensor],)
     assert issubclass(hotloop.DataLoader, TorchDataLoader)
+
+
+def test_persistent_workers_end_with_their_loader():
+    """torch's persistent workers are gone as soon as the loader is: no reference cycle may keep a
+    pool (and its processes) alive until the cycle collector runs."""
+    loader = hotloop.DataLoader(Images(n=16, size=8), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    assert len([b for b in it]) == 4
+    pool = loader._hl_pool
+    pids = [p.pid for p in pool.procs] + ([pool.launcher.pid] if pool.launcher is not None else [])
+    gc.collect()
+    gc.disable()
+    try:
+        del it, loader, pool
+        assert not any(alive(pid) for pid in pids)
+    finally:
+        gc.enable()

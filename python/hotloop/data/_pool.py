@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 import time
+import weakref
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
@@ -103,6 +104,16 @@ class Pool:
         self.started = [False] * self.n
         self.launcher = None  # the process that forked the first workers (_launcher.py)
         close_at_exit(self, WORKER_POOLS)
+
+    @property
+    def loader(self):
+        return self._loader
+
+    @loader.setter
+    def loader(self, loader):
+        # a proxy: the loader holds its persistent workers' pool, and a cycle would keep the workers
+        # alive after the loader is gone, until the cycle collector ran
+        self._loader = weakref.proxy(loader)
 
     # workers ---------------------------------------------------------------------------------------
     def start_worker(self, wid):

@@ -172,6 +172,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # draws its worker seed from it as the saved loader's next epoch did
             self._hl_resume = None
             self._generator().set_state(resume["generator_state"])
+        if self.persistent_workers and self.num_workers > 0:
+            # torch's __iter__, but the iterator kept by a weak reference where torch's keeps it in
+            # self._iterator: it refers to this loader, and that cycle kept the workers alive after
+            # the loader was gone, until the cycle collector ran. The pool is the loader's (_hl_pool):
+            # an iterator made after the last one was dropped carries on with the same workers.
+            it = self._hl_iter() if self._hl_iter is not None else None
+            if isinstance(it, _MultiIter):
+                it._reset(self)
+                return it
+            return self._get_iterator()
         it = super().__iter__()
         self._hl_iter = weakref.ref(it)
         return it
@@ -463,7 +473,16 @@ class _MultiIter(_BaseDataLoaderIter):
     first batch came before its worker sent a layout (an error or a stop at its first sample)."""
 
     def __init__(self, loader):
+        pool = loader._hl_pool if loader.persistent_workers else None
+        carry_on = pool is not None and not pool.closed
+        if carry_on:
+            # the loader's persistent workers outlived the iterator that started them: this one
+            # stands in for torch's reset of that iterator, which draws no new worker seed
+            generator_state = loader._generator().get_state()
         super().__init__(loader)
+        if carry_on:
+            loader._generator().set_state(generator_state)
+            self._base_seed = pool.spec.base_seed
         self._loader = loader
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
@@ -777,3 +796,5 @@ class _MultiIter(_BaseDataLoaderIter):
     def __del__(self):
         if not getattr(self, "_persistent_workers", True):
             self._shutdown()
+        elif getattr(self, "_pool", None) is not None and not self._pool.closed:
+            self._abandon_prepared(self._pool)  # the loader's workers live on: free these copies' slots
