@@ -846,3 +846,21 @@ def test_persistent_workers_end_with_their_loader():
         assert not any(alive(pid) for pid in pids)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_listed_as_torch_lists_them(persistent):
+    """it._workers, as torch's iterator has it (tools read it to see whether workers live): one
+    handle per worker with pid, exitcode, is_alive and join, valid after the workers were reaped."""
+    loader = hotloop.DataLoader(Images(n=24, size=8), batch_size=4, num_workers=3, persistent_workers=persistent)
+    it = iter(loader)
+    workers = it._workers
+    assert len(workers) == 3 and len({w.pid for w in workers}) == 3
+    assert all(w.is_alive() and alive(w.pid) and w.exitcode is None for w in workers)
+    for i, _ in enumerate(it):
+        if i == 2:
+            break
+    del it, loader, _
+    for w in workers:
+        w.join(5)
+        assert not w.is_alive() and not alive(w.pid) and w.exitcode is not None

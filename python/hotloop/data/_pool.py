@@ -102,6 +102,7 @@ class Pool:
         self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
         self.leases = None  # CPU batches lent out as views of their slots (copy_out)
         self.started = [False] * self.n
+        self.ended = [(None, None)] * self.n  # (pid, exit code) of each worker's last process once it is gone
         self.launcher = None  # the process that forked the first workers (_launcher.py)
         close_at_exit(self, WORKER_POOLS)
 
@@ -188,6 +189,11 @@ class Pool:
         self.procs[wid], self.task_conns[wid], self.result_conns[wid] = proc, task_w, res_r
         if self.ring_msg is not None:
             task_w.send(self.ring_msg)
+
+    def workers(self):
+        """What torch's iterator lists as `_workers`: a handle per worker (pid, exitcode, is_alive,
+        join), which tools such as PyTorch Lightning read to see whether workers live."""
+        return [WorkerHandle(self, wid) for wid in range(self.n)]
 
     def sentinels(self):
         """What becomes readable when a worker dies (the launcher's one status pipe counts once)."""
@@ -441,6 +447,7 @@ class Pool:
                 pass
         proc = self.procs[wid]
         proc.join(0)
+        self.ended[wid] = (proc.pid, proc.exitcode)
         try:
             proc.close()
         except ValueError:
@@ -727,3 +734,35 @@ class Pool:
             self.leases = None
         if self.launcher is not None:
             self.launcher.close()  # it exits once its last worker did
+
+
+class WorkerHandle:
+    """A multiprocessing.Process's view of worker wid of a pool, valid after the pool reaped it (a
+    closed Process refuses join()): its current process, or the last one's pid and exit code."""
+
+    def __init__(self, pool, wid):
+        self.pool, self.wid = pool, wid
+
+    def _proc(self):
+        return self.pool.procs[self.wid]
+
+    @property
+    def pid(self):
+        proc = self._proc()
+        return proc.pid if proc is not None else self.pool.ended[self.wid][0]
+
+    @property
+    def exitcode(self):
+        proc = self._proc()
+        return proc.exitcode if proc is not None else self.pool.ended[self.wid][1]
+
+    def is_alive(self):
+        return self.exitcode is None and self.pid is not None
+
+    def join(self, timeout=None):
+        proc = self._proc()
+        if proc is not None:
+            proc.join(timeout)
+
+    def __repr__(self):
+        return f"<hotloop DataLoader worker {self.wid} pid={self.pid} exitcode={self.exitcode}>"

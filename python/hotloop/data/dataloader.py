@@ -546,6 +546,7 @@ class _MultiIter(_BaseDataLoaderIter):
                                                plan.next_worker if plan is not None else 0, pool.track)
         self._fill()
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
+        self._workers = pool.workers()  # torch's name, which tools read
         if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
             self._prefetcher = Prefetcher(self)
 
