@@ -255,17 +255,44 @@ def test_every_process_reaped(monkeypatch, by_launcher):
         assert pool.launcher.pid is None  # reaped: no zombie left behind
 
 
-def test_worker_keeps_dying_raises(tmp_path):
+def test_worker_dying_at_the_same_indices_again_raises(tmp_path):
+    """A death may be external (the OOM killer): the worker is replaced. Its successor dying at the
+    same indices is the dataset's doing: raised then, without using up max_worker_restarts."""
     ds = Counting(30, victim=5, marker=str(tmp_path / "died"), always=True)
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, max_worker_restarts=2)
     it = iter(loader)
     pool = it._pool
-    with pytest.raises(RuntimeError, match=r"pid \d+\) was killed by signal SIGKILL while holding the indices "
-                                           r"\[\[4, 5, 6, 7\].*max_worker_restarts=2"):
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. It was "
+                                           r"worker 1, holding the indices \[\[4, 5, 6, 7\].*; a worker had died holding "
+                                           r"\[\[4, 5, 6, 7\]"):
         list(it)
+    assert loader.stats.worker_restarts == 1
     assert pool.closed and all(p is None for p in pool.procs)  # reaped at once, not at garbage collection
     with pytest.raises(RuntimeError, match="ended with an error"):
         next(it)
+
+
+class Segfaulting(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 9:
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return torch.tensor([i])
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_segfaulting_dataset_raises_as_torch_words_it(num_workers):
+    """torch raises at once that the worker "is killed by signal: "; we replace the worker once (a
+    death can be external) and raise when its successor dies at the same indices."""
+    loader = hotloop.DataLoader(Segfaulting(), batch_size=2, num_workers=num_workers)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault\."
+                                           r".*; a worker had died holding \[\[8, 9\]"):
+        list(loader)
+    assert loader.stats.worker_restarts == 1
 
 
 class Faulty(Dataset):

@@ -305,8 +305,8 @@ def test_iterable_worker_killed_without_restarts_raises(tmp_path):
                                 max_worker_restarts=0)
     it = iter(loader)
     pool = it._pool
-    with pytest.raises(RuntimeError, match=r"DataLoader worker 2 \(pid \d+\) was killed by signal SIGKILL while "
-                                           r"holding the indices .*; 0 worker\(s\) were restarted already "
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. It was "
+                                           r"worker 2, holding the indices .*; 0 worker\(s\) were restarted already "
                                            r"\(max_worker_restarts=0\)"):
         list(it)
     assert pool.closed

@@ -95,6 +95,7 @@ class Pool:
         self.resumed = set()
         self.next_task_id = 0
         self.restarts = 0
+        self.died_at = set()  # ids of the tasks workers held when they died
         self.closed = False
         self.procs = [None] * self.n
         self.task_conns = [None] * self.n
@@ -284,14 +285,25 @@ class Pool:
         lost = sorted((t for t in self.tasks.values() if t.wid == wid and not t.consumed and not self.is_done(t)),
                       key=lambda t: t.id)
         code = proc.exitcode
-        how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        # worded as torch words it (code that matches "is killed by signal: " still matches)
+        how = (f"is killed by signal: {signal.strsignal(-code) or signal.Signals(-code).name}." if code < 0
+               else f"exited unexpectedly with exit code {code}.")
         held = [list(t.index) if t.index is not None else None for t in lost]
-        desc = f"DataLoader worker {wid} (pid {proc.pid}) {how} while holding the indices {held}"
+        desc = f"DataLoader worker (pid {proc.pid}) {how} It was worker {wid}, holding the indices {held}"
+        # a task redone after a death whose new worker dies at it again: the dataset (or collate_fn)
+        # kills its worker there, and restarting cannot help
+        again = [t for t in lost if t.id in self.died_at]
+        self.died_at.update(t.id for t in lost)
         # the launcher's death takes every worker it had not yet seen exit with it: one event, which
         # does not use up max_worker_restarts (it cannot recur: restarts are forked from here)
         orphaned = isinstance(proc, LaunchedWorker) and proc.launcher.lost
         if orphaned:
             desc += " (its launcher process had died)"
+        elif again:
+            self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
+            twice = [list(t.index) if t.index is not None else None for t in again]
+            raise RuntimeError(desc + f"; a worker had died holding {twice} before: the dataset (or collate_fn) "
+                               "kills its worker there")
         elif self.restarts >= self.loader.max_worker_restarts:
             self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
             raise RuntimeError(desc + (f"; {self.restarts} worker(s) were restarted already "
