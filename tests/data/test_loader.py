@@ -891,3 +891,26 @@ def test_workers_listed_as_torch_lists_them(persistent):
     for w in workers:
         w.join(5)
         assert not w.is_alive() and not alive(w.pid) and w.exitcode is not None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_datapipe_sharded_and_seeded_as_torch(persistent):
+    """A DataPipe with a shuffle and a sharding_filter: each worker takes its shard (every item once,
+    not once per worker) of one order all workers draw from the same shared seed, epoch by epoch as
+    torch's workers do (the same global seed before an epoch gives the same order)."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    seeds = [random.randrange(1 << 30)] * 2 + [random.randrange(1 << 30)]
+    runs = []
+    for cls in (TorchDataLoader, hotloop.DataLoader):
+        pipe = IterableWrapper(range(60)).shuffle(buffer_size=7).sharding_filter()
+        loader = cls(pipe, batch_size=4, num_workers=3, persistent_workers=persistent)
+        epochs = []
+        for seed in seeds:
+            torch.manual_seed(seed)
+            epochs.append(torch.cat(list(loader)).tolist())
+        runs.append(epochs)
+    theirs, ours = runs
+    assert ours == theirs
+    assert all(sorted(e) == list(range(60)) for e in ours) and ours[0] == ours[1]

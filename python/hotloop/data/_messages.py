@@ -79,8 +79,11 @@ class Setup:
 
 @dataclasses.dataclass(frozen=True)
 class NewEpoch:
-    """Persistent workers: a new epoch begins. Drop the batches kept for the last one, make the
-    iterator anew, answer EpochStarted."""
+    """Persistent workers: a new epoch begins. Drop the batches kept for the last one, seed a
+    DataPipe's random operations with `shared_seed` (the same in every worker, as torch's
+    _ResumeIteration), make the iterator anew, answer EpochStarted."""
+
+    shared_seed: int = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -560,13 +560,15 @@ class Pool:
             self.ring.wait(task.slot, _C.RING_ASSIGNED, 0)
             self.release_slot(task.slot)
 
-    def resume(self):
-        """New epoch with persistent workers: let every worker finish what it had, then drop it."""
+    def resume(self, shared_seed=None):
+        """New epoch with persistent workers: let every worker finish what it had, then drop it.
+        shared_seed: the epoch's seed for a DataPipe's random operations (torch's _ResumeIteration)."""
         self.resumed.clear()
         self.resumed_rng = {}
         self.resuming = True
+        self.spec = dataclasses.replace(self.spec, shared_seed=shared_seed)  # what a replacement starts with
         for wid in range(self.n):
-            self.send(wid, NewEpoch())
+            self.send(wid, NewEpoch(shared_seed))
         while len(self.resumed) < self.n:
             for wid in range(self.n):
                 if wid not in self.resumed and not self._drain(wid):

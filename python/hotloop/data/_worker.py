@@ -18,6 +18,8 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data import _utils
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data.datapipes.datapipe import IterDataPipe
+from torch.utils.data.graph_settings import apply_random_seed
 
 from .. import _C
 from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, plan_layout, sample_plan, write_fast,
@@ -40,6 +42,7 @@ class WorkerSpec:
     drop_last: bool
     base_seed: int
     init_fn: object
+    shared_seed: int = None  # an IterDataPipe's: the same in every worker, for its random operations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,18 +64,30 @@ def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid,
             pass
     torch.set_num_threads(1)
     seed = seed_like_torch(spec.base_seed, worker_id)
+    dataset = _with_shared_seed(spec.dataset, spec.shared_seed)
     _utils.worker._worker_info = _utils.worker.WorkerInfo(id=worker_id, num_workers=spec.num_workers, seed=seed,
-                                                          dataset=spec.dataset)
-    _WorkerLoop(spec, worker_id, result_conn).run(task_conn, parent_pid)
+                                                          dataset=dataset)
+    _WorkerLoop(spec, worker_id, dataset, result_conn).run(task_conn, parent_pid)
+
+
+def _with_shared_seed(dataset, shared_seed):
+    """An IterDataPipe with its random operations (shuffle) seeded alike in every worker, as
+    torch's worker does (so that sharding_filter splits one order); any other dataset as it is."""
+    if not isinstance(dataset, IterDataPipe):
+        return dataset
+    rng = torch.Generator()
+    rng.manual_seed(shared_seed)
+    return apply_random_seed(dataset, rng)
 
 
 class _WorkerLoop:
     """One worker's state between messages: the ring once attached, and the batches made before it
     existed, which wait for Place."""
 
-    def __init__(self, spec, worker_id, result_conn):
+    def __init__(self, spec, worker_id, dataset, result_conn):
         self.spec = spec
         self.worker_id = worker_id
+        self.dataset = dataset  # spec.dataset, a DataPipe seeded for this epoch
         self.result_conn = result_conn
         self.fetch_collate = collate_no_shm if spec.collate_fn is default_collate else spec.collate_fn
         self.fast = (spec.collate_fn is default_collate and spec.dataset_kind == _DatasetKind.Map
@@ -99,7 +114,7 @@ class _WorkerLoop:
 
     def new_fetcher(self):
         s = self.spec
-        return _DatasetKind.create_fetcher(s.dataset_kind, s.dataset, s.auto_collation, self.fetch_collate,
+        return _DatasetKind.create_fetcher(s.dataset_kind, self.dataset, s.auto_collation, self.fetch_collate,
                                            s.drop_last)
 
     def send(self, msg):
@@ -129,7 +144,7 @@ class _WorkerLoop:
                 elif isinstance(msg, Setup):
                     self.setup(msg)
                 elif isinstance(msg, NewEpoch):
-                    self.new_epoch()
+                    self.new_epoch(msg.shared_seed)
                 elif isinstance(msg, Exit):
                     return
                 else:
@@ -150,8 +165,9 @@ class _WorkerLoop:
             self.faulted.add(slot)
         return self.slot_u8[slot]
 
-    def new_epoch(self):
+    def new_epoch(self, shared_seed):
         """Persistent workers: drop the last epoch's kept batches, start the iterator anew."""
+        self.dataset = _with_shared_seed(self.dataset, shared_seed)
         self.pending.clear()
         self.early.clear()
         self.rng_after.clear()
@@ -227,7 +243,7 @@ class _WorkerLoop:
         samples, rows, n = [], None, len(index)
         for i in index:
             try:
-                sample = self.spec.dataset[i]
+                sample = self.dataset[i]
             except Exception:
                 return Failed(ExceptionWrapper(where=f"{self.where} at dataset[{i!r}]"))
             if not samples:

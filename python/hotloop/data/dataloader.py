@@ -27,6 +27,7 @@ dies is replaced and its batches redone (`max_worker_restarts`), for an Iterable
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -35,7 +36,9 @@ import weakref
 
 import torch
 from torch.utils.data._utils.collate import default_collate
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind, _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import (_BaseDataLoaderIter, _DatasetKind, _sharding_worker_init_fn,
+                                         _SingleProcessDataLoaderIter)
+from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from .. import _C, input_wait
 from ._batch import FastPathDeclined, SlotWriter, flatten, unflatten, write_fast, write_general
@@ -480,6 +483,8 @@ class _MultiIter(_BaseDataLoaderIter):
             # stands in for torch's reset of that iterator, which draws no new worker seed
             generator_state = loader._generator().get_state()
         super().__init__(loader)
+        # torch starts its workers here, before _reset draws another: a DataPipe's first epoch is seeded with this one
+        self._first_shared_seed = self._shared_seed
         if carry_on:
             loader._generator().set_state(generator_state)
             self._base_seed = pool.spec.base_seed
@@ -504,13 +509,17 @@ class _MultiIter(_BaseDataLoaderIter):
             self._abandon_prepared(pool)
             pool.close()
         if pool is None or pool.closed:
+            init_fn = loader.worker_init_fn
+            if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):  # as torch: shard a DataPipe per worker
+                init_fn = functools.partial(_sharding_worker_init_fn, init_fn, self._world_size, self._rank)
             pool = Pool(loader, WorkerSpec(self._num_workers, self._dataset_kind, self._dataset,
                                            self._auto_collation, self._collate_fn, self._drop_last,
-                                           self._base_seed, loader.worker_init_fn))
+                                           self._base_seed, init_fn,
+                                           self._first_shared_seed if first_iter else self._shared_seed))
             if self._persistent_workers:
                 loader._hl_pool = pool
         elif not first_iter or self._pool is None:
-            pool.resume()
+            pool.resume(self._shared_seed)
             pool.loader = loader
         self._abandon_prepared(pool)
         self._pool = pool
