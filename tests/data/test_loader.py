@@ -891,6 +891,8 @@ def test_workers_listed_as_torch_lists_them(persistent):
     for w in workers:
         w.join(5)
         assert not w.is_alive() and not alive(w.pid) and w.exitcode is not None
+        w.terminate()  # as torch's tests do once their workers ended: nothing left to do
+        w.kill()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -914,3 +916,23 @@ def test_datapipe_sharded_and_seeded_as_torch(persistent):
     theirs, ours = runs
     assert ours == theirs
     assert all(sorted(e) == list(range(60)) for e in ours) and ours[0] == ours[1]
+
+
+def test_prefetch_factor_0_is_refused_as_torch_refuses_it():
+    """torch accepts prefetch_factor=0 when the loader is made and refuses it at iter(); it used to
+    cap hotloop's tasks in flight at 0, ending every epoch after num_workers batches in silence."""
+    for cls in (TorchDataLoader, hotloop.DataLoader):
+        loader = cls(torch.arange(40), batch_size=4, num_workers=2, prefetch_factor=0)
+        with pytest.raises(AssertionError, match="prefetch_factor must be greater than 0"):
+            iter(loader)
+
+
+def test_an_epoch_never_ends_short_in_silence():
+    """Whatever stops tasks going out (here: the cap on tasks in flight forced to 0 mid-epoch), an
+    epoch of a map-style dataset ends only once the sampler is exhausted; else it says so."""
+    loader = hotloop.DataLoader(torch.arange(40), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    it._prefetch_factor = 0  # a bug stand-in: no task goes out any more
+    with pytest.raises(RuntimeError, match="sampler"):
+        list(it)

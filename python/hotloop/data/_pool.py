@@ -778,5 +778,15 @@ class WorkerHandle:
         if proc is not None:
             proc.join(timeout)
 
+    def terminate(self):
+        proc = self._proc()
+        if proc is not None:
+            proc.terminate()
+
+    def kill(self):
+        proc = self._proc()
+        if proc is not None:
+            proc.kill()
+
     def __repr__(self):
         return f"<hotloop DataLoader worker {self.wid} pid={self.pid} exitcode={self.exitcode}>"
