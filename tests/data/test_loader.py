@@ -918,6 +918,7 @@ def test_datapipe_sharded_and_seeded_as_torch(persistent):
     assert all(sorted(e) == list(range(60)) for e in ours) and ours[0] == ours[1]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's half-made iterator's __del__
 def test_prefetch_factor_0_is_refused_as_torch_refuses_it():
     """torch accepts prefetch_factor=0 when the loader is made and refuses it at iter(); it used to
     cap hotloop's tasks in flight at 0, ending every epoch after num_workers batches in silence."""

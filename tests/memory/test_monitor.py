@@ -542,3 +542,75 @@ def test_stall_fraction_from_a_real_hotloop_dataloader(fake):
     assert r.loader_wait_s is not None and 0 < r.loader_wait_s <= r.duration_s
     assert r.stall_fraction == pytest.approx(r.loader_wait_s / r.duration_s)
     assert "data loader stalls" in str(r)
+
+
+def test_generator_function_is_monitored_across_its_iteration(fake):
+    """A decorated generator function is measured while it is iterated, not only while the generator
+    object is made: the run lasts as long as the iteration, and sees what happens in it."""
+    pause = 0.05 + 0.05 * np.random.rand()
+
+    @hotloop.memory_monitor(report=None)
+    def batches(n):
+        for i in range(n):
+            time.sleep(pause / n)
+            yield i
+
+    assert list(batches(5)) == list(range(5))
+    r = batches.last_report
+    assert r is not None and r.duration_s >= pause * 0.9 and r.samples > 0
+
+
+def test_coroutine_function_is_monitored_across_its_awaits(fake):
+    import asyncio
+
+    pause = 0.05 + 0.05 * np.random.rand()
+
+    @hotloop.memory_monitor(report=None)
+    async def step(x):
+        await asyncio.sleep(pause)
+        return x * 2
+
+    assert asyncio.run(step(21)) == 42
+    assert step.last_report is not None and step.last_report.duration_s >= pause * 0.9
+
+
+def test_async_generator_function_is_refused_clearly():
+    with pytest.raises(TypeError, match="async generator"):
+        @hotloop.memory_monitor
+        async def stream():
+            yield 1
+
+
+@pytest.mark.parametrize("spec,index", [("cuda:1", 1), ("cuda", 0), (1, 1)])
+def test_device_specs_parsed_as_torch_parses_them(fake, spec, index):
+    """Without CUDA in torch the device names an NVML index, read from any spec torch accepts."""
+    fake.set_device_count(2)
+    fake.set("used", 3 * GiB, device=index)
+    with hotloop.MemoryMonitor(device=spec) as mon:
+        time.sleep(0.01)
+    r = mon.report()
+    assert r.device == f"nvml:{index}" and r.nvml and r.peak_device_used == 3 * GiB
+
+
+NO_GPU_SCRIPT = """
+import hotloop
+
+@hotloop.memory_monitor
+def train(x):
+    return x + 1
+
+assert train(1) == 2 and train(2) == 3
+assert train.last_report is not None and not train.last_report.nvml
+"""
+
+
+def test_without_a_gpu_one_short_line_once(tmp_path):
+    """No NVML and no CUDA in torch: one short line for the whole process, not a report (with a
+    dlopen error and a C file:line in it) per call."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML_", "HOTLOOP_NVML"))}
+    env.update(HOTLOOP_NVML_LIBRARY=str(tmp_path / "no-libnvidia-ml.so"), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-c", NO_GPU_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "no GPU" in lines[0], lines
+    assert ".c:" not in lines[0] and "nvml:" not in lines[0]

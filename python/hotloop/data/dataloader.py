@@ -476,6 +476,8 @@ class _MultiIter(_BaseDataLoaderIter):
     first batch came before its worker sent a layout (an error or a stop at its first sample)."""
 
     def __init__(self, loader):
+        if loader.prefetch_factor <= 0:  # torch's check, in torch's words (its DataLoader accepts the argument)
+            raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         pool = loader._hl_pool if loader.persistent_workers else None
         carry_on = pool is not None and not pool.closed
         if carry_on:
@@ -535,6 +537,7 @@ class _MultiIter(_BaseDataLoaderIter):
             next(self._worker_cycle)
         self._prepared = collections.deque()
         self._skip_batches = 0
+        self._indices_done = False  # the sampler is exhausted: every index batch of the epoch went out
         self._skip_positions = {}  # position -> None or the RNG states after it (in_order=False)
         self._ahead = [list(a) for a in plan.ahead] if plan is not None else [[] for _ in range(n)]
         self._fetches = [0] * n  # an IterableDataset's batches per worker in this resumed epoch
@@ -583,6 +586,7 @@ class _MultiIter(_BaseDataLoaderIter):
         try:
             index = self._next_index()
         except StopIteration:
+            self._indices_done = True
             return False
         for _ in range(self._num_workers):  # the next active worker, round robin as torch does
             wid = next(self._worker_cycle)
@@ -666,6 +670,10 @@ class _MultiIter(_BaseDataLoaderIter):
         while True:
             task = self._next_task()
             if task is None:
+                if self._dataset_kind == _DatasetKind.Map and not self._indices_done:
+                    # every task handed out, yet the sampler has more: a bug here, never a short epoch in silence
+                    raise RuntimeError(f"hotloop.DataLoader: the epoch ran out of tasks after {self._next_pos} index "
+                                       "batches while the sampler had more (a bug in hotloop: please report it)")
                 raise StopIteration  # the caller shuts the workers down once nothing is left to hand out
             if not block and (not pool.is_done(task) or pool.copy_can_wait(task)):
                 return None
