@@ -13,6 +13,7 @@ followed by advice computed from those figures. Works without torch's CUDA (NVML
 without NVML (torch figures only), and says which part is missing.
 """
 import functools
+import inspect
 import logging
 import re
 import sys
@@ -37,6 +38,34 @@ def _torch():
         return None
 
 
+
+
+_no_gpu_said = False
+
+
+def _say_no_gpu(nvml_reason):
+    """One line per process on a machine without a GPU (each monitored run used to print a report of
+    nothing, with the library loader's error in it); the reason at debug level."""
+    global _no_gpu_said
+    _logger.debug("hotloop.memory_monitor: NVML: %s; torch sees no CUDA device", nvml_reason)
+    if not _no_gpu_said:
+        _no_gpu_said = True
+        _logger.warning("hotloop.memory_monitor: no GPU: reporting nothing")
+
+
+def _nvml_index(dev, torch):
+    """The NVML index a device spec names when torch has no CUDA: an int, or what torch.device
+    accepts ("cuda:1", torch.device("cuda", 1)); "cuda" alone, or None, is device 0."""
+    if dev is None or isinstance(dev, int):
+        return dev or 0
+    if isinstance(dev, str):
+        if torch is None:
+            m = re.fullmatch(r"\s*cuda(?::(\d+))?\s*", dev)
+            if m is None:
+                raise ValueError(f"device: expected an NVML index, 'cuda' or 'cuda:N', got {dev!r}")
+            return int(m.group(1) or 0)
+        dev = torch.device(dev)
+    return getattr(dev, "index", None) or 0
 
 
 def _parse_size(text):
@@ -118,9 +147,8 @@ class MemoryMonitor:
             except Exception:
                 pass
         else:
-            index = dev if isinstance(dev, int) else (getattr(dev, "index", None) or 0)
-            self.device_label = f"nvml:{index}"
-            nvml_device = index
+            nvml_device = _nvml_index(dev, torch)
+            self.device_label = f"nvml:{nvml_device}"
         return nvml_device
 
     def _open_sampler(self, nvml_device):
@@ -163,8 +191,7 @@ class MemoryMonitor:
                 allocated = functools.partial(torch.cuda.memory_allocated, dev)
             self._hooks = ModuleHooks(self.model, allocated)
         if self._sampler is None and self.torch_device is None:
-            _logger.warning("hotloop.MemoryMonitor: no GPU to watch (NVML: %s; torch sees no CUDA device)",
-                            self.nvml_reason)
+            _say_no_gpu(self.nvml_reason)
         self._loader_start = input_wait.snapshot()
         self._oom = None
         self._t0 = time.monotonic()
@@ -260,6 +287,8 @@ class MemoryMonitor:
         self._oom = oom
 
     def _emit(self, report, force=False):
+        if not report.nvml and not report.torch_cuda:
+            return  # no GPU: said once per process (_say_no_gpu), the report has nothing to show
         out = self.file if self.file is not None else sys.stderr
         fmt = self.report_format or ("table" if force else None)
         if fmt == "table":
@@ -362,16 +391,43 @@ def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report=
     if fn is not None and not callable(fn):
         raise TypeError(f"memory_monitor: expected a function or keyword options, got {fn!r}")
 
+    def make():
+        return MemoryMonitor(interval_ms=interval_ms, device=device, model=model, report=report, file=file,
+                             plot=plot, **options)
+
     def decorate(func):
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            monitor = MemoryMonitor(interval_ms=interval_ms, device=device, model=model, report=report, file=file,
-                                    plot=plot, **options)
-            try:
-                with monitor:
-                    return func(*args, **kwargs)
-            finally:
-                wrapper.last_report = monitor._report
+        if inspect.isasyncgenfunction(func):
+            raise TypeError(f"memory_monitor: {func.__qualname__} is an async generator function, which it cannot "
+                            "follow; decorate the function that iterates it")
+        # a generator's or a coroutine's body runs when it is iterated or awaited, not when it is made:
+        # the monitor runs across that
+        if inspect.isgeneratorfunction(func):
+            @functools.wraps(func)
+            def wrapper(*args, **kwargs):
+                monitor = make()
+                try:
+                    with monitor:
+                        return (yield from func(*args, **kwargs))
+                finally:
+                    wrapper.last_report = monitor._report
+        elif inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def wrapper(*args, **kwargs):
+                monitor = make()
+                try:
+                    with monitor:
+                        return await func(*args, **kwargs)
+                finally:
+                    wrapper.last_report = monitor._report
+        else:
+            @functools.wraps(func)
+            def wrapper(*args, **kwargs):
+                monitor = make()
+                try:
+                    with monitor:
+                        return func(*args, **kwargs)
+                finally:
+                    wrapper.last_report = monitor._report
 
         wrapper.last_report = None
         return wrapper
