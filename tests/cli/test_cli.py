@@ -1,5 +1,6 @@
 """The command line: --version, info (text and JSON) and the bench harness, run as a user would."""
 import json
+import os
 import subprocess
 import sys
 
@@ -58,3 +59,46 @@ def test_row_ratio_and_speedup(unit, hotloop_value, torch_value, ratio, better):
     row = Row("x", "figure", hotloop_value, torch_value, unit)
     assert row.ratio == pytest.approx(ratio) and row.speedup == pytest.approx(better)
     assert f"{ratio:.3f}" in format_table([row]) and f"{better:.2f}x" in format_table([row])
+
+
+def run_failing(*args, env=None, code=None):
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    if code is not None:
+        assert p.returncode == code, p.stderr
+    return p
+
+
+def test_no_command_prints_help_and_exits_2():
+    p = run_failing("-m", "hotloop", code=2)
+    assert "usage: python -m hotloop" in p.stderr
+
+
+def test_console_script_names_itself():
+    script = os.path.join(os.path.dirname(sys.executable), "hotloop")
+    if not os.path.exists(script):
+        pytest.skip("the hotloop console script is not installed beside this python")
+    p = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("usage: hotloop ")
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:x"])
+def test_bench_with_a_device_that_is_not_one(device):
+    p = run_failing("-m", "hotloop", "bench", "components", "--quick", "--device", device, code=2)
+    assert "--device" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_bench_on_cuda_without_a_gpu():
+    if hotloop.cuda_available():
+        pytest.skip("this machine has a GPU")
+    p = run_failing("-m", "hotloop", "bench", "components", "--quick", "--device", "cuda", code=2)
+    assert "GPU" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_bench_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from hotloop.cli import main\n"
+            "sys.exit(main(['bench', 'components', '--quick']))")
+    p = run_failing("-c", code, code=2)
+    assert "torch" in p.stderr and len(p.stderr.strip().splitlines()) == 1

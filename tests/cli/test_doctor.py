@@ -109,3 +109,53 @@ def test_monitor_cli_ends_cleanly_on_a_signal(fake_nvml_library, sig):
         proc.kill()
     assert proc.returncode == 0, err
     assert "summary gpu 0:" in out and "Traceback" not in err
+
+
+def one_clear_line(p):
+    """A failure said in one line on stderr, with a non-zero exit code: no traceback."""
+    assert p.returncode != 0, p.stdout
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "dev-full"])
+def test_monitor_csv_that_cannot_be_written(fake_nvml_library, tmp_path, where):
+    path = str(tmp_path / "no" / "such" / "rows.csv") if where == "missing-folder" else "/dev/full"
+    if where == "dev-full" and not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    p = run_cli("monitor", "--interval-ms", "10", "--duration", "0.3", "--csv", path,
+                env={"HOTLOOP_NVML_LIBRARY": fake_nvml_library})
+    one_clear_line(p)
+    assert "csv" in p.stderr.lower()
+
+
+@pytest.mark.parametrize("duration", ["-1", "nan", "0", "inf"])
+def test_monitor_refuses_a_duration_that_is_not_a_positive_number(fake_nvml_library, duration):
+    p = run_cli("monitor", "--duration", duration, env={"HOTLOOP_NVML_LIBRARY": fake_nvml_library})
+    assert p.returncode == 2 and "--duration" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_monitor_stops_at_its_duration_even_with_a_long_interval(fake_nvml_library):
+    import time
+
+    t0 = time.monotonic()
+    p = run_cli("monitor", "--interval-ms", "60000", "--duration", "0.5", env={"HOTLOOP_NVML_LIBRARY": fake_nvml_library})
+    assert p.returncode == 0, p.stderr
+    assert time.monotonic() - t0 < 30  # not the minute of one interval
+    assert "summary gpu 0:" in p.stdout
+
+
+def test_monitor_piped_into_a_reader_that_stops(fake_nvml_library):
+    """`python -m hotloop monitor | head -1`: the reader goes, the monitor ends without a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "10"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready and proc.stdout.readline().startswith("time")
+        proc.stdout.close()  # what head does after its line
+        err = proc.stderr.read()
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "Traceback" not in err and len(err.strip().splitlines()) <= 1, err

@@ -2,6 +2,7 @@
 command, each with add_arguments(parser) and main(args) -> exit code."""
 import argparse
 import importlib
+import os
 import sys
 
 from .._version import __version__
@@ -15,8 +16,14 @@ COMMANDS = {
 }
 
 
+def program_name() -> str:
+    """How the user called us: `hotloop` (the console script) or `python -m hotloop`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m hotloop" if name in ("__main__.py", "-c", "-m", "") else name
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hotloop", description="hotloop: keep the GPU busy.")
+    parser = argparse.ArgumentParser(prog=program_name(), description="hotloop: keep the GPU busy.")
     parser.add_argument("--version", action="version", version=f"hotloop {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module, help_text) in COMMANDS.items():
@@ -29,10 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    return importlib.import_module(args.module).main(args) or 0
+    if args.command is None:  # as argparse answers a missing required argument
+        parser.print_help(sys.stderr)
+        return 2
+    command = f"{parser.prog} {args.command}"
+    try:
+        return importlib.import_module(args.module).main(args) or 0
+    except BrokenPipeError:
+        # the reader went away (`... | head`): nothing more goes to stdout, not even at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{command}: its output was closed by the reader", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        print(f"{command}: needs torch, which is not installed here (pip install torch)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`python -m hotloop bench components`: hotloop's way and torch's way of each job, alternated in one
 process, printed as hotloop ÷ torch per figure (the rows are in hotloop/bench/)."""
 import importlib
+import sys
 
-from .. import cuda_available
+from .. import _C, cuda_available
 from ..bench import COMPONENTS
 
 
@@ -20,7 +21,19 @@ def main(args) -> int:
 
     from ..bench.harness import Context, format_table
 
-    device = args.device or ("cuda" if cuda_available() and torch.cuda.is_available() else "cpu")
+    gpu = cuda_available() and torch.cuda.is_available()
+    device = args.device or ("cuda" if gpu else "cpu")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        print(f"hotloop bench: --device: expected cpu, cuda or cuda:N, got {device!r}", file=sys.stderr)
+        return 2
+    if kind == "cuda" and not gpu:
+        reason = _C.cuda_unavailable_reason() or "torch sees no CUDA device"
+        print(f"hotloop bench: --device {device}: no usable GPU here ({reason})", file=sys.stderr)
+        return 2
     ctx = Context(device, quick=args.quick)
     rows = []
     print(f"hotloop bench components on {device}"

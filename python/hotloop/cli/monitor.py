@@ -1,5 +1,6 @@
 """`python -m hotloop monitor`: an nvidia-smi -l like logger driven by the C sampler, with a summary at the end."""
 import csv
+import math
 import signal
 import sys
 import time
@@ -13,11 +14,22 @@ COLUMNS = ["time", "gpu", "used_mib", "reserved_mib", "util_pct", "mem_util_pct"
            "sm_mhz", "mem_mhz", "pcie_rx_mb_s", "pcie_tx_mb_s", "reasons"]
 
 
+def _positive(text):
+    """A finite number > 0 (argparse says what was wrong otherwise)."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(text)
+    return value
+
+
+_positive.__name__ = "positive number"  # argparse names the type in its message
+
+
 def add_arguments(parser):
-    parser.add_argument("--interval-ms", type=float, default=100.0, help="sampling and print period (default 100)")
+    parser.add_argument("--interval-ms", type=_positive, default=100.0, help="sampling and print period (default 100)")
     parser.add_argument("--device", type=int, action="append", help="NVML device index (repeatable; default all)")
     parser.add_argument("--csv", metavar="FILE", help="also write every row to this CSV file")
-    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: until Ctrl-C)")
+    parser.add_argument("--duration", type=_positive, metavar="S", help="stop after S seconds (default: until Ctrl-C)")
 
 
 def _value(raw, scale=1.0, digits=0):
@@ -58,9 +70,6 @@ def main(args) -> int:
     if count == 0:
         print("hotloop monitor: NVML sees no GPU on this machine", file=sys.stderr)
         return 1
-    if args.interval_ms <= 0:
-        print("hotloop monitor: --interval-ms must be positive", file=sys.stderr)
-        return 2
     devices = args.device if args.device else list(range(count))
     interval = args.interval_ms
     monitors = []
@@ -71,9 +80,13 @@ def main(args) -> int:
         except (ValueError, _C.NvmlError) as e:
             print(f"hotloop monitor: device {d}: {e}", file=sys.stderr)
             return 2
-    writer = None
-    csv_file = open(args.csv, "w", newline="") if args.csv else None
-    if csv_file:
+    writer = csv_file = None
+    if args.csv:
+        try:
+            csv_file = open(args.csv, "w", newline="")
+        except OSError as err:
+            print(f"hotloop monitor: cannot write the --csv file {args.csv}: {err.strerror or err}", file=sys.stderr)
+            return 2
         writer = csv.writer(csv_file)
         writer.writerow(COLUMNS)
     header = ("{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8}  {}"
@@ -83,14 +96,18 @@ def main(args) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     t_start, wall_start = time.monotonic(), time.time()
     lines = 0
+    status = 0
     try:
         for m in monitors:
             m.start()
         # --duration counts from when sampling began, not from the (possibly slow) set-up
         t_start, wall_start = time.monotonic(), time.time()
+        end = None if args.duration is None else t_start + args.duration
         next_print = t_start + interval / 1000.0
-        while args.duration is None or time.monotonic() - t_start < args.duration:
-            time.sleep(max(0.0, next_print - time.monotonic()))
+        while True:
+            time.sleep(max(0.0, (next_print if end is None else min(next_print, end)) - time.monotonic()))
+            if end is not None and time.monotonic() >= end:
+                break
             next_print += interval / 1000.0
             now = time.time()
             if lines % 20 == 0:
@@ -101,15 +118,27 @@ def main(args) -> int:
                       .format(*row), flush=True)
                 if writer:
                     writer.writerow(row)
+            if csv_file:
+                csv_file.flush()  # a full disk shows now, not at close
             lines += 1
     except KeyboardInterrupt:
         pass
+    except OSError as err:
+        if isinstance(err, BrokenPipeError) or csv_file is None:
+            raise  # stdout's reader went away: the command line says so
+        print(f"hotloop monitor: writing the --csv file {args.csv} failed: {err.strerror or err}", file=sys.stderr)
+        status = 1
     finally:
         for m in monitors:
             m.stop()
         signal.signal(signal.SIGTERM, previous)
         if csv_file:
-            csv_file.close()
+            try:
+                csv_file.close()
+            except OSError:
+                pass  # said above
+    if status:
+        return status
     elapsed = time.monotonic() - t_start
     for d, m in zip(devices, monitors):
         s = m.snapshot()
