@@ -467,6 +467,19 @@ def test_attributes_and_len():
         hotloop.DataLoader(ds, gpu_transform=lambda x: x)
 
 
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(num_workers=2.0), TypeError, "expected num_workers to be an int"),
+    (dict(num_workers=-1), ValueError, "num_workers option should be non-negative"),  # torch's words
+    (dict(prefetch_batches=True), TypeError, "prefetch_batches"),
+    (dict(prefetch_batches=1.5), TypeError, "prefetch_batches"),
+    (dict(max_worker_restarts=None), TypeError, "max_worker_restarts"),
+    (dict(max_worker_restarts=-2), ValueError, "max_worker_restarts"),
+])
+def test_bad_counts_are_refused_at_construction(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        hotloop.DataLoader(Rows(8), **kwargs)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_no_shm_files_fds_threads_and_rss_stable(persistent):
     ds = Images()

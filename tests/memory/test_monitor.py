@@ -614,3 +614,20 @@ def test_without_a_gpu_one_short_line_once(tmp_path):
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and "no GPU" in lines[0], lines
     assert ".c:" not in lines[0] and "nvml:" not in lines[0]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(model=5), TypeError, "expected model to be a torch.nn.Module"),
+    (dict(model=torch.zeros(2)), TypeError, "expected model to be a torch.nn.Module"),
+    (dict(interval_ms=True), TypeError, "interval_ms"),
+    (dict(interval_ms=float("nan")), ValueError, "interval_ms"),
+    (dict(slow_interval_ms=-1.0), ValueError, "slow_interval_ms"),
+    (dict(pcie_interval_ms=float("inf")), ValueError, "pcie_interval_ms"),
+    (dict(capacity=0), ValueError, "capacity"),
+    (dict(capacity=2.5), TypeError, "capacity"),
+])
+def test_monitor_arguments_are_checked_where_given(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        hotloop.MemoryMonitor(**kwargs)
+    with pytest.raises(error, match=words):  # at decoration, not at the first call
+        hotloop.memory_monitor(**kwargs)(lambda: None)

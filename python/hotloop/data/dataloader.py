@@ -41,6 +41,7 @@ from torch.utils.data.dataloader import (_BaseDataLoaderIter, _DatasetKind, _sha
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from .. import _C, input_wait
+from .._arguments import expect_count, expect_int
 from ._batch import FastPathDeclined, SlotWriter, flatten, unflatten, write_fast, write_general
 from ._device import LocalRing, Pending
 from ._messages import Ended, Failed, WholeBatch
@@ -128,13 +129,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
                  pin_memory_device="", in_order=True, device=None, prefetch_batches=2, gpu_transform=None,
                  max_worker_restarts=3):
-        if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
-            raise ValueError(f"DataLoader: expected prefetch_batches >= 0, got {prefetch_batches!r}")
+        # torch checks num_workers < 0 (in its words, below); a float passed it and failed at iter() in range()
+        expect_int("DataLoader", "num_workers", num_workers)
+        expect_count("DataLoader", "prefetch_batches", prefetch_batches)
         if gpu_transform is not None and not isinstance(gpu_transform, Normalize):
             raise TypeError(f"DataLoader: expected gpu_transform=None or a hotloop.Normalize, got "
                             f"{type(gpu_transform).__name__}")
-        if not isinstance(max_worker_restarts, int) or max_worker_restarts < 0:
-            raise ValueError(f"DataLoader: expected max_worker_restarts >= 0, got {max_worker_restarts!r}")
+        expect_count("DataLoader", "max_worker_restarts", max_worker_restarts)
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
                          drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,

@@ -20,6 +20,7 @@ import sys
 import time
 
 from .. import _C, input_wait
+from .._arguments import expect_count, expect_positive
 from .advice import compute_advice
 from .clock_reasons import reason_names
 from .hooks import ModuleHooks
@@ -105,8 +106,15 @@ class MemoryMonitor:
                  slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072):
         if report not in ("table", "json", None):
             raise ValueError(f"report: expected 'table', 'json' or None, got {report!r}")
-        if not (isinstance(interval_ms, (int, float)) and interval_ms > 0):
-            raise ValueError(f"interval_ms: expected a positive number of milliseconds, got {interval_ms!r}")
+        expect_positive("MemoryMonitor", "interval_ms", interval_ms)
+        expect_positive("MemoryMonitor", "slow_interval_ms", slow_interval_ms)
+        expect_positive("MemoryMonitor", "pcie_interval_ms", pcie_interval_ms, zero_ok=True)
+        expect_count("MemoryMonitor", "capacity", capacity, least=1)
+        if model is not None:
+            torch = _torch()
+            if torch is None or not isinstance(model, torch.nn.Module):
+                raise TypeError(f"MemoryMonitor: expected model to be a torch.nn.Module (its modules are hooked), "
+                                f"got {type(model).__name__}")
         self.interval_ms = float(interval_ms)
         self.slow_interval_ms = max(float(slow_interval_ms), self.interval_ms)
         self.pcie_interval_ms = float(pcie_interval_ms)
@@ -394,6 +402,8 @@ def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report=
     def make():
         return MemoryMonitor(interval_ms=interval_ms, device=device, model=model, report=report, file=file,
                              plot=plot, **options)
+
+    make()  # a bad option is an error where the decorator is written, not at the first call
 
     def decorate(func):
         if inspect.isasyncgenfunction(func):
