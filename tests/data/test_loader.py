@@ -553,6 +553,24 @@ def test_gpu_transform_on_cpu_loader():
             assert torch.equal(tf.reference(x), y) and y.dtype == torch.bfloat16 and y.shape == (len(i), 3, 16, 16)
 
 
+def test_normalize_without_a_dtype_gives_float32_on_the_cpu():
+    """A loop written for the GPU (Normalize's default dtype) runs on a CPU-only machine: float32
+    batches that a float32 model takes without autocast (float16 ones made it fail)."""
+    ds = Images(n=10, size=16)
+    tf = hotloop.Normalize((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 4))
+    ref = list(TorchDataLoader(ds, batch_size=4))
+    for nw in (0, 2):
+        got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=nw, gpu_transform=tf))
+        for (x, i), (y, j) in zip(ref, got):
+            assert torch.equal(i, j) and y.dtype == torch.float32
+            assert torch.equal(tf.reference(x), y)
+            assert torch.equal(y, x.permute(0, 3, 1, 2).float().sub(tf.mean_scaled.view(1, 3, 1, 1))
+                               .div(tf.std_scaled.view(1, 3, 1, 1)))
+            model(y)
+    assert tf.output_dtype("cuda") == torch.float16
+
+
 def test_stats_and_process_snapshot():
     before = input_wait.snapshot()
     loader = hotloop.DataLoader(Images(n=20, size=8), batch_size=4, num_workers=2)
