@@ -98,3 +98,33 @@ def test_one_built_module_loads_on_every_python(minor, exe):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"(3, {minor})" in out.stdout
+
+
+SOURCES = ["setup.py", "pyproject.toml", "README.md", "csrc", "kernels", "python"]
+
+
+def test_a_second_install_compiles_nothing(tmp_path):
+    """The README's two commands build once: the second reuses the first's objects (build/ in the
+    source tree, which pip builds in). A CPU-only build stands for both: the .cu objects are reused by
+    the same test (setup.py's newer_than_all) as the C ones are by setuptools."""
+    pytest.importorskip("setuptools")  # --no-build-isolation: nothing is downloaded
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in SOURCES:
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
+        if os.path.isdir(here):
+            shutil.copytree(here, src / name, ignore=shutil.ignore_patterns("*.so", "*.egg-info", "__pycache__"))
+        else:
+            shutil.copy(here, src / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "HOTLOOP_SANITIZE", "HOTLOOP_WERROR")}
+    env["HOTLOOP_CUDA"] = "0"
+    built = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                              "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, env=env,
+                             timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        objects = glob.glob(os.path.join(src, "build", "temp.*", "csrc", "*.o"))
+        built.append({path: os.stat(path).st_mtime_ns for path in objects})
+    assert len(built[0]) == len(glob.glob(os.path.join(src, "csrc", "*.c")))
+    assert built[1] == built[0], "the second build compiled again"
