@@ -751,6 +751,45 @@ def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cu
     assert no_prefetch_thread_left()
 
 
+def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, monkeypatch):
+    """The consumer drops its iterator while the prefetch thread is in the middle of a top-up: the
+    workers are gone and the thread has ended by the time `del it` returns, in the consumer's thread
+    (when the thread held the iterator, its last reference was the thread's and the shutdown ran
+    there, later: test_cleanup_on_gpu failed 1 run in 3)."""
+    import hotloop.data.dataloader as dataloader
+
+    real_prefetcher = dataloader.Prefetcher
+    in_top_up = threading.Event()
+
+    def slow_top_ups(target):  # whatever the prefetch thread drives, its top-ups take a while
+        top_up = type(target).top_up
+
+        def slow(self):
+            in_top_up.set()
+            time.sleep(0.2)
+            return top_up(self)
+
+        monkeypatch.setattr(type(target), "top_up", slow)
+        return real_prefetcher(target)
+
+    monkeypatch.setattr(dataloader, "Prefetcher", slow_top_ups)
+    ds = Images(n=40, size=8)
+    for _ in range(3):
+        loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))
+        it = iter(loader)
+        in_top_up.clear()
+        x, i = next(it)
+        assert torch.equal(x, ds.data[:4])
+        pool = it._pool
+        pids = [w.pid for w in it._workers]
+        assert in_top_up.wait(5)
+        del it
+        assert pool.closed
+        assert not prefetch_threads()
+        for pid in pids:
+            assert not alive(pid)
+
+
 def test_prefetch_waits_for_slots_to_be_page_locked(fake_cuda):
     """A batch copied ahead whose slot the ring's background thread has not page-locked yet is not
     page-locked by the prefetch thread (that holds the driver lock the training thread's launches
@@ -968,6 +1007,6 @@ def test_an_epoch_never_ends_short_in_silence():
     loader = hotloop.DataLoader(torch.arange(40), batch_size=4, num_workers=2)
     it = iter(loader)
     next(it)
-    it._prefetch_factor = 0  # a bug stand-in: no task goes out any more
+    it._feed._prefetch_factor = 0  # a bug stand-in: no task goes out any more
     with pytest.raises(RuntimeError, match="sampler"):
         list(it)

@@ -17,9 +17,10 @@ looks again every RETRY_S. Page-locking here would hold the driver lock, which t
 thread's kernel launches wait for, and the iterator's lock, which next() waits for; one profiling
 run on the H200 at 12 workers spent 45-53 ms of its first 25 steps page-locking that way.
 
-Everything it does runs under the iterator's lock, which next() holds too, so the pool and the
-iterator's state never see two threads. It holds the iterator only through a weak reference, so
-dropping the iterator still shuts its workers down.
+Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
+epoch's state never see two threads. It holds the epoch's feed (dataloader._Feed), never the
+iterator, and the feed only through a weak reference: the iterator's last reference is the
+consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
 """
 import threading
 import weakref
@@ -30,11 +31,11 @@ RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to 
 
 
 class Prefetcher:
-    """Runs `it.top_up()` under `it.lock` in a thread of its own each time `kick()` is called."""
+    """Runs `feed.top_up()` under `feed.lock` in a thread of its own each time `kick()` is called."""
 
-    def __init__(self, it):
-        self._it = weakref.ref(it)
-        self._lock = it.lock
+    def __init__(self, feed):
+        self._feed = weakref.ref(feed)
+        self._lock = feed.lock
         self._cond = threading.Condition()
         self._wanted = False
         self._stopped = False
@@ -53,9 +54,8 @@ class Prefetcher:
             self._cond.notify()
 
     def close(self):
-        """No more top-ups; wait for one in progress unless called from the thread itself (the
-        iterator, collected there, shutting down) or with the iterator's lock held (it would wait
-        for that lock)."""
+        """No more top-ups; wait for one in progress unless called with the feed's lock held (the
+        epoch ending in next(): the thread would wait for that lock) or from the thread itself."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
@@ -75,12 +75,12 @@ class Prefetcher:
                 if self._stopped:
                     return
                 self._wanted = False
-            it = self._it()
-            if it is None:
+            feed = self._feed()
+            if feed is None:
                 return
             with self._lock:
-                again = not self._stopped and it.top_up()
-            del it  # may be the last reference: the iterator's shutdown then runs here, lock released
+                again = not self._stopped and feed.top_up()
+            del feed
 
 
 def _held(lock):

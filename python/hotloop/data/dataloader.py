@@ -471,10 +471,16 @@ class _Raise:
 
 
 class _MultiIter(_BaseDataLoaderIter):
-    """num_workers > 0: tasks go round robin to the workers as torch sends them, results come back
-    through the ring (the first batch of each worker too: it gets its slot when the ring is made), or
-    through the worker's pipe when there is no ring (batches without tensors) or the outcome of a
-    first batch came before its worker sent a layout (an error or a stop at its first sample)."""
+    """num_workers > 0: torch's iterator (its samplers, seeds and attributes), whose epochs a _Feed
+    runs: tasks go round robin to the workers as torch sends them, results come back through the
+    ring (the first batch of each worker too: it gets its slot when the ring is made), or through the
+    worker's pipe when there is no ring (batches without tensors) or the outcome of a first batch came
+    before its worker sent a layout (an error or a stop at its first sample).
+
+    The feed is apart so that the prefetch thread holds the feed, never this object: the consumer's
+    last reference to the iterator is then always the one that drops it, and its workers are shut
+    down in the consumer's thread before `del it` returns. (When the thread held the iterator for a
+    top-up at that moment, the shutdown ran later, in the thread.)"""
 
     def __init__(self, loader):
         if loader.prefetch_factor <= 0:  # torch's check, in torch's words (its DataLoader accepts the argument)
@@ -493,23 +499,30 @@ class _MultiIter(_BaseDataLoaderIter):
             self._base_seed = pool.spec.base_seed
         self._loader = loader
         self._prefetch_factor = loader.prefetch_factor
-        self._in_order = loader.in_order
-        self._pool = None
-        # next() and the prefetch thread both drive the pool: one at a time (reentrant: next() may
-        # shut the epoch down while holding it)
-        self.lock = threading.RLock()
-        self._prefetcher = None
+        self._feed = None
         self._reset(loader, first_iter=True)
 
+    @property
+    def lock(self):
+        """The current epoch's lock (state_dict takes it: the prefetch thread adds to the epoch's log)."""
+        return self._feed.lock
+
+    @property
+    def _pool(self):
+        return self._feed.pool if self._feed is not None else None
+
     def _reset(self, loader, first_iter=False):
-        self._stop_prefetcher()
+        old = self._feed
+        if old is not None:
+            old.stop_prefetcher()
         super()._reset(loader, first_iter)
         skip = loader._hl_begin_epoch(self)
         plan = loader._hl_plan
         pool = loader._hl_pool if self._persistent_workers else None
         if pool is not None and not pool.closed and plan is not None and plan.setups is not None:
             # saved RNG states and replays start from freshly seeded workers: these are not
-            self._abandon_prepared(pool)
+            if old is not None:
+                old.abandon_prepared()
             pool.close()
         if pool is None or pool.closed:
             init_fn = loader.worker_init_fn
@@ -521,12 +534,65 @@ class _MultiIter(_BaseDataLoaderIter):
                                            self._first_shared_seed if first_iter else self._shared_seed))
             if self._persistent_workers:
                 loader._hl_pool = pool
-        elif not first_iter or self._pool is None:
+        elif not first_iter or old is None:
             pool.resume(self._shared_seed)
             pool.loader = loader
-        self._abandon_prepared(pool)
-        self._pool = pool
+        if old is not None:
+            old.abandon_prepared()  # copies of an abandoned epoch: their slots are freed later
+        self._num_yielded = skip
         self._last_return = None
+        self._feed = feed = _Feed(self, loader, pool, plan, skip)
+        pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
+        self._workers = pool.workers()  # torch's name, which tools read
+        if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
+            feed.prefetcher = Prefetcher(feed)
+
+    def _next_data(self):
+        t0 = time.perf_counter()
+        feed = self._feed
+        with feed.lock:
+            out, samples = feed.take_next()
+        _record(self._loader, t0, samples)
+        _count_elapsed(self, self._loader, t0)
+        return out
+
+    def _shutdown(self):
+        feed = getattr(self, "_feed", None)
+        if feed is not None:
+            feed.shutdown()
+
+    def __del__(self):
+        feed = getattr(self, "_feed", None)
+        if feed is None:
+            return
+        feed.stop_prefetcher()  # waits for a top-up in progress: this thread does not hold the lock
+        if not self._persistent_workers:
+            feed.shutdown()
+        else:
+            feed.abandon_prepared()  # the loader's workers live on: free these copies' slots
+
+
+class _Feed:
+    """One epoch of a _MultiIter: its tasks, the batches prepared ahead and the pool they come from.
+    It refers to the iterator's sampler iterator and settings, never to the iterator itself; next()
+    and the prefetch thread both drive it, one at a time, under `lock` (reentrant: next() may shut
+    the epoch down while holding it)."""
+
+    def __init__(self, it, loader, pool, plan, skip):
+        self.lock = threading.RLock()
+        self.prefetcher = None
+        self.pool = pool
+        self._loader = loader
+        self._sampler_iter = it._sampler_iter
+        self._dataset_kind = it._dataset_kind
+        self._auto_collation = it._auto_collation
+        self._num_workers = it._num_workers
+        self._prefetch_factor = it._prefetch_factor
+        self._persistent_workers = it._persistent_workers
+        self._in_order = loader.in_order
+        self._timeout = it._timeout
+        self._pin_memory = it._pin_memory
+        self._handed = skip  # batches of the epoch handed out (torch's _num_yielded), for messages
         self._order = []  # tasks of this epoch in the order torch would return them
         self._rcvd_idx = 0
         self._outstanding = 0
@@ -553,39 +619,45 @@ class _MultiIter(_BaseDataLoaderIter):
                 self._skip_positions = dict(zip(plan.yielded_after, plan.yielded_after_rng))
         elif plan is None or plan.setups is None:
             self._skip_batches = skip  # no worker positions: walk the iterable through the workers
-        self._num_yielded = skip
         self._next_pos = pos0
         self._log = loader._hl_log = EpochLog(n, iterable, self._order, pos0,
                                                plan.next_worker if plan is not None else 0, pool.track)
         self._fill()
-        pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
-        self._workers = pool.workers()  # torch's name, which tools read
-        if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            self._prefetcher = Prefetcher(self)
 
-    def _stop_prefetcher(self):
-        prefetcher, self._prefetcher = getattr(self, "_prefetcher", None), None
+    def stop_prefetcher(self):
+        prefetcher, self.prefetcher = self.prefetcher, None
         if prefetcher is not None:
             prefetcher.close()
 
-    def _abandon_prepared(self, pool):
-        for old in getattr(self, "_prepared", ()):  # copies of an abandoned epoch: free their slots later
-            if isinstance(old[0], Pending):
-                pool.abandon(old[0])
+    def abandon_prepared(self):
+        """Copies queued for batches never handed out: their slots are freed once those end."""
+        pool = self.pool
+        if pool is not None and not pool.closed:
+            for old in self._prepared:
+                if isinstance(old[0], Pending):
+                    pool.abandon(old[0])
         self._prepared = collections.deque()
+
+    def shutdown(self):
+        """The epoch's end without persistent workers, or the iterator's: the workers go."""
+        self.stop_prefetcher()
+        self.abandon_prepared()  # their copies must end before the ring is unregistered
+        pool, self.pool = self.pool, None
+        if pool is not None and not self._persistent_workers:
+            pool.close()
 
     def _fill(self):
         while self._try_put_index():
             pass
 
     def _try_put_index(self):
-        pool = self._pool
+        pool = self.pool
         ring_known = pool.ring is not None or pool.ring_unused
         max_tasks = self._prefetch_factor * self._num_workers if ring_known else self._num_workers
         if self._outstanding >= max_tasks:
             return False
         try:
-            index = self._next_index()
+            index = next(self._sampler_iter)
         except StopIteration:
             self._indices_done = True
             return False
@@ -625,9 +697,9 @@ class _MultiIter(_BaseDataLoaderIter):
             if task.consumed:
                 self._rcvd_idx += 1
                 continue
-            if self._live(task) or self._pool.is_done(task):
+            if self._live(task) or self.pool.is_done(task):
                 break
-            self._pool.drop(task)
+            self.pool.drop(task)
             self._log.settle(task)
             self._outstanding -= 1
             self._rcvd_idx += 1
@@ -635,7 +707,7 @@ class _MultiIter(_BaseDataLoaderIter):
             return None
         if not self._in_order:
             for task in self._order[self._rcvd_idx:]:
-                if not task.consumed and self._pool.is_done(task):
+                if not task.consumed and self.pool.is_done(task):
                     return task
         return self._order[self._rcvd_idx]
 
@@ -647,7 +719,7 @@ class _MultiIter(_BaseDataLoaderIter):
     def _first_done(self, head):
         """in_order=False: sleep until any outstanding task is done and return it (the head once
         `timeout` passed: pool.wait then raises)."""
-        pool = self._pool
+        pool = self.pool
         deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
         while deadline is None or time.monotonic() < deadline:
             candidates = [t for t in self._order[self._rcvd_idx:] if not t.consumed and self._live(t)]
@@ -667,7 +739,7 @@ class _MultiIter(_BaseDataLoaderIter):
     def _next_result(self, block=True):
         """(the next batch, assembled (CPU) or with its copy queued (Pending, CUDA), its samples, its
         task). None when the next one is not ready and block is False."""
-        pool = self._pool
+        pool = self.pool
         while True:
             task = self._next_task()
             if task is None:
@@ -680,7 +752,7 @@ class _MultiIter(_BaseDataLoaderIter):
                 return None
             if not self._in_order and not pool.is_done(task):
                 task = self._first_done(task)
-            outcome = pool.wait(task, self._timeout, self._num_yielded + len(self._prepared), self._fill)
+            outcome = pool.wait(task, self._timeout, self._handed + len(self._prepared), self._fill)
             pool.finish(task)
             pool.took(task, outcome)
             self._outstanding -= 1
@@ -723,20 +795,12 @@ class _MultiIter(_BaseDataLoaderIter):
             return len(task.index)
         return from_batch()  # an iterable's last batch may be short
 
-    def _next_data(self):
-        t0 = time.perf_counter()
-        with self.lock:
-            out, samples = self._take_next()
-        _record(self._loader, t0, samples)
-        _count_elapsed(self, self._loader, t0)
-        return out
-
-    def _take_next(self):
+    def take_next(self):
         """(the next batch, its samples), with the lock held."""
-        if self._pool is None:
+        if self.pool is None:
             self._loader._hl_epoch_done = True
             raise StopIteration
-        if self._pool.closed:
+        if self.pool.closed:
             raise RuntimeError("DataLoader: this epoch ended with an error in a worker (see above); start a new "
                                "one with iter(loader)")
         while self._skip_batches:
@@ -744,8 +808,8 @@ class _MultiIter(_BaseDataLoaderIter):
             out, _, task = self._next_result()
             self._hand_out(out, task)
             if isinstance(out, Pending):
-                self._pool.deliver(out)
-        pool = self._pool
+                self.pool.deliver(out)
+        pool = self.pool
         try:
             if pool.device is None:
                 out, samples, task = self._next_result()
@@ -755,10 +819,11 @@ class _MultiIter(_BaseDataLoaderIter):
                 out, samples, task = self._prepared.popleft()
         except StopIteration:
             self._loader._hl_epoch_done = True
-            self._stop_prefetcher()
+            self.stop_prefetcher()
             if not self._persistent_workers:
-                self._shutdown()
+                self.shutdown()
             raise
+        self._handed += 1
         if pool.device is None:
             self._hand_out(out, task)
             return out, samples
@@ -767,8 +832,8 @@ class _MultiIter(_BaseDataLoaderIter):
             if isinstance(out, Pending):
                 out = pool.deliver(out)
         finally:
-            if self._prefetcher is not None:
-                self._prefetcher.kick()  # the next batches' copies, queued while the step runs
+            if self.prefetcher is not None:
+                self.prefetcher.kick()  # the next batches' copies, queued while the step runs
             else:
                 self.top_up()
         return out, samples
@@ -780,7 +845,7 @@ class _MultiIter(_BaseDataLoaderIter):
         that was not, and page-locks its slot if need be). True when the next batch is done but its
         slot not yet page-locked: worth looking again soon. An exception here is raised by next()
         at the turn of the batch it was preparing."""
-        pool = self._pool
+        pool = self.pool
         if pool is None or pool.closed:
             return False
         try:
@@ -804,16 +869,3 @@ class _MultiIter(_BaseDataLoaderIter):
             self._log.settle(task)
         if isinstance(out, _Raise):
             raise out.exc
-
-    def _shutdown(self):
-        self._stop_prefetcher()
-        pool, self._pool = self._pool, None
-        if pool is not None and not self._persistent_workers:
-            self._abandon_prepared(pool)  # their copies must end before the ring is unregistered
-            pool.close()
-
-    def __del__(self):
-        if not getattr(self, "_persistent_workers", True):
-            self._shutdown()
-        elif getattr(self, "_pool", None) is not None and not self._pool.closed:
-            self._abandon_prepared(self._pool)  # the loader's workers live on: free these copies' slots
