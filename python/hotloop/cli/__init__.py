@@ -1,4 +1,4 @@
-"""The command line, `python -m hotloop [--version] {info,doctor,monitor,bench}`: one module per
+"""The command line, `python -m hotloop [--version] {demo,info,doctor,monitor,bench}`: one module per
 command, each with add_arguments(parser) and main(args) -> exit code."""
 import argparse
 import importlib
@@ -9,6 +9,7 @@ from .._version import __version__
 
 # command -> (module, help)
 COMMANDS = {
+    "demo": ("hotloop.cli.demo", "a small CNN trained with hotloop, then with torch alone: see what changes"),
     "info": ("hotloop.cli.info", "what hotloop was built with and what this machine offers"),
     "doctor": ("hotloop.cli.doctor", "check driver, torch, GPUs, PCIe, power and host settings; advise"),
     "monitor": ("hotloop.cli.monitor", "an nvidia-smi -l like logger: memory, utilisation, power, clocks, PCIe"),
