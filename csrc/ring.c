@@ -98,15 +98,16 @@ void hl_ring_release(RingObject *r) {
     r->fd = -1;
 }
 
-/* Ring(nslots, slot_bytes, path=None, populate=False): a new memfd ring, or (path given:
-   /proc/PID/fd/N of the creator) the same ring mapped into this process. */
+/* Ring(nslots, slot_bytes, fd=-1, populate=False): a new memfd ring, or (fd given: the creator's memfd,
+   inherited across fork or received over a socket) the same ring mapped into this process. Never a
+   reopen through /proc/PID/fd: that needs the creator to be dumpable, which a process that called
+   prctl(PR_SET_DUMPABLE, 0) or changed its credentials is not. */
 static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"nslots", "slot_bytes", "path", "populate", NULL};
+    static char *kwlist[] = {"nslots", "slot_bytes", "fd", "populate", NULL};
     long long nslots = 0, slot_bytes = 0;
-    const char *path = NULL;
-    int populate = 0;
+    int fd = -1, populate = 0;
     RingObject *r = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LL|zp:Ring", kwlist, &nslots, &slot_bytes, &path, &populate))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LL|ip:Ring", kwlist, &nslots, &slot_bytes, &fd, &populate))
         return NULL;
     if (nslots < 1 || nslots > HL_RING_MAX_SLOTS) {
         PyErr_Format(PyExc_ValueError, "nslots: expected 1 to %d, got %lld", HL_RING_MAX_SLOTS, nslots);
@@ -116,34 +117,41 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
         PyErr_Format(PyExc_ValueError, "slot_bytes: expected a positive size, got %lld", slot_bytes);
         return NULL;
     }
+    if (fd < -1) {
+        PyErr_Format(PyExc_ValueError, "fd: expected a file descriptor or -1, got %d", fd);
+        return NULL;
+    }
     r = (RingObject *)PyType_GenericAlloc(type, 0);
     if (r == NULL)
         return NULL;
-    r->fd = -1;
+    r->fd = fd; /* the ring's once this call succeeds: closed with the ring */
     r->pid = getpid();
     r->nslots = (uint32_t)nslots;
     r->slot_bytes = round_up((uint64_t)slot_bytes, HL_PAGE);
     r->data_offset = round_up(sizeof(hl_ring_header) + (uint64_t)nslots * sizeof(hl_slot_ctl), HL_PAGE);
     r->nbytes = (size_t)(r->data_offset + r->nslots * r->slot_bytes);
-    r->owner = path == NULL;
+    r->owner = fd < 0;
     if (hl_pin_init(r) < 0) {
         PyErr_NoMemory();
         goto error;
     }
 
-    int err = 0;
+    int err = 0, too_small = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (path == NULL) {
+    if (r->owner) {
         /* memfd, not a /dev/shm file: no name to leak, no 64 MB Docker /dev/shm limit */
         r->fd = memfd_create("hotloop-ring", MFD_CLOEXEC);
         if (r->fd < 0 || ftruncate(r->fd, (off_t)r->nbytes) < 0)
             err = errno;
     } else {
-        r->fd = open(path, O_RDWR | O_CLOEXEC);
-        if (r->fd < 0)
+        /* a mapping past the end of the file would raise SIGBUS at the first touch there */
+        struct stat st;
+        if (fstat(r->fd, &st) < 0)
             err = errno;
+        else if ((uint64_t)st.st_size < (uint64_t)r->nbytes)
+            too_small = 1;
     }
-    if (err == 0) {
+    if (err == 0 && !too_small) {
         /* with populate every page is faulted in now; without, prefault(slot) does it slot by slot
            where it is cheapest (in the worker that first fills the slot, in parallel with others) */
         void *base = mmap(NULL, r->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0),
@@ -156,7 +164,12 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     Py_END_ALLOW_THREADS
     if (err != 0) {
         PyErr_Format(PyExc_OSError, "Ring: %s of %zu bytes failed: %s",
-                     path == NULL ? "memfd_create/mmap" : "attach", r->nbytes, strerror(err));
+                     r->owner ? "memfd_create/mmap" : "attach", r->nbytes, strerror(err));
+        goto error;
+    }
+    if (too_small) {
+        PyErr_Format(PyExc_ValueError, "Ring: fd %d is smaller than a ring of %u slots of %llu bytes", fd,
+                     r->nslots, (unsigned long long)r->slot_bytes);
         goto error;
     }
     hl_ring_header *h = header_of(r);
@@ -170,12 +183,14 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
         for (uint32_t i = 0; i < r->nslots; i++)
             atomic_store(&ctl_of(r, i)->state, HL_SLOT_FREE);
     } else if (h->magic != HL_RING_MAGIC || h->nslots != r->nslots || h->slot_bytes != r->slot_bytes) {
-        PyErr_Format(PyExc_ValueError, "Ring: %s is not a ring of %u slots of %llu bytes", path, r->nslots,
+        PyErr_Format(PyExc_ValueError, "Ring: fd %d is not a ring of %u slots of %llu bytes", fd, r->nslots,
                      (unsigned long long)r->slot_bytes);
         goto error;
     }
     return (PyObject *)r;
 error:
+    if (!r->owner)
+        r->fd = -1; /* still the caller's, who closes it */
     Py_DECREF(r);
     return NULL;
 }
@@ -442,10 +457,11 @@ static PyMethodDef ring_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyDoc_STRVAR(ring_doc, "Ring(nslots, slot_bytes, path=None, populate=False)\n\n"
+PyDoc_STRVAR(ring_doc, "Ring(nslots, slot_bytes, fd=-1, populate=False)\n\n"
              "Slots of shared memory from memfd_create (no /dev/shm file), pre-faulted all at once (populate)\n"
-             "or slot by slot (prefault). Without path a new\n"
-             "ring is made; with path (/proc/PID/fd/FD of the creator's fd) that ring is mapped here.\n"
+             "or slot by slot (prefault). Without fd a new ring is made; with fd (the creator's memfd, inherited\n"
+             "or received over a socket) that ring is mapped here and owns fd from then on (closed with it; if the\n"
+             "call raises, fd stays the caller's).\n"
              "Slot states live in the shared memory and change with atomics; wait() sleeps on a futex.");
 
 static PyType_Slot ring_slots[] = {

@@ -19,14 +19,16 @@ from hotloop.data._device import CudaCalls, DeviceCopies
 
 
 @pytest.fixture(autouse=True)
-def hang_guard():
-    """A loader that stops making progress fails its test instead of blocking the suite."""
+def hang_guard(request):
+    """A loader that stops making progress fails its test instead of blocking the suite (after 60 s,
+    or the test module's HANG_GUARD_S)."""
+    seconds = getattr(request.module, "HANG_GUARD_S", 60)
 
     def on_alarm(signum, frame):
-        raise TimeoutError("no result after 60 s (a hang in the loader?)")
+        raise TimeoutError(f"no result after {seconds} s (a hang in the loader?)")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(60)
+    signal.alarm(seconds)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)

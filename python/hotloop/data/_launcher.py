@@ -23,9 +23,9 @@ from ._worker import worker_main
 
 
 class Launcher:
-    """The launcher process and what it reported. `workers[k]` is (worker id, task_r, res_w) of its
-    k-th worker, started with `spec` (reports and LaunchedWorker go by k); every pipe end is closed
-    here once the launcher has it. `close_in_launcher`: connections and file descriptors of the caller that the launcher
+    """The launcher process and what it reported. `workers[k]` is (worker id, task_r, res_w, ring_conn)
+    of its k-th worker, started with `spec` (reports and LaunchedWorker go by k; ring_conn: the socket
+    the ring's memfd comes over); every end is closed here once the launcher has it. `close_in_launcher`: connections and file descriptors of the caller that the launcher
     (and so its workers) must not hold."""
 
     def __init__(self, ctx, spec, workers, close_in_launcher):
@@ -53,9 +53,9 @@ class Launcher:
                 os._exit(code)
         self.pid = pid
         status_w.close()
-        for _, task_r, res_w in workers:
-            task_r.close()
-            res_w.close()
+        for _, *conns in workers:
+            for conn in conns:
+                conn.close()
 
     def poll(self):
         """Read what the launcher reported so far (never blocks)."""
@@ -182,17 +182,17 @@ def _launch(spec, workers, status_w):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     me = os.getpid()
     k_of = {}
-    for k, (worker_id, task_r, res_w) in enumerate(workers):
+    for k, (worker_id, task_r, res_w, ring_conn) in enumerate(workers):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 status_w.close()
-                for _, later_task_r, later_res_w in workers[k + 1:]:  # the next workers' ends
-                    later_task_r.close()
-                    later_res_w.close()
+                for _, *later in workers[k + 1:]:  # the next workers' ends
+                    for conn in later:
+                        conn.close()
                 _as_multiprocessing_child()
-                worker_main(spec, worker_id, task_r, res_w, me)
+                worker_main(spec, worker_id, task_r, res_w, me, ring_conn=ring_conn)
                 code = 0
             except BaseException:
                 traceback.print_exc()
@@ -203,8 +203,8 @@ def _launch(spec, workers, status_w):
                     except Exception:
                         pass
                 os._exit(code)
-        task_r.close()
-        res_w.close()
+        for conn in (task_r, res_w, ring_conn):
+            conn.close()
         k_of[pid] = k
         status_w.send(WorkerStarted(k, pid))
     while k_of:

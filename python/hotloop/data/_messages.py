@@ -2,7 +2,7 @@
 dataclass each, dispatched with isinstance (as torch's _utils/worker.py does with _ResumeIteration).
 
 Main process -> worker, over the worker's task pipe: Fetch, UseRing, Place, Discard, Setup,
-NewEpoch, Exit. Worker -> main process, over its result pipe (plain pickle, never ForkingPickler,
+NewEpoch, Exit; over its ring socket, the ring's memfd (SCM_RIGHTS) before UseRing, unless inherited. Worker -> main process, over its result pipe (plain pickle, never ForkingPickler,
 which would move tensors through /dev/shm): Layout, EpochStarted, Result, Overflow. Launcher -> main
 process, over its status pipe: WorkerStarted, WorkerExited.
 
@@ -35,14 +35,16 @@ class Fetch:
 
 @dataclasses.dataclass(frozen=True)
 class UseRing:
-    """The ring exists: attach the memfd at `path`; each slot holds the metadata in its first
-    `meta_bytes`, then tensor leaf k at layout[k] = (offset, capacity)."""
+    """The ring exists: map its memfd, which is `fd` in the worker (inherited across fork) or, with
+    fd None, the one the main process sent right before over the worker's ring socket (SCM_RIGHTS);
+    each slot holds the metadata in its first `meta_bytes`, then tensor leaf k at layout[k] =
+    (offset, capacity)."""
 
-    path: str
     nslots: int
     slot_bytes: int
     layout: list
     meta_bytes: int
+    fd: int = None
 
 
 @dataclasses.dataclass(frozen=True)

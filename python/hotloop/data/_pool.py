@@ -7,6 +7,7 @@ import dataclasses
 import fcntl
 import logging
 import multiprocessing.connection
+from multiprocessing import reduction
 import os
 import pickle
 import signal
@@ -81,7 +82,7 @@ class Pool:
         self.device = loader.device
         self.ring = None
         self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
-        self.ring_msg = None  # the UseRing every worker is sent
+        self.ring_msg = None  # the UseRing every worker is sent (fd=None: the memfd comes over its socket)
         self.layout = []
         self.free_slots = []
         self.tasks = {}
@@ -100,6 +101,9 @@ class Pool:
         self.procs = [None] * self.n
         self.task_conns = [None] * self.n
         self.result_conns = [None] * self.n
+        # this process's end of each worker's socket for the ring's memfd (SCM_RIGHTS); None for a
+        # worker forked after the ring was made, which inherited the memfd
+        self.ring_conns = [None] * self.n
         self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
         self.leases = None  # CPU batches lent out as views of their slots (copy_out)
         self.started = [False] * self.n
@@ -149,11 +153,13 @@ class Pool:
         workers = []
         for wid in range(1, self.n):
             task_r, task_w, res_r, res_w = self._pipes()
-            self.task_conns[wid], self.result_conns[wid] = task_w, res_r
-            workers.append((wid, task_r, res_w))
+            ring_main, ring_worker = self.ctx.Pipe(duplex=True)
+            self.task_conns[wid], self.result_conns[wid], self.ring_conns[wid] = task_w, res_r, ring_main
+            workers.append((wid, task_r, res_w, ring_worker))
         # the launcher closes this process's ends of every pipe (worker 0's too, if it runs) and the
-        # ring's fd, so that its workers hold none of them and every EOF shows
-        close = [c for c in self.task_conns + self.result_conns if c is not None]
+        # ring's fd, so that its workers hold none of them and every EOF shows; they get the memfd
+        # over their sockets even when the ring exists already (it rarely does this early)
+        close = [c for c in self.task_conns + self.result_conns + self.ring_conns if c is not None]
         if self.ring is not None:
             close.append(self.ring.fd)
         self.launcher = Launcher(self.ctx, self.spec, workers, close)
@@ -161,7 +167,7 @@ class Pool:
             self.procs[wid] = LaunchedWorker(self.launcher, wid - 1)
             self.started[wid] = True
             if self.ring_msg is not None:
-                self.task_conns[wid].send(self.ring_msg)
+                self._hand_ring(wid)
 
     def _pipes(self):
         task_r, task_w = self.ctx.Pipe(duplex=False)
@@ -175,21 +181,44 @@ class Pool:
 
     def _start(self, wid):
         task_r, task_w, res_r, res_w = self._pipes()
-        # a forked worker inherits the main process's ends of the other workers' pipes (and the
-        # ring's fd): it closes them, so that a dead main process or worker shows as EOF everywhere
+        method = self.ctx.get_start_method()
+        # a worker forked after the ring was made inherits its memfd; any other gets it over a socket
+        ring_main = ring_worker = None
+        if method != "fork" or self.ring is None:
+            ring_main, ring_worker = self.ctx.Pipe(duplex=True)
+        # a forked worker inherits the main process's ends of the other workers' pipes and sockets:
+        # it closes them, so that a dead main process or worker shows as EOF everywhere
         inherited = []
-        if self.ctx.get_start_method() == "fork":
-            inherited = [c.fileno() for c in self.task_conns + self.result_conns if c is not None and not c.closed]
-            if self.ring is not None:
-                inherited.append(self.ring.fd)
-        proc = self.ctx.Process(target=worker_main, args=(self.spec, wid, task_r, res_w, self.main_pid, inherited),
-                                daemon=True)
+        if method == "fork":
+            inherited = [c.fileno() for c in self.task_conns + self.result_conns + self.ring_conns + [ring_main]
+                         if c is not None and not c.closed]
+        # a forkserver's worker is its child, not ours: it watches the parent it starts with
+        parent = self.main_pid if method != "forkserver" else None
+        proc = self.ctx.Process(target=worker_main, args=(self.spec, wid, task_r, res_w, parent, inherited,
+                                                          ring_worker), daemon=True)
         proc.start()
-        task_r.close()  # the worker's ends: closed here so that the worker's exit shows as EOF
-        res_w.close()
+        for conn in (task_r, res_w, ring_worker):  # the worker's ends: closed here so that its exit shows as EOF
+            if conn is not None:
+                conn.close()
         self.procs[wid], self.task_conns[wid], self.result_conns[wid] = proc, task_w, res_r
+        self.ring_conns[wid] = ring_main
         if self.ring_msg is not None:
-            task_w.send(self.ring_msg)
+            self._hand_ring(wid)
+
+    def _hand_ring(self, wid):
+        """Tell worker wid about the ring. A worker that inherited the memfd is told its number; any
+        other gets the memfd itself over its socket (SCM_RIGHTS), right before UseRing. Never a path
+        under /proc/<pid>/fd: opening one needs this process to be dumpable, and a process that called
+        prctl(PR_SET_DUMPABLE, 0) or changed credentials (some schedulers and sandboxes) is not."""
+        conn = self.ring_conns[wid]
+        if conn is None:
+            self.send(wid, dataclasses.replace(self.ring_msg, fd=self.ring.fd))
+            return
+        try:
+            reduction.send_handle(conn, self.ring.fd, None)  # no UseRing without its memfd
+        except OSError:
+            return  # the worker is dead: check_workers restarts it, and its successor is given the ring
+        self.send(wid, self.ring_msg)
 
     def workers(self):
         """What torch's iterator lists as `_workers`: a handle per worker (pid, exitcode, is_alive,
@@ -452,11 +481,13 @@ class Pool:
                 track.last_rng = t.rng
 
     def _forget(self, wid):
-        for conn in (self.task_conns[wid], self.result_conns[wid]):
+        for conn in (self.task_conns[wid], self.result_conns[wid], self.ring_conns[wid]):
             try:
-                conn.close()
+                if conn is not None:
+                    conn.close()
             except OSError:
                 pass
+        self.ring_conns[wid] = None
         proc = self.procs[wid]
         proc.join(0)
         self.ended[wid] = (proc.pid, proc.exitcode)
@@ -604,10 +635,10 @@ class Pool:
         loader.stats.ring_bytes = ring.nbytes
         if self.copies is not None:
             self.copies.populate(ring, self.free_slots[::-1])  # in the order take_slot hands slots out
-        self.ring_msg = UseRing(f"/proc/{self.main_pid}/fd/{ring.fd}", nslots, ring.slot_bytes, layout, meta_cap)
+        self.ring_msg = UseRing(nslots, ring.slot_bytes, layout, meta_cap)
         for wid in range(self.n):
             if self.procs[wid] is not None:
-                self.send(wid, self.ring_msg)
+                self._hand_ring(wid)
         # eager placement: a worker still making its first batch finds its Place right behind the
         # UseRing in its pipe and writes the batch straight in, however long this thread takes to read
         # its layout (the consumer's training step, say); that layout is ignored when it comes

@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import time
+from multiprocessing import reduction
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -53,10 +54,14 @@ class _Samples:
     placed: int
 
 
-def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid, inherited_fds=()):
+def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid, inherited_fds=(), ring_conn=None):
     """The worker process: mirrors torch's _worker_loop, outcomes go to the ring or the result pipe.
-    It returns when told to (Exit), at EOF, or once its parent is gone."""
+    It returns when told to (Exit), at EOF, or once its parent is gone (parent_pid; None: the
+    process it started with, a forkserver). ring_conn: the socket the ring's memfd comes over,
+    unless this worker inherited it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    if parent_pid is None:
+        parent_pid = os.getppid()
     for fd in inherited_fds:
         try:
             os.close(fd)
@@ -67,7 +72,7 @@ def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid,
     dataset = _with_shared_seed(spec.dataset, spec.shared_seed)
     _utils.worker._worker_info = _utils.worker.WorkerInfo(id=worker_id, num_workers=spec.num_workers, seed=seed,
                                                           dataset=dataset)
-    _WorkerLoop(spec, worker_id, dataset, result_conn).run(task_conn, parent_pid)
+    _WorkerLoop(spec, worker_id, dataset, result_conn, ring_conn).run(task_conn, parent_pid)
 
 
 def _with_shared_seed(dataset, shared_seed):
@@ -84,11 +89,12 @@ class _WorkerLoop:
     """One worker's state between messages: the ring once attached, and the batches made before it
     existed, which wait for Place."""
 
-    def __init__(self, spec, worker_id, dataset, result_conn):
+    def __init__(self, spec, worker_id, dataset, result_conn, ring_conn):
         self.spec = spec
         self.worker_id = worker_id
         self.dataset = dataset  # spec.dataset, a DataPipe seeded for this epoch
         self.result_conn = result_conn
+        self.ring_conn = ring_conn
         self.fetch_collate = collate_no_shm if spec.collate_fn is default_collate else spec.collate_fn
         self.fast = (spec.collate_fn is default_collate and spec.dataset_kind == _DatasetKind.Map
                      and spec.auto_collation and not getattr(spec.dataset, "__getitems__", None))
@@ -155,7 +161,16 @@ class _WorkerLoop:
             pass  # the main process closed our pipes: it is shutting down
 
     def use_ring(self, msg):
-        self.ring = _C.Ring(msg.nslots, msg.slot_bytes, path=msg.path)
+        fd = msg.fd
+        if fd is None:
+            fd = reduction.recv_handle(self.ring_conn)
+            os.set_inheritable(fd, False)  # as the memfd was made: a program this worker runs gets no ring
+            self.ring_conn.close()  # one ring per pool: nothing else comes over it
+        try:
+            self.ring = _C.Ring(msg.nslots, msg.slot_bytes, fd=fd)  # which owns fd from here on
+        except BaseException:
+            os.close(fd)
+            raise
         self.slot_u8 = [torch.frombuffer(self.ring.view(i), dtype=torch.uint8) for i in range(msg.nslots)]
         self.layout, self.meta_bytes = msg.layout, msg.meta_bytes
 
