@@ -3,7 +3,10 @@
 Workers write batches into slots here: sample by sample straight into their rows (write_fast, when
 the result is provably what default_collate would make), or a collated batch's tensors copied in
 (write_general). Leaves that are not fixed-shape CPU tensors stay in the spec, which travels in the
-slot's pickled metadata; unflatten rebuilds the batch from the spec and the leaves.
+slot's pickled metadata; unflatten rebuilds the batch from the spec and the leaves. A tensor whose
+elements overlap (a stride 0 from expand(), a sliding window from as_strided) takes only the storage
+its elements reach, and is rebuilt with its shape and strides: what torch's loader delivers (the
+view), never numel elements written out (torch.zeros(1).expand(2**28) would be 1 GiB a batch).
 """
 import pickle
 
@@ -11,7 +14,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 # leaf kinds of the spec tree (they travel in the slot metadata)
-_TENSOR, _SIDE = "T", "O"
+_TENSOR, _SIDE, _STRIDED = "T", "O", "S"  # _STRIDED: (kind, leaf, shape, stride) of an overlapping tensor
 _DICT, _LIST, _TUPLE, _NAMEDTUPLE = "D", "L", "U", "N"
 
 
@@ -54,10 +57,35 @@ def flatten(obj, tensors):
     return (_SIDE, obj)
 
 
+def reach(t):
+    """Elements of its storage that the tensor's elements lie in, from its storage offset on: fewer
+    than numel when elements overlap (torch's strides are never negative)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+
+def overlaps(t) -> bool:
+    return reach(t) < t.numel()
+
+
+def leaf_bytes(t):
+    """Bytes the tensor takes in a slot: its elements, or the storage they reach when they overlap."""
+    return min(reach(t), t.numel()) * t.element_size()
+
+
+def _compact(t):
+    """An overlapping tensor with the same shape, strides and values on a storage of only what it
+    reaches (a side object pickles its whole storage)."""
+    return t.as_strided((reach(t),), (1,)).clone().as_strided(t.shape, t.stride())
+
+
 def unflatten(spec, leaves):
     kind = spec[0]
     if kind == _TENSOR:
         return leaves[spec[1]]
+    if kind == _STRIDED:
+        return leaves[spec[1]].as_strided(spec[2], spec[3])
     if kind == _SIDE:
         return spec[1]
     if kind == _DICT:
@@ -137,16 +165,20 @@ class SlotWriter:
 
 
 def write_general(batch, writer):
-    """Spec of a collated batch, its tensors copied into the slot (or kept in the spec when they do not fit)."""
+    """Spec of a collated batch, its tensors copied into the slot (or kept in the spec when they do
+    not fit); of an overlapping tensor only the storage it reaches."""
     tensors = []
     spec = flatten(batch, tensors)
-    index_of = [writer.put(t) for t in tensors]
+    lapped = [overlaps(t) for t in tensors]
+    index_of = [writer.put(t.as_strided((reach(t),), (1,)) if lap else t) for t, lap in zip(tensors, lapped)]
 
     def fix(s):
         kind = s[0]
         if kind == _TENSOR:
-            k = index_of[s[1]]
-            return (_TENSOR, k) if k is not None else (_SIDE, tensors[s[1]])
+            t, k = tensors[s[1]], index_of[s[1]]
+            if k is None:
+                return (_SIDE, _compact(t) if lapped[s[1]] else t)
+            return (_STRIDED, k, tuple(t.shape), t.stride()) if lapped[s[1]] else (_TENSOR, k)
         if kind == _SIDE:
             return s
         if kind == _DICT:

@@ -23,8 +23,8 @@ from torch.utils.data.datapipes.datapipe import IterDataPipe
 from torch.utils.data.graph_settings import apply_random_seed
 
 from .. import _C
-from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, plan_layout, sample_plan, write_fast,
-                     write_general)
+from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout, sample_plan,
+                     write_fast, write_general)
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, SlotBatch, UseRing, WholeBatch)
 from ._rng import rng_state, seed_like_torch, set_rng_state
@@ -244,7 +244,7 @@ class _WorkerLoop:
             # sized the ring from it and names the slot (Place)
             tensors = []
             spec = flatten(outcome.batch, tensors)
-            sizes = [t.numel() * t.element_size() for t in tensors]
+            sizes = [leaf_bytes(t) for t in tensors]
             self.pending[task_id] = (outcome, busy)
             self.send(Layout(task_id, sizes, len(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))))
             return
