@@ -30,7 +30,10 @@ _logger = logging.getLogger("hotloop.data")
 
 POLL_S = 0.1  # how often a waiting main process looks at its workers' health
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
-LEASE_SLOTS = 4  # slots the consumer may hold as zero-copy batches; beyond, batches are copied out
+# slots the consumer may hold as zero-copy batches, beyond, batches are copied out: the one being
+# handed out and the one a `for batch in loader` loop still holds meanwhile (as torch's loader,
+# whose consumer holds those two batches' shared memory then)
+LEASE_SLOTS = 2
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 USE_LAUNCHER = True  # fork workers 1.. through a launcher process (tests turn it off to cover both ways)
 
@@ -82,6 +85,7 @@ class Pool:
         self.device = loader.device
         self.ring = None
         self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
+        self._ring_bytes = 0
         self.ring_msg = None  # the UseRing every worker is sent (fd=None: the memfd comes over its socket)
         self.layout = []
         self.free_slots = []
@@ -627,12 +631,11 @@ class Pool:
             return
         meta_cap = page_round(max(_META_MIN, 8 * spec_bytes + 4096))
         layout, offset = slot_layout(sizes, meta_cap)
-        loader = self.loader
-        nslots = self.n * loader.prefetch_factor + 1 + (loader.prefetch_batches + 2 if self.device else LEASE_SLOTS)
-        ring = _C.Ring(nslots, offset)
-        self.ring, self.layout = ring, layout
+        ring = _C.Ring(self.slots_needed(), offset)
+        nslots = ring.nslots
+        self.ring, self.layout, self._ring_bytes = ring, layout, ring.nbytes
         self.free_slots = list(range(nslots))
-        loader.stats.ring_bytes = ring.nbytes
+        self.loader.stats.ring_bytes = ring.nbytes
         if self.copies is not None:
             self.copies.populate(ring, self.free_slots[::-1])  # in the order take_slot hands slots out
         self.ring_msg = UseRing(nslots, ring.slot_bytes, layout, meta_cap)
@@ -648,6 +651,23 @@ class Pool:
                 if task.id not in self.layouts:
                     self.placed_early.add(task.id)
                 self.send(task.wid, Place(task.id, task.slot))
+
+    def slots_needed(self):
+        """Slots of the ring: one per task in flight (prefetch_factor per worker; a task holds its
+        slot from Fetch until its batch is taken), then what the consumer's side holds: on the CPU
+        the batches lent as views (LEASE_SLOTS; past them batches are copied out), with a device the
+        batches queued ahead, the one handed out and one whose copy may still run. With fewer, a
+        task would wait for a slot; more are never used at once."""
+        loader = self.loader
+        held = loader.prefetch_batches + 2 if self.device is not None else LEASE_SLOTS
+        return self.n * loader.prefetch_factor + held
+
+    @property
+    def ring_bytes(self):
+        """Bytes of shared memory of this pool's ring (control blocks included; pages exist once a
+        worker first writes them): 0 until the first batch's layout sized it (never, if no batch has
+        a tensor); kept after close() unmapped it."""
+        return self._ring_bytes
 
     def take_slot(self):
         if not self.free_slots:
