@@ -173,6 +173,8 @@ typedef struct {
     float *aux;
     const int32_t *param_index;
     int64_t *report;
+    const float *extra;
+    int n_extra;
 } check_args;
 
 typedef struct {
@@ -224,11 +226,17 @@ static void cpu_check(const void *args) {
         if (bad && first_bad < 0)
             first_bad = chunk;
     }
-    hl_amp_finish(total, first_bad >= 0, mode, p, a->max_norm, a->scale, a->aux);
-    if (first_bad >= 0 && a->report != NULL) {
+    int found = first_bad >= 0;
+    int64_t param = -1;
+    if (found) {
         for (t = 0; t + 1 < a->count && a->table[t + 1].first_chunk <= first_bad; t++)
             ;
-        a->report[HL_REPORT_PARAM] = a->param_index != NULL ? a->param_index[t] : t;
+        param = a->param_index != NULL ? a->param_index[t] : t;
+    }
+    total = hl_amp_fold_extra(mode, total, a->extra, a->n_extra, &found, &param);
+    hl_amp_finish(total, found, param, mode, p, a->max_norm, a->scale, a->aux);
+    if (found && a->report != NULL) {
+        a->report[HL_REPORT_PARAM] = param;
         a->report[HL_REPORT_STEP] = a->step;
         a->report[HL_REPORT_COUNT] += 1;
     }
@@ -265,7 +273,8 @@ static void cpu_update(const void *args) {
 static int cuda_check(const void *args, void *stream) {
     const check_args *a = args;
     return hl_launch_amp_check(a->table, a->count, a->total_chunks, a->partials, a->scale, a->write, a->mode, a->p,
-                               a->max_norm, a->aux, a->param_index, a->report, a->step, a->blocks, a->device, stream);
+                               a->max_norm, a->aux, a->param_index, a->report, a->step, a->extra, a->n_extra,
+                               a->blocks, a->device, stream);
 }
 
 static int cuda_apply(const void *args, void *stream) {
@@ -371,24 +380,28 @@ static void *as_ptr(unsigned long long address) { return (void *)(uintptr_t)addr
 
 PyDoc_STRVAR(amp_check_doc,
              "amp_check(device, table, count, total_chunks, partials, scale, write, mode, p, max_norm, aux,\n"
-             "          param_index, report, step, blocks, stream)\n\n"
+             "          param_index, report, step, extra, n_extra, blocks, stream)\n\n"
              "The GradScaler's check pass and epilogue over a table from amp_table_pack (addresses as ints;\n"
-             "0 for absent optional ones: scale, param_index, report). partials: 2 * total_chunks float32;\n"
-             "aux: AMP_AUX_LEN float32. device -1 runs the C reference. Internal to hotloop.amp.");
+             "0 for absent optional ones: scale, param_index, report, extra). partials: 2 * total_chunks float32;\n"
+             "aux: AMP_AUX_LEN float32; extra: n_extra * AMP_EXTRA_LEN float32 partials folded in after the\n"
+             "table's (count 0 and table 0: the epilogue alone, on them). device -1 runs the C reference.\n"
+             "Internal to hotloop.amp.");
 
 static PyObject *amp_check(PyObject *module, PyObject *args) {
     check_args a;
-    unsigned long long table, partials, scale, aux, param_index, report, stream;
+    unsigned long long table, partials, scale, aux, param_index, report, extra, stream;
     long long count, total_chunks, step;
-    if (!PyArg_ParseTuple(args, "iKLLKKiiffKKKLiK:amp_check", &a.device, &table, &count, &total_chunks, &partials,
-                          &scale, &a.write, &a.mode, &a.p, &a.max_norm, &aux, &param_index, &report, &step, &a.blocks,
-                          &stream))
+    if (!PyArg_ParseTuple(args, "iKLLKKiiffKKKLKiiK:amp_check", &a.device, &table, &count, &total_chunks, &partials,
+                          &scale, &a.write, &a.mode, &a.p, &a.max_norm, &aux, &param_index, &report, &step, &extra,
+                          &a.n_extra, &a.blocks, &stream))
         return NULL;
     if (a.mode < HL_NORM_NONE || a.mode > HL_NORM_P || (a.write && a.mode != HL_NORM_NONE)) {
         PyErr_Format(PyExc_ValueError, "amp_check: bad mode %d (write=%d)", a.mode, a.write);
         return NULL;
     }
-    if (count < 1 || total_chunks < 0 || table == 0 || aux == 0 || (total_chunks > 0 && partials == 0)) {
+    /* no table at all is allowed: the epilogue then runs on the extra partials alone */
+    if (count < 0 || total_chunks < 0 || (count > 0 && table == 0) || (count == 0 && total_chunks != 0) ||
+        aux == 0 || (total_chunks > 0 && partials == 0) || a.n_extra < 0 || (a.n_extra > 0 && extra == 0)) {
         PyErr_SetString(PyExc_ValueError, "amp_check: a required address or count is missing");
         return NULL;
     }
@@ -401,6 +414,7 @@ static PyObject *amp_check(PyObject *module, PyObject *args) {
     a.aux = as_ptr(aux);
     a.param_index = as_ptr(param_index);
     a.report = as_ptr(report);
+    a.extra = as_ptr(extra);
     return run_pass(module, a.device, stream, cpu_check, CUDA_PASS(cuda_check), &a);
 }
 
@@ -486,6 +500,12 @@ static const hl_int_constant amp_constants[] = {
     {"AMP_AUX_CLIP", HL_AUX_CLIP},
     {"AMP_AUX_INV_SCALE", HL_AUX_INV_SCALE},
     {"AMP_AUX_GRAD_SCALE", HL_AUX_GRAD_SCALE},
+    {"AMP_AUX_ACC", HL_AUX_ACC},
+    {"AMP_AUX_PARAM", HL_AUX_PARAM},
+    {"AMP_EXTRA_LEN", HL_EXTRA_LEN},
+    {"AMP_EXTRA_ACC", HL_EXTRA_ACC},
+    {"AMP_EXTRA_FOUND", HL_EXTRA_FOUND},
+    {"AMP_EXTRA_PARAM", HL_EXTRA_PARAM},
     {"AMP_STATE_SKIPPED", HL_STATE_SKIPPED},
     {"AMP_STATE_HYSTERESIS", HL_STATE_HYSTERESIS},
     {"AMP_REPORT_PARAM", HL_REPORT_PARAM},

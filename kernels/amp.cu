@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
 __global__ void __launch_bounds__(EPILOGUE_THREADS)
     amp_epilogue_kernel(const float2 *partials, int64_t total_chunks, int mode, float p, float max_norm,
                         const float *scale, float *aux, const hl_table_entry *table, int64_t count,
-                        const int32_t *param_index, int64_t *report, int64_t step) {
+                        const int32_t *param_index, int64_t *report, int64_t step, const float *extra,
+                        int n_extra) {
     double acc = 0.0;
     long long first_bad = LLONG_MAX;
     /* thread t adds chunks t, t+T, t+2T, ... in that order, then a fixed tree: deterministic */
@@ -231,11 +232,16 @@ __global__ void __launch_bounds__(EPILOGUE_THREADS)
                                                [](long long a, long long b) { return b < a ? b : a; });
     if (threadIdx.x != 0)
         return;
-    const bool found = first_bad != LLONG_MAX;
-    hl_amp_finish(acc, found, mode, p, max_norm, scale, aux);
+    int found = first_bad != LLONG_MAX;
+    int64_t param = -1;
+    if (found) {
+        const int64_t entry = hl_entry_of_chunk(table, count, first_bad);
+        param = param_index != NULL ? param_index[entry] : entry;
+    }
+    acc = hl_amp_fold_extra(mode, acc, extra, n_extra, &found, &param);
+    hl_amp_finish(acc, found, param, mode, p, max_norm, scale, aux);
     if (found && report != NULL) {
-        int64_t entry = hl_entry_of_chunk(table, count, first_bad);
-        report[HL_REPORT_PARAM] = param_index != NULL ? param_index[entry] : entry;
+        report[HL_REPORT_PARAM] = param;
         report[HL_REPORT_STEP] = step;
         report[HL_REPORT_COUNT] += 1;
     }
@@ -251,7 +257,8 @@ static void launch_check(int grid, cudaStream_t stream, const hl_table_entry *ta
 extern "C" cudaError_t hl_launch_amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
                                            float *partials, const float *scale, int write, int mode, float p,
                                            float max_norm, float *aux, const int32_t *param_index, int64_t *report,
-                                           int64_t step, int blocks, int device, cudaStream_t stream) {
+                                           int64_t step, const float *extra, int n_extra, int blocks, int device,
+                                           cudaStream_t stream) {
     if (total_chunks > 0) {
         int grid = blocks > 0 ? blocks : hl_grid_for_chunks(total_chunks, device, 2);
         if (write)
@@ -270,7 +277,7 @@ extern "C" cudaError_t hl_launch_amp_check(const hl_table_entry *table, int64_t 
     }
     amp_epilogue_kernel<<<1, EPILOGUE_THREADS, 0, stream>>>((const float2 *)partials, total_chunks, mode, p,
                                                             max_norm, scale, aux, table, count, param_index,
-                                                            report, step);
+                                                            report, step, extra, n_extra);
     return cudaGetLastError();
 }
 

@@ -24,11 +24,13 @@ cudaError_t hl_launch_non_finite_check(const hl_table_entry *table, int64_t coun
    `scale` (device float, may be NULL: values are already unscaled) divides every value.
    `max_norm` < 0: no clipping (coefficient 1). `blocks` > 0 forces the grid (tests of determinism).
    `param_index` (count int32, may be NULL) and `report` (HL_REPORT_LEN int64, may be NULL) receive
-   the first non-finite parameter when one is found. */
+   the first non-finite parameter when one is found. `extra` (n_extra * HL_EXTRA_LEN device floats,
+   may be NULL) are partials of gradients outside the table, folded in after its chunks; with
+   count = 0 (table NULL, no chunks) the epilogue runs on them alone. */
 cudaError_t hl_launch_amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *partials,
                                 const float *scale, int write, int mode, float p, float max_norm, float *aux,
-                                const int32_t *param_index, int64_t *report, int64_t step, int blocks,
-                                int device, cudaStream_t stream);
+                                const int32_t *param_index, int64_t *report, int64_t step, const float *extra,
+                                int n_extra, int blocks, int device, cudaStream_t stream);
 
 /* Multiply every gradient by aux's inverse scale (when `unscale`) and then by its clip coefficient
    (when `clip`), rounding to the gradient's dtype after each, as torch's unscale_ then clip do.

@@ -22,7 +22,19 @@ enum hl_aux_slot {
     HL_AUX_CLIP = 2,       /* min(max_norm / (norm + 1e-6), 1) as torch computes it; 1 without clipping */
     HL_AUX_INV_SCALE = 3,  /* float(1 / double(scale)), as torch's unscale_; 1 when already unscaled */
     HL_AUX_GRAD_SCALE = 4, /* scale / clip: the grad_scale a fused optimizer divides by */
+    HL_AUX_ACC = 5,        /* the norm before its root (sum of squares, max, sum of |x|^p): what another
+                              device's epilogue folds in as an extra partial */
+    HL_AUX_PARAM = 6,      /* flat index of the first parameter found non-finite, -1 if none */
     HL_AUX_LEN = 8,
+};
+
+/* float32 slots of one extra partial the epilogue folds in after the table's chunks: gradients
+   measured outside the table (sparse, non-dense, float64) or another device's totals */
+enum hl_extra_slot {
+    HL_EXTRA_ACC = 0,   /* norm accumulator, as HL_AUX_ACC */
+    HL_EXTRA_FOUND = 1, /* non-zero when a value was inf/NaN */
+    HL_EXTRA_PARAM = 2, /* flat index of the first such parameter, -1 if none */
+    HL_EXTRA_LEN = 3,
 };
 
 /* int64 slots of the persistent per-optimizer overflow report */

@@ -34,10 +34,27 @@ HL_AMP_FN double hl_norm_combine(int mode, double a, double b) {
     return a + b;
 }
 
+/* Fold `n` extra partials (HL_EXTRA_LEN floats each) into the table's, in order, so that the result
+   does not depend on timing: returns the combined accumulator, sets *found and lowers *param to the
+   smallest parameter index found non-finite. */
+HL_AMP_FN double hl_amp_fold_extra(int mode, double acc, const float *extra, int n, int *found, int64_t *param) {
+    for (int k = 0; k < n; k++) {
+        const float *x = extra + (size_t)k * HL_EXTRA_LEN;
+        acc = hl_norm_combine(mode, acc, (double)x[HL_EXTRA_ACC]);
+        if (x[HL_EXTRA_FOUND] != 0.0f) {
+            const int64_t p = (int64_t)x[HL_EXTRA_PARAM];
+            if (p >= 0 && (*param < 0 || p < *param))
+                *param = p;
+            *found = 1;
+        }
+    }
+    return acc;
+}
+
 /* The epilogue from the reduced partials: norm, torch's clip coefficient and the factors, in aux.
    `scale` may be NULL (gradients already unscaled); max_norm < 0 means no clipping. */
-HL_AMP_FN void hl_amp_finish(double acc, int found, int mode, float p, float max_norm, const float *scale,
-                             float *aux) {
+HL_AMP_FN void hl_amp_finish(double acc, int found, int64_t param, int mode, float p, float max_norm,
+                             const float *scale, float *aux) {
     float norm = 0.0f;
     if (mode == HL_NORM_L2)
         norm = (float)sqrt(acc);
@@ -60,6 +77,8 @@ HL_AMP_FN void hl_amp_finish(double acc, int found, int mode, float p, float max
     /* the reciprocal in FP64, as torch's unscale_ takes it */
     aux[HL_AUX_INV_SCALE] = scale != NULL ? (float)(1.0 / (double)s) : 1.0f;
     aux[HL_AUX_GRAD_SCALE] = s / coef;
+    aux[HL_AUX_ACC] = (float)acc;
+    aux[HL_AUX_PARAM] = (float)param;
 }
 
 /* torch._amp_update_scale_ (float32 scale times a double factor, rounded once), plus hysteresis
@@ -76,15 +95,18 @@ HL_AMP_FN void hl_amp_update_scale(float *scale, int32_t *growth_tracker, int64_
     if (any != 0.0f) {
         int64_t left = state[HL_STATE_HYSTERESIS] - 1;
         state[HL_STATE_HYSTERESIS] = left > 0 ? left : 0;
-        if (left <= 0)
-            *scale = fmaxf((float)((double)*scale * backoff_factor), min_scale);
+        if (left <= 0) {
+            /* a comparison, not fmaxf: a NaN scale stays NaN, as torch keeps it */
+            const float backed = (float)((double)*scale * backoff_factor);
+            *scale = backed < min_scale ? min_scale : backed;
+        }
         *growth_tracker = 0;
     } else {
         int64_t successful = (int64_t)*growth_tracker + 1;
         if (successful == growth_interval) {
             float grown = (float)((double)*scale * growth_factor);
-            if (fabsf(grown) <= FLT_MAX) /* do not grow past float32's range to inf */
-                *scale = fminf(grown, max_scale);
+            if (fabsf(grown) <= FLT_MAX) /* do not grow past float32's range to inf (nor a NaN) */
+                *scale = grown > max_scale ? max_scale : grown;
             *growth_tracker = 0;
             state[HL_STATE_HYSTERESIS] = hysteresis;
         } else {

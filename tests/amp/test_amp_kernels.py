@@ -17,8 +17,9 @@ def stream_of(device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def run_check(tensors, *, scale=None, write=False, mode=L2, p=2.0, max_norm=-1.0, blocks=0):
-    """Check pass + epilogue over `tensors`; returns (aux on the device, report, table)."""
+def run_check(tensors, *, scale=None, write=False, mode=L2, p=2.0, max_norm=-1.0, blocks=0, extra=None):
+    """Check pass + epilogue over `tensors` (and the `extra` partials, AMP_EXTRA_LEN floats each);
+    returns (aux on the device, report, table)."""
     dev = tensors[0].device
     table = GradientTable(None, tensors, list(range(len(tensors))), dev, stream_of(dev))
     table.partials.fill_(float("nan"))  # poisoned: every chunk's partial must be written
@@ -27,7 +28,8 @@ def run_check(tensors, *, scale=None, write=False, mode=L2, p=2.0, max_norm=-1.0
     report[0] = -1
     _C.amp_check(table.device_index, table.table_ptr, table.count, table.total_chunks, table.partials_ptr,
                  scale.data_ptr() if scale is not None else 0, int(write), mode, p, max_norm, aux.data_ptr(),
-                 table.index_ptr, report.data_ptr(), 5, blocks, stream_of(dev))
+                 table.index_ptr, report.data_ptr(), 5, extra.data_ptr() if extra is not None else 0,
+                 extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, blocks, stream_of(dev))
     return aux, report.cpu(), table
 
 
@@ -332,3 +334,38 @@ def test_views_at_odd_offsets(device, dtype, offset):
     run_check([view], scale=scale, write=True, mode=0)
     assert same_bits(view, expect)
     assert same_bits(buf[:offset], before[:offset]) and same_bits(buf[offset + 65537:], before[offset + 65537:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [L2, INF])
+def test_extra_partials_fold_into_the_epilogue(device, mode):
+    """Partials of gradients outside the table (or of other devices) join the table's in the epilogue:
+    the norm, the found flag, and the lowest bad parameter index; alone when there is no table."""
+    dev = torch.device(device)
+    x = torch.randn(70001, device=dev)  # three chunks
+    extra = torch.stack([torch.rand(3, device=dev) * 100, torch.tensor([0.0, 1.0, 1.0], device=dev),
+                         torch.tensor([9.0, 7.0, 4.0], device=dev)], dim=1).contiguous()
+    aux, report, _ = run_check([x], mode=mode, max_norm=1.0, extra=extra.view(-1))
+    acc = x.double().square().sum() + extra[:, 0].double().sum() if mode == L2 else \
+        torch.maximum(x.double().abs().max(), extra[:, 0].double().max())
+    norm = acc.sqrt() if mode == L2 else acc
+    aux = aux.cpu()
+    assert aux[_C.AMP_AUX_NORM].item() == pytest.approx(norm.item(), rel=1e-6)
+    assert aux[_C.AMP_AUX_ACC].item() == pytest.approx(acc.item(), rel=1e-6)
+    assert aux[_C.AMP_AUX_FOUND].item() == 1.0 and aux[_C.AMP_AUX_PARAM].item() == 4.0
+    assert report[0].item() == 4 and report[2].item() == 1
+    x[70000] = math.nan  # the table's parameter 0 comes before the extras' 4
+    aux, report, _ = run_check([x], mode=mode, extra=extra.view(-1))
+    assert aux[_C.AMP_AUX_PARAM].item() == 0.0 and report[0].item() == 0
+    # no table at all: the epilogue on the extras alone
+    alone = torch.full((_C.AMP_AUX_LEN,), math.nan, device=dev)
+    _C.amp_check(x.get_device(), 0, 0, 0, 0, 0, 0, mode, 2.0, 1.0, alone.data_ptr(), 0, 0,
+                 0, extra.data_ptr(), 3, 0, stream_of(dev))
+    acc = extra[:, 0].double().sum() if mode == L2 else extra[:, 0].double().max()
+    norm = (acc.sqrt() if mode == L2 else acc).float()
+    alone = alone.cpu()
+    assert alone[_C.AMP_AUX_NORM].item() == pytest.approx(norm.item(), rel=1e-6)
+    assert alone[_C.AMP_AUX_CLIP].item() == pytest.approx(min(1.0 / (norm.item() + 1e-6), 1.0), rel=1e-6)
+    assert alone[_C.AMP_AUX_FOUND].item() == 1.0 and alone[_C.AMP_AUX_PARAM].item() == 4.0
+    with pytest.raises(ValueError, match="missing"):  # a count without a table
+        _C.amp_check(-1, 0, 1, 0, 0, 0, 0, mode, 2.0, 1.0, alone.data_ptr(), 0, 0, 0, 0, 0, 0, 0)

@@ -357,22 +357,20 @@ def test_bad_input(device):
     scaler.scale(torch.ones((), device=dev))
     ints = torch.zeros(3, dtype=torch.int64, device=dev)
     ints.grad = torch.ones(3, dtype=torch.int64, device=dev)
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16 gradient, got int64"):
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64 gradient, got int64"):
         scaler.unscale_(torch.optim.SGD([ints], lr=0.1))
     z = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64, device=dev))
     z.grad = torch.ones(3, dtype=torch.complex64, device=dev)
     with pytest.raises(TypeError, match="got complex64"):
         scaler.clip_grad_norm_(torch.optim.SGD([z], lr=0.1), 1.0)
-    emb = torch.nn.Embedding(10, 4, sparse=True).to(dev)
-    emb(torch.tensor([1, 2], device=dev)).sum().backward()
-    with pytest.raises(TypeError, match="sparse"):
-        scaler.unscale_(torch.optim.SGD(emb.parameters(), lr=0.1))
+    csr = torch.nn.Parameter(torch.eye(3, device=dev).to_sparse_csr())
+    csr.grad = torch.eye(3, device=dev).to_sparse_csr()
+    with pytest.raises(TypeError, match="layout"):
+        scaler.unscale_(torch.optim.SGD([csr], lr=0.1))
     p = torch.nn.Parameter(torch.randn(4, 4, device=dev))
-    p.grad = torch.randn(8, 8, device=dev)[::2, ::2]  # overlapping nothing, but with gaps
+    p.grad = torch.randn(4, 4, device=dev)
     fresh = GradScaler(device)
     fresh.scale(torch.ones((), device=dev))
-    with pytest.raises(ValueError, match="dense"):
-        fresh.clip_grad_norm_(torch.optim.SGD([p], lr=0.1), 1.0)
     for bad in (math.nan, -1.0):
         with pytest.raises(ValueError, match="max_norm"):
             fresh.clip_grad_norm_(torch.optim.SGD([p], lr=0.1), bad)
@@ -522,22 +520,15 @@ def test_zero_host_syncs_with_clip_and_fused_adamw(moved):
 
 
 @pytest.mark.gpu
-def test_gradients_on_two_devices_and_device_mismatch():
-    a = torch.nn.Parameter(torch.randn(3, device="cuda"))
-    b = torch.nn.Parameter(torch.randn(3))
-    a.grad, b.grad = torch.ones(3, device="cuda"), torch.ones(3)
-    scaler = GradScaler("cuda")
-    scaler.scale(torch.ones((), device="cuda"))
-    with pytest.raises(ValueError, match="one device"):
-        scaler.unscale_(torch.optim.SGD([a, b], lr=0.1))
-    with pytest.raises(ValueError, match="device='cuda'"):
-        GradScaler("cuda").scale(torch.ones(()))
-    with pytest.raises(ValueError, match="device='cpu'"):
-        GradScaler("cpu").scale(torch.ones((), device="cuda"))
-    cpu_scaler = GradScaler("cuda")
-    cpu_scaler.scale(torch.ones((), device="cuda"))
-    with pytest.raises(ValueError):
-        cpu_scaler.unscale_(torch.optim.SGD([b], lr=0.1))
+def test_scaler_kind_does_not_bind_tensors():
+    """As torch's: a "cuda" scaler scales a CPU tensor (its scale then lives on the CPU) and a "cpu"
+    scaler a CUDA one; only devices hotloop has no kernels for are refused."""
+    for kind, dev in (("cuda", "cpu"), ("cpu", "cuda")):
+        ref, ours = torch.amp.GradScaler(kind, init_scale=3.0), GradScaler(kind, init_scale=3.0)
+        x = torch.randn(5, device=dev)
+        assert torch.equal(ours.scale(x), ref.scale(x)) and ours._scale.device == ref._scale.device
+    with pytest.raises(ValueError, match="device"):
+        GradScaler("cuda").scale(torch.ones((), device="meta"))
 
 
 def copy_training_state(src_model, src_opt, dst_model, dst_opt):
@@ -603,7 +594,7 @@ def test_table_is_reused_while_gradients_stay_and_rebuilt_when_they_move():
         scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
-        tables.append(scaler._caches[opt].table)
+        tables.append(scaler._caches[opt].devices[0].table)
     assert tables[1] is tables[0]
     assert tables[3] is not tables[2]
     # a new parameter group invalidates the parameter list too

@@ -31,31 +31,41 @@ import math
 import warnings
 import weakref
 from collections import defaultdict
-from enum import Enum
 
 import torch
 
 from .. import _C
-from . import tensor_table
+from . import device_grads
 
 _logger = logging.getLogger(__name__)
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class OptState(Enum):
-    """Where an optimizer stands between two update() calls (the same values as torch's)."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+try:  # torch's own enum, so that code comparing a stage with torch's OptState works with this scaler
+    from torch.amp.grad_scaler import OptState
+except ImportError:  # torch < 2.3 keeps it under torch.cuda.amp
+    from torch.cuda.amp.grad_scaler import OptState
 
 
 def _refresh_per_optimizer_state():
-    # torch's two keys, plus what hotloop still has to do to the gradients before the step
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "pending": None}
+    # torch's two keys and nothing else: code (and torch's tests) compare this dict with torch's
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+# the aux slots that make up an extra partial, in the extra's slot order
+_AUX_AS_EXTRA = [aux for _, aux in sorted([(_C.AMP_EXTRA_ACC, _C.AMP_AUX_ACC), (_C.AMP_EXTRA_FOUND, _C.AMP_AUX_FOUND),
+                                           (_C.AMP_EXTRA_PARAM, _C.AMP_AUX_PARAM)])]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """What clip_grad_norm_ left for step() to do to one optimizer's gradients."""
+
+    devices: list  # the DeviceGrads it measured
+    auxes: list  # per device: the epilogue's factors as that device's apply pass reads them
+    final: torch.Tensor  # the aux holding the norm and the grad_scale for a fused optimizer
+    unscale: bool
+    clip: bool
 
 
 @dataclasses.dataclass
@@ -82,14 +92,63 @@ class OverflowReport:
 class _OptimizerCache:
     """Per optimizer: the flat parameter list, the gradient table and the overflow report."""
 
-    __slots__ = ("groups_key", "params", "table", "report", "number", "__weakref__")
+    __slots__ = ("groups_key", "params", "key", "devices", "reports", "number", "__weakref__")
 
     def __init__(self, number):
         self.groups_key = None
         self.params = []
-        self.table = None
-        self.report = None
+        self.key = None
+        self.devices = None  # DeviceGrads, in order of first appearance
+        self.reports = {}  # device -> int64 overflow report, kept across rebuilds
         self.number = number
+
+
+def _device_type(device):
+    """'cuda' or 'cpu' for a device spec torch's GradScaler takes: 'cuda', 'cuda:1', 'cpu:0', 'CPU',
+    torch.device('cuda', 1). As with torch, the spec says which kind of device, not where the scale
+    lives: the scale goes to the device of the first tensor scale() is given."""
+    if isinstance(device, torch.device):
+        kind = device.type
+    elif isinstance(device, str):
+        kind = device.split(":", 1)[0].strip().lower()
+    else:
+        raise TypeError(f"device: expected a str or torch.device such as 'cuda' or 'cuda:1', got "
+                        f"{type(device).__name__}")
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected a cuda or cpu device such as 'cuda', 'cuda:1' or 'cpu', got {device!r} "
+                         f"(hotloop.GradScaler has kernels for these two)")
+    return kind
+
+
+def _number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return value
+
+
+def _interval(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return value
+
+
+def _check_factors(growth_factor, backoff_factor, growth_interval):
+    """torch's two checks (AssertionError, as torch raises), then what torch lets through in silence
+    and then misbehaves on: a NaN factor, a backoff that zeroes or flips the scale, a growth interval
+    that is not a positive int (torch fails at the first update, or never grows)."""
+    _number("growth_factor", growth_factor)
+    _number("backoff_factor", backoff_factor)
+    if growth_factor <= 1.0:
+        raise AssertionError("The growth factor must be > 1.0.")
+    if backoff_factor >= 1.0:
+        raise AssertionError("The backoff factor must be < 1.0.")
+    if math.isnan(growth_factor):
+        raise ValueError("growth_factor: expected a number > 1.0, got nan")
+    if math.isnan(backoff_factor) or backoff_factor <= 0.0:
+        raise ValueError(f"backoff_factor: expected a number in (0, 1), got {backoff_factor}")
+    _interval("growth_interval", growth_interval)
 
 
 class GradScaler:
@@ -116,32 +175,41 @@ class GradScaler:
     in ``step`` for any other optimizer (torch's scaler makes the same one). Reading ``get_scale()``,
     ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits for the device.
 
-    Differences from torch, all deliberate: gradients may be float32, float16 or bfloat16, mixed
-    (torch's unscale_ refuses float16 and cannot do bfloat16); when unscale_ or clip_grad_norm_
-    unscale, a half gradient that would become inf only once unscaled (a scale below 1) counts as
-    an overflow (torch would write the inf and step); all gradients of one optimizer must live on
-    the scaler's device (torch also allows model-parallel layouts); a scaler for "cuda" refuses CPU
-    tensors and vice versa; clip_grad_norm_ returns float32 whatever the gradients' dtype, computed
-    in float64 per chunk (torch's float32 norm of a large tensor can be off by ~1e-5).
+    Gradients: dense float32, float16 and bfloat16 ones (contiguous in some order of their
+    dimensions) take the fused kernels, one launch per device; sparse ones, views with gaps and
+    float64 ones take torch's ops, still without a host sync, and one skip decision covers both
+    (an expand()ed gradient, whose elements overlap, is refused, as torch's unscale_ fails on it).
+    Gradients of one optimizer may live on several GPUs (model or pipeline parallel): a found_inf per
+    device, as torch keeps them.
+
+    Differences from torch, all deliberate: unscale_ accepts float16 gradients (torch's refuses them):
+    hotloop checks each value after unscaling, in float32, so a float16 gradient that would become
+    inf once unscaled counts as an overflow and the step is skipped, where torch would write the inf
+    and step; bfloat16 gradients work too. Device specs other than cuda and cpu are refused.
+    clip_grad_norm_ returns float32 whatever the gradients' dtype, computed in float64 per chunk
+    (torch's float32 norm of a large tensor can be off by ~1e-5). Arguments torch takes in silence and
+    then misbehaves on (a NaN or non-positive backoff factor, a growth_interval that is not an int >= 1,
+    a non-number) raise TypeError/ValueError here.
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: float | None = None, max_scale: float | None = None,
                  named_parameters=None) -> None:
-        if device not in ("cuda", "cpu"):
-            raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
-        self._device = device
+        kind = _device_type(device)
+        self._device = kind
         self._enabled = enabled
-        if device == "cuda" and enabled:
-            if not torch.cuda.is_available():
+        if kind == "cuda" and enabled:
+            if not torch.cuda.is_available():  # any cuda spec (torch only checks "cuda" itself)
                 warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
                               stacklevel=2)
                 self._enabled = False
             elif _C.cuda_unavailable_reason() is not None:
                 raise RuntimeError(f"hotloop.GradScaler(device='cuda'): {_C.cuda_unavailable_reason()}")
-        if hysteresis < 1:
-            raise ValueError(f"hysteresis: expected an int >= 1, got {hysteresis!r}")
+        _interval("hysteresis", hysteresis)
+        for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+            if bound is not None and math.isnan(_number(name, bound)):
+                raise ValueError(f"{name}: expected a number or None, got nan")
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
         self._hysteresis = int(hysteresis)
@@ -154,11 +222,10 @@ class GradScaler:
         self._cache_count = 0
         self._updates = 0
         self._last_found_inf = None
+        self._pending = {}  # id(optimizer) -> _Pending
         if self._enabled:
-            if growth_factor <= 1.0:
-                raise AssertionError("The growth factor must be > 1.0.")
-            if backoff_factor >= 1.0:
-                raise AssertionError("The backoff factor must be < 1.0.")
+            _check_factors(growth_factor, backoff_factor, growth_interval)
+            _number("init_scale", init_scale)  # any value, NaN included, as torch takes it
             self._init_scale = init_scale
             self._scale = None
             self._growth_factor = growth_factor
@@ -190,10 +257,12 @@ class GradScaler:
         self._amp_state[_C.AMP_STATE_SKIPPED] = self._init_skipped  # fills on the device: no sync
         self._amp_state[_C.AMP_STATE_HYSTERESIS] = self._init_hysteresis
 
-    def _check_device(self, t):
-        if t.device.type != self._device:
-            raise ValueError(f"GradScaler(device={self._device!r}) was given a tensor on {t.device}; "
-                             f"create the scaler with device={t.device.type!r}")
+    @staticmethod
+    def _check_device(t):
+        # torch scales a tensor on any device (a CPU loss with a "cuda" scaler too); hotloop's kernels
+        # run on cuda and cpu only, so say so now rather than at the first step
+        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"scale: expected tensors on a cuda or cpu device, got one on {t.device}")
 
     def scale(self, outputs):
         """Multiply a tensor, or nested lists/tuples of tensors, by the scale factor (as torch's)."""
@@ -246,85 +315,116 @@ class GradScaler:
                     params.append(p)
             cache.params = params
             cache.groups_key = groups_key
-            cache.table = None
+            cache.devices = None
         return cache
 
     def _grads(self, optimizer):
-        """(cache, table or None, the gradient list) for this step; rebuilds the table when the
-        gradients moved. Parameters without a gradient are skipped, as torch does."""
+        """The optimizer's cache with its gradients split by device, rebuilt when a gradient moved,
+        appeared or went (a step compares their data pointers) or the current stream changed."""
         cache = self._cache_for(optimizer)
         grads = [p.grad for p in cache.params]
-        try:
+        try:  # 0: no gradient; else where its values are
             key = [g.data_ptr() if g is not None else 0 for g in grads]
-        except RuntimeError:  # a sparse gradient has no data pointer: say so below
-            key = None
-        table = cache.table
-        if table is None or key is None or key != table.key:
-            table = self._build_table(cache, grads, key)
-        elif table.device.type == "cuda":
-            stream = torch.cuda.current_stream(table.device).cuda_stream
-            if stream != table.stream:  # partials are reused in stream order: keep them per stream
-                table = self._build_table(cache, grads, key)
-        return cache, table, grads
+        except RuntimeError:  # a sparse gradient has no data pointer (-1: read from the parameter at each use)
+            key = [0 if g is None else (g.data_ptr() if g.layout is torch.strided else -1) for g in grads]
+        if cache.devices is None or key != cache.key:
+            self._build(cache, key)
+        else:
+            for dg in cache.devices:  # partials are reused in stream order: keep them per stream
+                if dg.device.type == "cuda" and torch.cuda.current_stream(dg.device).cuda_stream != dg.stream:
+                    self._build(cache, key)
+                    break
+        return cache
 
-    def _build_table(self, cache, grads, key):
-        present, index = [], []
-        device = None
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if g.layout is not torch.strided:
-                raise TypeError(f"parameter {i}: expected a dense gradient, got a {g.layout} one "
-                                f"(sparse gradients are not supported by hotloop.GradScaler)")
-            if g.dtype not in _KERNEL_DTYPES:
-                raise TypeError(f"parameter {i}: expected a float32, float16 or bfloat16 gradient, got "
-                                f"{str(g.dtype).replace('torch.', '')}")
-            if device is None:
-                device = g.device
-            elif g.device != device:
-                raise ValueError(f"expected all gradients of one optimizer on one device; parameter "
-                                 f"{index[0]} has its gradient on {device}, parameter {i} on {g.device}")
-            if not tensor_table.is_dense(g):
-                raise ValueError(f"parameter {i}: expected a dense gradient, got one with strides {g.stride()} "
-                                 f"for shape {tuple(g.shape)}")
-            present.append(g)
-            index.append(i)
-        if not present:
-            cache.table = None
-            return None
-        self._check_device(present[0])
-        if self._scale is not None and present[0].device != self._scale.device:
-            raise ValueError(f"the scale lives on {self._scale.device} but the gradients on {present[0].device}: "
-                             f"hotloop.GradScaler needs them on one device")
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        cache.table = tensor_table.GradientTable(key, present, index, device, stream)
-        if cache.report is None or cache.report.device != device:
-            cache.report = torch.zeros(_C.AMP_REPORT_LEN, dtype=torch.int64, device=device)
-            cache.report[_C.AMP_REPORT_PARAM] = -1
-        return cache.table
+    def _build(self, cache, key):
+        split = device_grads.split([p.grad for p in cache.params])  # raises before anything runs
+        devices = []
+        for device, (dense, index, others) in split.items():
+            report = cache.reports.get(device)
+            if report is None:
+                report = cache.reports[device] = torch.zeros(_C.AMP_REPORT_LEN, dtype=torch.int64, device=device)
+                report[_C.AMP_REPORT_PARAM] = -1
+            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+            devices.append(device_grads.DeviceGrads(device, dense, index, others, stream, report))
+        cache.devices = devices
+        cache.key = key
 
-    def _check(self, table, cache, write, mode, p, max_norm, unscale):
-        """Launch the check pass + epilogue; returns the fresh aux tensor."""
-        aux = torch.empty(_C.AMP_AUX_LEN, dtype=torch.float32, device=table.device)
-        _C.amp_check(table.device_index, table.table_ptr, table.count, table.total_chunks, table.partials_ptr,
-                     self._scale.data_ptr() if unscale else 0, 1 if write else 0, mode, p, max_norm,
-                     aux.data_ptr(), table.index_ptr, cache.report.data_ptr(), self._updates, 0, table.stream)
+    def _scale_on(self, device, copies):
+        """The scale as a tensor on `device` (one copy per device per call, kept in `copies`)."""
+        if self._scale.device == device:
+            return self._scale
+        scale = copies.get(device)
+        if scale is None:
+            # a copy to the CPU must have landed before the C reference reads it
+            scale = copies[device] = self._scale.to(device, non_blocking=device.type == "cuda")
+        return scale
+
+    def _check(self, cache, dg, write, mode, p, max_norm, scale, with_table, extra, report):
+        """Launch one device's check pass + epilogue (the epilogue alone without its table), folding in
+        the `extra` partials (AMP_EXTRA_LEN floats each, or None); returns the fresh aux tensor."""
+        aux = torch.empty(_C.AMP_AUX_LEN, dtype=torch.float32, device=dg.device)
+        t = dg.table if with_table else None
+        _C.amp_check(dg.device_index, t.table_ptr if t else 0, t.count if t else 0, t.total_chunks if t else 0,
+                     t.partials_ptr if t else 0, scale.data_ptr() if scale is not None else 0, 1 if write else 0,
+                     mode, p, max_norm, aux.data_ptr(), t.index_ptr if t else 0,
+                     dg.report.data_ptr() if report else 0, self._updates,
+                     extra.data_ptr() if extra is not None else 0,
+                     extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, 0, dg.stream)
         return aux
 
-    def _apply_pending(self, optimizer_state):
+    def _run_check(self, cache, write, mode, p, max_norm, unscale):
+        """The check over every device's gradients. Returns (found_inf per device, per device the aux its
+        apply pass reads, the aux with the norm and the fused optimizer's grad_scale). No host sync."""
+        copies = {}
+        params = cache.params
+        local = []
+        for dg in cache.devices:
+            scale = self._scale_on(dg.device, copies) if unscale else None
+            inv = None
+            if dg.others and scale is not None:
+                inv = scale.double().reciprocal().float()  # FP64 reciprocal, as the kernels and torch take it
+            extra = device_grads.measure(params, dg, inv, write, mode, p) if dg.others else None
+            # with several devices and a norm, each device's epilogue only gathers its share (no clip)
+            alone = len(cache.devices) == 1 or mode == _C.AMP_NORM_NONE
+            local.append(self._check(cache, dg, write, mode, p, max_norm if alone else -1.0, scale, True, extra,
+                                     report=alone))
+        found = {dg.device: aux[_C.AMP_AUX_FOUND] for dg, aux in zip(cache.devices, local)}
+        if len(cache.devices) <= 1 or mode == _C.AMP_NORM_NONE:
+            return found, local, local[0] if local else None
+        # the first device's epilogue folds every device's share into one norm, clip factor and skip
+        # flag; every device applies those (each keeps its own found_inf, as torch's per-device ones)
+        home = cache.devices[0]
+        shares = torch.stack([torch.stack([aux[i] for i in _AUX_AS_EXTRA]).to(home.device) for aux in local])
+        final = self._check(cache, home, False, mode, p, max_norm, self._scale_on(home.device, copies) if unscale
+                            else None, False, shares, report=True)
+        auxes = [final if dg is home else final.to(dg.device) for dg in cache.devices]
+        return found, auxes, final
+
+    def _apply_pending(self, optimizer):
         """Bring gradients to their unscaled, clipped values (one read-write pass), unless skipped."""
-        pending = optimizer_state["pending"]
+        pending = self._pending.pop(id(optimizer), None)
         if pending is None:
             return
-        optimizer_state["pending"] = None
-        table, aux, unscale, clip, _grads = pending
-        _C.amp_apply(table.device_index, table.table_ptr, table.count, table.total_chunks, aux.data_ptr(),
-                     1 if unscale else 0, 1 if clip else 0, table.stream)
+        cache = self._caches.get(optimizer)
+        for dg, aux in zip(pending.devices, pending.auxes):
+            t = dg.table
+            if t is not None:
+                _C.amp_apply(t.device_index, t.table_ptr, t.count, t.total_chunks, aux.data_ptr(),
+                             1 if pending.unscale else 0, 1 if pending.clip else 0, t.stream)
+            if dg.others:
+                device_grads.apply(cache.params, dg, aux, pending.unscale, pending.clip)
 
-    def _record(self, optimizer_state, table, aux):
-        found = aux[_C.AMP_AUX_FOUND]
-        optimizer_state["found_inf_per_device"] = {table.device: found}
-        self._last_found_inf = found
+    def _record(self, optimizer_state, found):
+        optimizer_state["found_inf_per_device"] = found
+        if len(found) == 1:
+            self._last_found_inf = next(iter(found.values()))
+        elif found:
+            self._last_found_inf = self._sum_found(found.values())
+
+    def _sum_found(self, found):
+        """The found_inf values added on the scale's device, as torch combines them (no host sync)."""
+        dev = self._scale.device
+        return sum(f.to(dev, non_blocking=dev.type == "cuda") for f in found)
 
     # ---- torch's public methods ----
 
@@ -343,12 +443,9 @@ class GradScaler:
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         with torch.no_grad():
-            cache, table, grads = self._grads(optimizer)
-            if table is not None:
-                aux = self._check(table, cache, True, _C.AMP_NORM_NONE, 0.0, -1.0, True)
-                self._record(optimizer_state, table, aux)
-            else:
-                optimizer_state["found_inf_per_device"] = {}
+            cache = self._grads(optimizer)
+            found, _, _ = self._run_check(cache, True, _C.AMP_NORM_NONE, 0.0, -1.0, True)
+            self._record(optimizer_state, found)
         optimizer_state["stage"] = OptState.UNSCALED
 
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0,
@@ -380,10 +477,10 @@ class GradScaler:
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
         with torch.no_grad():
-            if optimizer_state["pending"] is not None:  # clipped twice: make the first one real
-                self._apply_pending(optimizer_state)
-            cache, table, grads = self._grads(optimizer)
-            if table is None:
+            self._apply_pending(optimizer)  # clipped twice: make the first one real
+            cache = self._grads(optimizer)
+            if not cache.devices:
+                optimizer_state["found_inf_per_device"] = {}
                 optimizer_state["stage"] = OptState.UNSCALED
                 return torch.zeros((), dtype=torch.float32, device=self._scale.device)
             if norm_type == 2.0:
@@ -394,12 +491,12 @@ class GradScaler:
                 mode, p = _C.AMP_NORM_P, norm_type
             unscale = optimizer_state["stage"] is OptState.READY
             clip_to = max_norm if not math.isinf(max_norm) else -1.0
-            aux = self._check(table, cache, False, mode, p, clip_to, unscale)
-            self._record(optimizer_state, table, aux)
+            found, auxes, final = self._run_check(cache, False, mode, p, clip_to, unscale)
+            self._record(optimizer_state, found)
             if unscale or clip_to >= 0:
-                optimizer_state["pending"] = (table, aux, unscale, clip_to >= 0, grads)
+                self._pending[id(optimizer)] = _Pending(cache.devices, auxes, final, unscale, clip_to >= 0)
             optimizer_state["stage"] = OptState.UNSCALED
-            total_norm = aux[_C.AMP_AUX_NORM]
+            total_norm = final[_C.AMP_AUX_NORM]
         if error_if_nonfinite and not torch.isfinite(total_norm):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from "
@@ -414,14 +511,14 @@ class GradScaler:
         clip_grad_norm_ and step() (logging, a custom update). Nothing happens after unscale_ alone
         (its gradients are final already) or when nothing is pending; gradients of a step found to
         hold inf/NaN stay as they are. No host sync."""
-        optimizer_state = self._per_optimizer_states.get(id(optimizer)) if self._enabled else None
-        if optimizer_state is not None:
+        if self._enabled:
             with torch.no_grad():
-                self._apply_pending(optimizer_state)
+                self._apply_pending(optimizer)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         retval = None
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+        # one .item() however many devices: their found_infs are added on the device first
+        if not self._sum_found(optimizer_state["found_inf_per_device"].values()).item():
             retval = optimizer.step(*args, **kwargs)
         return retval
 
@@ -451,22 +548,22 @@ class GradScaler:
                     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                     FutureWarning, stacklevel=2)
-                self._apply_pending(optimizer_state)
+                self._apply_pending(optimizer)
                 kwargs_.update({"grad_scaler": self})
             else:
                 if optimizer_state["stage"] is OptState.READY:
                     self._check_inf_per_device(optimizer)
                 found = optimizer_state["found_inf_per_device"]
-                found_inf = next(iter(found.values())) if len(found) == 1 else \
-                    sum(t.to(self._scale.device, non_blocking=True) for t in found.values())
-                pending = optimizer_state["pending"]
+                # torch's: the found_infs added on the scale's device (the optimizer moves it to each of its own)
+                found_inf = next(iter(found.values())) if len(found) == 1 and \
+                    next(iter(found)) == self._scale.device else self._sum_found(found.values())
+                pending = self._pending.pop(id(optimizer), None)
                 user_scale = getattr(optimizer, "grad_scale", None)
                 if pending is not None:
                     # the optimizer divides by scale / clip: unscale and clip inside its kernel
-                    optimizer_state["pending"] = None
-                    grad_scale = pending[1][_C.AMP_AUX_GRAD_SCALE]
+                    grad_scale = pending.final[_C.AMP_AUX_GRAD_SCALE]
                     if user_scale is not None:
-                        grad_scale = grad_scale * user_scale
+                        grad_scale = grad_scale * user_scale.to(grad_scale.device)
                 elif optimizer_state["stage"] is OptState.UNSCALED:
                     grad_scale = user_scale
                 else:
@@ -484,7 +581,7 @@ class GradScaler:
             self.unscale_(optimizer)
         else:
             with torch.no_grad():
-                self._apply_pending(optimizer_state)
+                self._apply_pending(optimizer)
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
@@ -519,13 +616,15 @@ class GradScaler:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._launch_update(found_infs, adjust=True)
         if found_infs:
-            self._last_found_inf = found_infs[0] if len(found_infs) == 1 else sum(found_infs)
+            self._last_found_inf = found_infs[0] if len(found_infs) == 1 else self._sum_found(found_infs)
         self._updates += 1
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._pending = {}
 
     def _launch_update(self, found_infs, adjust):
         dev = self._scale.device
-        found_infs = [f.to(dev, non_blocking=True) for f in found_infs]
+        # gradients may live on other devices than the scale; a copy to the CPU must land before C reads it
+        found_infs = [f.to(dev, non_blocking=dev.type == "cuda") for f in found_infs]
         if len(found_infs) > _C.AMP_MAX_FOUND:
             found_infs = [torch.stack(found_infs).sum()]
         stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
@@ -552,19 +651,19 @@ class GradScaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = new_factor
+        self._growth_factor = _number("new_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = new_factor
+        self._backoff_factor = _number("new_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
+        self._growth_interval = _interval("new_interval", new_interval)
 
     def _get_growth_tracker(self) -> int:
         if self._enabled:
@@ -608,6 +707,12 @@ class GradScaler:
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
+        # checked before anything changes; a NaN scale loads and stays NaN, as with torch
+        _number("state_dict['scale']", state_dict["scale"])
+        _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"], state_dict["growth_interval"])
+        tracker = state_dict["_growth_tracker"]
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
+            raise TypeError(f"state_dict['_growth_tracker']: expected an int >= 0, got {tracker!r}")
         self._init_scale = state_dict["scale"]
         if self._scale is not None:
             self._scale.fill_(state_dict["scale"])
@@ -637,6 +742,7 @@ class GradScaler:
             state["_growth_tracker"] = None
             state["_amp_state"] = None
         state["_caches"] = None
+        state["_pending"] = {}
         state["_last_found_inf"] = None
         state.pop("_update_inputs", None)
         return state
@@ -650,13 +756,33 @@ class GradScaler:
         self._check_scale_growth_tracker("_check_inf_per_device")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         with torch.no_grad():
-            cache, table, _ = self._grads(optimizer)
-            if table is None:
-                optimizer_state["found_inf_per_device"] = {}
-            else:
-                aux = self._check(table, cache, False, _C.AMP_NORM_NONE, 0.0, -1.0, False)
-                self._record(optimizer_state, table, aux)
+            found, _, _ = self._run_check(self._grads(optimizer), False, _C.AMP_NORM_NONE, 0.0, -1.0, False)
+            self._record(optimizer_state, found)
         return optimizer_state["found_inf_per_device"]
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        """torch's private hook, for code that calls it directly (torch's own tests do): multiply every
+        gradient of `optimizer` by `inv_scale` in place and return {device: a copy of `found_inf`, set to
+        1.0 where a gradient on that device held inf/NaN once multiplied}. Here every gradient takes the
+        torch-ops path, since the kernels take a scale, not its inverse; unscale_ and step do not call
+        this, so overriding it in a subclass changes nothing else."""
+        cache = self._grads(optimizer)
+        params = cache.params
+        per_device = {}
+        if not allow_fp16:
+            for dg in cache.devices:
+                if any(params[i].grad.dtype is torch.float16 for i in dg.dense_index + dg.others):
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+        with torch.no_grad():
+            for dg in cache.devices:
+                indices = dg.dense_index + dg.others
+                extra = device_grads.measure_these(
+                    params, indices, torch.tensor(indices, dtype=torch.float32).to(dg.device), dg.device,
+                    inv_scale.to(dg.device).reshape(()), True, _C.AMP_NORM_NONE, 0.0)
+                found = found_inf.to(dg.device, copy=True)
+                found.copy_(torch.maximum(found, extra[_C.AMP_EXTRA_FOUND]))
+                per_device[dg.device] = found
+        return per_device
 
     def _found_inf_per_device(self, optimizer):
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -688,14 +814,14 @@ class GradScaler:
         if not self._enabled:
             return None
         for optimizer, cache in list(self._caches.items()):
-            if cache.report is None:
-                continue
-            report = cache.report.tolist()
-            param, step, count = (report[i] for i in (_C.AMP_REPORT_PARAM, _C.AMP_REPORT_STEP, _C.AMP_REPORT_COUNT))
-            if count == 0 or param < 0:
-                continue
-            if best is None or step > best[0]:
-                best = (step, optimizer, cache, param, count)
+            for report in cache.reports.values():  # one per device the optimizer's gradients live on
+                report = report.tolist()
+                param, step, count = (report[i] for i in (_C.AMP_REPORT_PARAM, _C.AMP_REPORT_STEP,
+                                                          _C.AMP_REPORT_COUNT))
+                if count == 0 or param < 0:
+                    continue
+                if best is None or step > best[0] or (step == best[0] and cache is best[2] and param < best[3]):
+                    best = (step, optimizer, cache, param, count)
         if best is None:
             return None
         step, optimizer, cache, param, count = best
