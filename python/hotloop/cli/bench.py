@@ -1,5 +1,6 @@
-"""`python -m hotloop bench components`: hotloop's way and torch's way of each job, alternated in one
-process, printed as hotloop ÷ torch per figure (the rows are in hotloop/bench/)."""
+"""`python -m hotloop bench {components,train,loop,inference}`: components alternates hotloop's way and
+torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
+train, loop and inference measure whole models (hotloop/bench/train.py, loop.py, inference.py)."""
 import importlib
 import sys
 
@@ -7,19 +8,60 @@ from .. import _C, cuda_available
 from ..bench import COMPONENTS
 
 
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in its message
+
+
 def add_arguments(parser):
-    sub = parser.add_subparsers(dest="what", metavar="{components}", required=True)
+    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference}", required=True)
     components = sub.add_parser("components", help="each component against torch's way of the same job")
     components.add_argument("--only", action="append", choices=sorted(COMPONENTS),
                             help="run only this component (repeatable)")
     components.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda when usable)")
     components.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a smoke run)")
 
+    train = sub.add_parser("train", help="samples/s, memory, utilisation and power per precision and batch size")
+    train.add_argument("--model", default=None,
+                       help="resnet50 (default on a GPU), vit_b_16, gpt2-medium, tiny-cnn (default on the CPU), tiny-gpt")
+    train.add_argument("--precision", default=None,
+                       help="comma-separated fp32,tf32,fp16,bf16 (default: those the device has)")
+    train.add_argument("--batch-size", default=None,
+                       help="'auto' (the largest that fits, per precision) or N,... (default: the model's seed size)")
+    train.add_argument("--steps", type=_positive_int, default=20, help="timed steps per run (default 20)")
+    train.add_argument("--channels-last", action="store_true", help="image models in channels_last")
+    train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable)")
+    train.add_argument("--csv", metavar="FILE", help="also write the rows to this CSV file")
+    train.add_argument("--json", metavar="FILE", help="also write the rows and settings to this JSON file")
+    train.add_argument("--plot", metavar="FILE.png", help="draw samples/s against batch size per precision")
 
-def main(args) -> int:
+    loop = sub.add_parser("loop", help="a whole training loop with hotloop's three pieces against torch's")
+    loop.add_argument("--case", action="append", default=None,
+                      help="resnet50, gpt2-medium (default both on a GPU), tiny-cnn, tiny-gpt (default on the CPU)")
+    loop.add_argument("--steps", type=_positive_int, default=None, help="timed steps per loop (default 60; 6 on the CPU)")
+    loop.add_argument("--workers", type=int, default=None, help="DataLoader workers (default min(8, cores))")
+    loop.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable)")
+    loop.add_argument("--json", metavar="FILE", help="also write the figures to this JSON file")
+
+    inference = sub.add_parser("inference", help="latency percentiles of eager, fp16, CUDA graphs, compile, TensorRT")
+    inference.add_argument("--model", default=None, help="resnet18 (default on a GPU), resnet50, tiny-cnn (default on the CPU)")
+    inference.add_argument("--batch-size", type=_positive_int, default=1)
+    inference.add_argument("--iterations", type=_positive_int, default=200, help="timed calls per variant (default 200)")
+    inference.add_argument("--variants", default=None,
+                           help="comma-separated eager,fp16,graphs,compile,tensorrt (default all)")
+    inference.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable)")
+    inference.add_argument("--json", metavar="FILE", help="also write the figures to this JSON file")
+
+
+def _device(args, command):
+    """The torch.device to measure on, or None after saying on stderr why there is none."""
     import torch
-
-    from ..bench.harness import Context, format_table
 
     gpu = cuda_available() and torch.cuda.is_available()
     device = args.device or ("cuda" if gpu else "cpu")
@@ -28,15 +70,26 @@ def main(args) -> int:
     except (RuntimeError, ValueError):
         kind = None
     if kind not in ("cpu", "cuda"):
-        print(f"hotloop bench: --device: expected cpu, cuda or cuda:N, got {device!r}", file=sys.stderr)
-        return 2
+        print(f"{command}: --device: expected cpu, cuda or cuda:N, got {device!r}", file=sys.stderr)
+        return None
     if kind == "cuda" and not gpu:
         reason = _C.cuda_unavailable_reason() or "torch sees no CUDA device"
-        print(f"hotloop bench: --device {device}: no usable GPU here ({reason})", file=sys.stderr)
-        return 2
+        print(f"{command}: --device {device}: no usable GPU here ({reason})", file=sys.stderr)
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _components(args, device):
+    import torch
+
+    from ..bench.harness import Context, format_table
+
     ctx = Context(device, quick=args.quick)
     rows = []
-    print(f"hotloop bench components on {device}"
+    print(f"hotloop bench components on {args.device or device.type}"
           + (f" ({torch.cuda.get_device_name(ctx.device)})" if ctx.is_cuda else "")
           + f", torch {torch.__version__}", flush=True)
     for name in args.only or list(COMPONENTS):
@@ -47,3 +100,50 @@ def main(args) -> int:
     print()
     print(format_table(rows))
     return 0
+
+
+def _train(args, device):
+    from ..bench import train, workloads
+
+    args.model = args.model or ("resnet50" if device.type == "cuda" else "tiny-cnn")
+    if args.model not in workloads.MODELS or args.model == "resnet18":
+        raise workloads.BenchError(f"--model: unknown model {args.model!r} (choose from resnet50, vit_b_16, "
+                                   f"gpt2-medium, tiny-cnn, tiny-gpt)")
+    args.precisions = (workloads.parse_list(args.precision, "precision") if args.precision
+                       else workloads.default_precisions(device))
+    args.batch_sizes = workloads.parse_batch_sizes(args.batch_size) if args.batch_size else None
+    return train.run(args, device)
+
+
+def _loop(args, device):
+    from ..bench import loop
+
+    return loop.run(args, device)
+
+
+def _inference(args, device):
+    from ..bench import inference
+
+    return inference.run(args, device)
+
+
+SUBCOMMANDS = {"components": _components, "train": _train, "loop": _loop, "inference": _inference}
+
+
+def main(args) -> int:
+    from ..bench.workloads import BenchError
+
+    command = f"hotloop bench {args.what}" if args.what != "components" else "hotloop bench"
+    device = _device(args, command)
+    if device is None:
+        return 2
+    try:
+        return SUBCOMMANDS[args.what](args, device)
+    except BenchError as err:
+        print(f"\n{command}: {err}" if args.what != "components" else f"{command}: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if isinstance(err, BrokenPipeError):
+            raise  # stdout's reader went away: the command line says so
+        print(f"{command}: cannot write {err.filename or 'a file'}: {err.strerror or err}", file=sys.stderr)
+        return 1
