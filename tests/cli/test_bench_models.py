@@ -37,8 +37,7 @@ def test_train_on_the_cpu_writes_table_csv_json_and_plot(tmp_path):
     rows = table_rows(p.stdout)
     assert [(r[0], int(r[1])) for r in rows] == [("fp32", 4), ("fp32", 8), ("bf16", 4), ("bf16", 8)]
     for r in rows:
-        ms, rate = float(r[2]), float(r[3])
-        assert ms > 0 and rate == pytest.approx(int(r[1]) * 1e3 / ms, rel=0.01)
+        assert float(r[2]) > 0 and float(r[3]) > 0
         assert r[4:8] == ["-"] * 4  # no GPU: no peak, utilisation, power, samples per joule
     assert [r[8] for r in rows[:2]] == ["1.00x", "1.00x"]
     assert float(rows[2][8][:-1]) == pytest.approx(float(rows[2][3]) / float(rows[0][3]), rel=0.02)
@@ -47,7 +46,9 @@ def test_train_on_the_cpu_writes_table_csv_json_and_plot(tmp_path):
     assert [(w["precision"], int(w["batch_size"])) for w in written] == [(r[0], int(r[1])) for r in rows]
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["model"] == "tiny-cnn" and len(data["rows"]) == 4 and data["rows"][0]["steps"] == 2
-    assert all(r["samples_per_s"] > 0 for r in data["rows"])
+    for r, shown in zip(data["rows"], rows):  # the table rounds ms to 0.1: rates are checked at full precision
+        assert r["ms_per_step"] > 0 and r["samples_per_s"] == pytest.approx(r["batch_size"] * 1e3 / r["ms_per_step"])
+        assert float(shown[3]) == pytest.approx(r["samples_per_s"], abs=0.051)
     if plot:
         assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[4/4]" in p.stderr  # the progress lines
