@@ -104,3 +104,24 @@ def test_unbatched_expanded_samples():
         assert_same(a, b)
         assert a.stride() == b.stride() == (0, 1)
     assert loader._hl_pool.ring.slot_bytes <= (1 << 20)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(20))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_samples_counted_from_the_view_not_its_storage(num_workers):
+    """stats count an IterableDataset's batch by its first tensor's first dimension: an overlapping
+    first leaf is a (4, 1000) view of 1000 elements, not 1000 samples."""
+    def collate(samples):
+        return torch.arange(1000.0).expand(len(samples), 1000), torch.tensor(samples)
+
+    loader = hotloop.DataLoader(Stream(), batch_size=4, num_workers=num_workers, collate_fn=collate)
+    got = list(loader)
+    ref = list(TorchDataLoader(Stream(), batch_size=4, num_workers=num_workers, collate_fn=collate))
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+    assert loader.stats.samples == sum(len(i) for _, i in ref)  # every worker streams it all, as in torch

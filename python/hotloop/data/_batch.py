@@ -74,6 +74,26 @@ def leaf_bytes(t):
     return min(reach(t), t.numel()) * t.element_size()
 
 
+def first_dim(spec, leaves, default):
+    """A slot batch's samples as _batch_samples counts a batch's: the first dimension of its first
+    tensor that has one (an overlapping tensor's leaf is its reached storage: its shape is in the spec)."""
+    kind = spec[0]
+    if kind == _TENSOR:
+        shape = leaves[spec[1]][2]
+        return int(shape[0]) if shape else None
+    if kind == _STRIDED:
+        return int(spec[2][0]) if spec[2] else None
+    if kind == _SIDE:
+        t = spec[1]
+        return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+    children = [v for _, v in spec[1]] if kind == _DICT else spec[2] if kind == _NAMEDTUPLE else spec[1]
+    for child in children:
+        n = first_dim(child, leaves, None)
+        if n is not None:
+            return n
+    return default
+
+
 def _compact(t):
     """An overlapping tensor with the same shape, strides and values on a storage of only what it
     reaches (a side object pickles its whole storage)."""

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from .. import _C
-from ._batch import unflatten
+from ._batch import leaf_bytes, unflatten
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
 # torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
@@ -287,7 +287,7 @@ class LocalRing:
 
     def fits(self, tensors):
         return len(tensors) <= len(self.layout) and all(
-            t.numel() * t.element_size() <= cap for t, (_, cap) in zip(tensors, self.layout))
+            leaf_bytes(t) <= cap for t, (_, cap) in zip(tensors, self.layout))
 
     def take_slot(self):
         """A free slot (after waiting for the oldest copy in flight if none is), or None."""

@@ -42,7 +42,8 @@ from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from .. import _C, input_wait
 from .._arguments import expect_count, expect_int
-from ._batch import FastPathDeclined, SlotWriter, flatten, unflatten, write_fast, write_general
+from ._batch import (FastPathDeclined, SlotWriter, first_dim, flatten, leaf_bytes, unflatten, write_fast,
+                     write_general)
 from ._device import LocalRing, Pending
 from ._messages import Ended, Failed, WholeBatch
 from ._pool import POLL_S, Pool, Task
@@ -445,7 +446,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
         else:  # an iterable's last batch may be short
             n = len(index) if self._dataset_kind == _DatasetKind.Map else _batch_samples(batch, 1)
         if tensors and ring is None:
-            ring = loader._hl_local_ring = LocalRing(loader, [t.numel() * t.element_size() for t in tensors])
+            ring = loader._hl_local_ring = LocalRing(loader, [leaf_bytes(t) for t in tensors])
         if tensors and ring.fits(tensors):
             slot = ring.take_slot()
             if slot is not None:
@@ -780,7 +781,7 @@ class _Feed:
                 out = _host_batch_out(self._loader, batch, self._pin_memory)
                 return out, samples, task
             spec, leaves = outcome.spec, outcome.leaves  # a SlotBatch
-            samples = self._samples_of(task, lambda: int(leaves[0][2][0]) if leaves and leaves[0][2] else 1)
+            samples = self._samples_of(task, lambda: first_dim(spec, leaves, 1))
             if pool.device is None:
                 out = pool.copy_out(task.slot, spec, leaves, self._pin_memory)
             else:
