@@ -542,6 +542,25 @@ def test_stall_fraction_from_a_real_hotloop_dataloader(fake):
     assert r.loader_wait_s is not None and 0 < r.loader_wait_s <= r.duration_s
     assert r.stall_fraction == pytest.approx(r.loader_wait_s / r.duration_s)
     assert "data loader stalls" in str(r)
+    assert r.loader_ring_bytes is None  # num_workers=0 without a device: no ring
+
+
+def test_report_says_how_much_the_loaders_rings_held(fake):
+    """The memory report gives the largest host shared memory hotloop.DataLoader rings held at once
+    while it watched, as loader.stats gives one loader's."""
+    n = int(np.random.randint(2, 6))
+    data = torch.randn(64, n, 1000)
+    with hotloop.MemoryMonitor() as mon:
+        loader = hotloop.DataLoader(data, batch_size=8, num_workers=2)
+        got = torch.cat(list(loader))
+        assert loader.stats.ring_bytes >= 6 * 8 * n * 1000 * 4  # 6 slots of 8 samples at least
+    assert torch.equal(got, data)
+    r = mon.report()
+    assert r.loader_ring_bytes == loader.stats.ring_bytes
+    assert "data loader rings" in str(r)
+    with hotloop.MemoryMonitor() as mon:  # the ring was gone before this one watched
+        pass
+    assert mon.report().loader_ring_bytes is None
 
 
 def test_generator_function_is_monitored_across_its_iteration(fake):

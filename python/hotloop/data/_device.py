@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from .. import _C
+from .. import _C, input_wait
 from ._batch import leaf_bytes, unflatten
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
@@ -280,6 +280,7 @@ class LocalRing:
         self.free_slots = list(range(nslots))
         self.copies = DeviceCopies(loader.device, loader)
         loader.stats.ring_bytes = self.ring.nbytes
+        input_wait.ring_made(self.ring.nbytes)
         # in the order take_slot hands them out, while this thread makes the next batches; it
         # registers only what they have not reached
         self.copies.populate(self.ring, self.free_slots[::-1])
@@ -312,5 +313,6 @@ class LocalRing:
         forget(self)
         self.copies.close()  # copies over before the ring is unregistered and unmapped
         self.slot_u8 = None
+        input_wait.ring_gone(self.ring.nbytes)
         self.ring.close()
         self.ring = None

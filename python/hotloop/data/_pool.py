@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
-from .. import _C
+from .. import _C, input_wait
 from ._batch import unflatten
 from ._device import DeviceCopies, page_round, slot_layout
 from ._launcher import LaunchedWorker, Launcher
@@ -636,6 +636,7 @@ class Pool:
         self.ring, self.layout, self._ring_bytes = ring, layout, ring.nbytes
         self.free_slots = list(range(nslots))
         self.loader.stats.ring_bytes = ring.nbytes
+        input_wait.ring_made(ring.nbytes)
         if self.copies is not None:
             self.copies.populate(ring, self.free_slots[::-1])  # in the order take_slot hands slots out
         self.ring_msg = UseRing(nslots, ring.slot_bytes, layout, meta_cap)
@@ -791,6 +792,7 @@ class Pool:
         if self.copies is not None:
             self.copies.close()
         if self.ring is not None:
+            input_wait.ring_gone(self._ring_bytes)
             if self.leases is not None:
                 self.leases.close_ring()  # batches handed out as views may still read it: the last one closes it
             else:

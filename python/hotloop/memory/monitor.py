@@ -201,6 +201,7 @@ class MemoryMonitor:
         if self._sampler is None and self.torch_device is None:
             _say_no_gpu(self.nvml_reason)
         self._loader_start = input_wait.snapshot()
+        self._ring_window = input_wait.open_window()
         self._oom = None
         self._t0 = time.monotonic()
         if self._sampler is not None:
@@ -364,6 +365,7 @@ class MemoryMonitor:
             except (_C.NvmlError, ValueError):
                 pass
         loader_end = input_wait.snapshot()
+        r.loader_ring_bytes = input_wait.close_window(self._ring_window) or None
         if loader_end["batches"] > self._loader_start["batches"]:  # a hotloop.DataLoader fed this run
             r.loader_wait_s = loader_end["wait_seconds"] - self._loader_start["wait_seconds"]
             r.stall_fraction = r.loader_wait_s / r.duration_s if r.duration_s > 0 else 0.0

@@ -62,6 +62,7 @@ class MemoryReport:
     # hotloop.DataLoader
     loader_wait_s: float = None
     stall_fraction: float = None
+    loader_ring_bytes: int = None  # the most host shared memory hotloop.DataLoader rings held at once
     # model=
     modules: list = dataclasses.field(default_factory=list)
     autocast_seen: bool = None

@@ -66,6 +66,9 @@ def format_report(r) -> str:
             rows.append(("NVML errors", f"{e['count']}, first: {e['call']}: {e['text']} ({e['code']})"))
     if r.stall_fraction is not None:
         rows.append(("data loader stalls", f"{100 * r.stall_fraction:.1f} % of the time ({r.loader_wait_s:.2f} s)"))
+    if r.loader_ring_bytes:
+        rows.append(("data loader rings", f"{format_size(r.loader_ring_bytes)} of host shared memory at most "
+                     "(page-locked with device=)"))
     if r.oom:
         o = r.oom
         rows.append(("OUT OF MEMORY", f"asked for {format_size(o.get('requested_bytes'))} with {format_size(o.get('free_bytes'))}"
