@@ -35,6 +35,7 @@ from collections import defaultdict
 import torch
 
 from .. import _C
+from .._arguments import expect_count, expect_number
 from . import device_grads
 
 _logger = logging.getLogger(__name__)
@@ -121,17 +122,11 @@ def _device_type(device):
 
 
 def _number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    return value
+    return expect_number("GradScaler", name, value)
 
 
 def _interval(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value}")
-    return value
+    return expect_count("GradScaler", name, value, least=1)
 
 
 def _check_factors(growth_factor, backoff_factor, growth_interval):
@@ -422,8 +417,12 @@ class GradScaler:
             self._last_found_inf = self._sum_found(found.values())
 
     def _sum_found(self, found):
-        """The found_inf values added on the scale's device, as torch combines them (no host sync)."""
+        """The found_inf values added on the scale's device, as torch combines them (no host sync); one
+        already there is itself (no addition launched: this runs every step)."""
         dev = self._scale.device
+        found = list(found)
+        if len(found) == 1 and found[0].device == dev:
+            return found[0]
         return sum(f.to(dev, non_blocking=dev.type == "cuda") for f in found)
 
     # ---- torch's public methods ----
@@ -555,8 +554,7 @@ class GradScaler:
                     self._check_inf_per_device(optimizer)
                 found = optimizer_state["found_inf_per_device"]
                 # torch's: the found_infs added on the scale's device (the optimizer moves it to each of its own)
-                found_inf = next(iter(found.values())) if len(found) == 1 and \
-                    next(iter(found)) == self._scale.device else self._sum_found(found.values())
+                found_inf = self._sum_found(found.values())
                 pending = self._pending.pop(id(optimizer), None)
                 user_scale = getattr(optimizer, "grad_scale", None)
                 if pending is not None:
