@@ -178,6 +178,8 @@ static int exec_module(PyObject *module) {
         return -1;
     if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0)
         return -1;
+    if (hl_image_resize_exec(module) < 0)
+        return -1;
     return 0;
 }
 

@@ -64,5 +64,6 @@ int hl_monitor_exec(PyObject *module);
 int hl_nvml_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */
 int hl_normalize_exec(PyObject *module);
+int hl_image_resize_exec(PyObject *module);
 
 #endif
