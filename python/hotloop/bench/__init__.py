@@ -7,4 +7,5 @@ COMPONENTS = {
     "scaler": "hotloop.bench.scaler",
     "monitor": "hotloop.bench.monitor",
     "loader": "hotloop.bench.loader",
+    "images": "hotloop.bench.images",
 }
