@@ -3,8 +3,12 @@ iterators; the underscore modules beside it are the machinery they drive: _pool 
 the ring, copies out of it), _worker (the worker loop), _launcher (forks workers 1..), _batch and
 _rows (a batch's layout in a slot), _device (copies to the GPU), _prefetch (the thread that queues
 them), _resume (state_dict), _rng (worker RNG states), _messages (what the processes send each
-other), _shutdown (what ends at interpreter exit)."""
+other), _shutdown (what ends at interpreter exit). The image path (gpu_decode) is in gpu_decode (the option),
+image_plan (the transform as one kernel's parameters), image_source (the workers' half),
+image_stage (the main process's half), image_resize (the kernel) and nvjpeg (the decoder)."""
 from .dataloader import DataLoader, LoaderStats
+from .gpu_decode import GpuDecode
+from .image_source import EncodedImageDataset
 from .normalize import Normalize
 
-__all__ = ["DataLoader", "LoaderStats", "Normalize"]
+__all__ = ["DataLoader", "EncodedImageDataset", "GpuDecode", "LoaderStats", "Normalize"]

@@ -10,6 +10,7 @@ import torch
 
 from .. import _C, input_wait
 from ._batch import leaf_bytes, unflatten
+from .image_stage import encoded_parts
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
 # torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
@@ -158,8 +159,14 @@ class DeviceCopies:
             self.alloc_event = cuda.event(False)
         consumer = cuda.current_stream()
         outs, triples, staged, keep, nbytes = [], [], [], [], 0
-        for off, dtype, shape in leaves:
+        images = self.loader.gpu_decode
+        parts = encoded_parts(spec) if images is not None else None
+        packed = {s[1] for s in parts if s[0] == "T"} if parts is not None else ()
+        for k, (off, dtype, shape) in enumerate(leaves):
             size = torch.Size(shape).numel() * dtype.itemsize
+            if k in packed:  # read where it lies, in the slot (image_stage.py)
+                outs.append(None)
+                continue
             nbytes += size
             if tf is not None and tf.applies_to(dtype, shape):
                 staging = cuda.empty(shape, torch.uint8)
@@ -172,6 +179,9 @@ class DeviceCopies:
                 t = cuda.empty(shape, dtype)
                 triples += (off, t.data_ptr(), size)
                 outs.append(t)
+        if parts is not None:
+            host = [slot_leaf(ring, slot, leaves, s) for s in parts]
+            prepared = images.prepare(host[0], cuda.empty)
         if slot not in self.pinned:
             self._pin(ring, slot)  # what the ring's pinning thread has not page-locked yet
         side = self.copy_stream
@@ -186,9 +196,14 @@ class DeviceCopies:
         cuda.record(timing[1], side)
         for staging, mem in staged:
             cuda.run_transform(tf, staging, mem, side)
+        result = unflatten(spec, outs)
+        if parts is not None:
+            result[0], buffers = images.launch(prepared, host[1], host[2], side)
+            keep += buffers
+            outs.append(result[0])
         event = self._event()
         cuda.record(event, side)
-        return Pending(slot, event, unflatten(spec, outs), keep, consumer, outs, nbytes, timing)
+        return Pending(slot, event, result, keep, consumer, outs, nbytes, timing)
 
     def deliver(self, pending, release):
         """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""
@@ -248,6 +263,19 @@ class DeviceCopies:
         self.event_pool = []
         self.timing_pool = []
         self.alloc_event = None
+
+
+def slot_leaf(ring, slot, leaves, leaf_spec):
+    """A batch leaf as a CPU tensor where it lies in the slot (("T", k)), or the tensor itself when
+    it travelled in the spec (("O", t): too big for the slot)."""
+    if leaf_spec[0] != "T":
+        return leaf_spec[1]
+    off, dtype, shape = leaves[leaf_spec[1]]
+    count = torch.Size(shape).numel()
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(ring.view(slot), dtype=torch.uint8, count=count * dtype.itemsize,
+                            offset=off).view(dtype).view(shape)
 
 
 def page_round(nbytes):

@@ -19,7 +19,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .. import _C, input_wait
 from ._batch import unflatten
-from ._device import DeviceCopies, page_round, slot_layout
+from ._device import DeviceCopies, page_round, slot_layout, slot_leaf
+from .image_stage import encoded_parts
 from ._launcher import LaunchedWorker, Launcher
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, UseRing)
@@ -696,6 +697,9 @@ class Pool:
         it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
         it. torch's pinned allocator keeps a block until events recorded on the streams that used it
         completed; a lease sees no such event."""
+        images = self.loader.gpu_decode
+        if images is not None and encoded_parts(spec) is not None:
+            return self.images_out(slot, spec, leaves, images, pin)
         tf = self.loader.gpu_transform
         outs, triples = [], []
         view = parts = None
@@ -735,6 +739,21 @@ class Pool:
         else:
             self.loader.stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
+
+    def images_out(self, slot, spec, leaves, images, pin):
+        """gpu_decode without a device: the packed batch decoded and resized on the CPU, from the slot."""
+        try:
+            host = [slot_leaf(self.ring, slot, leaves, s) for s in encoded_parts(spec)]
+            outs = [None] * len(leaves)
+            for k, (off, dtype, shape) in enumerate(leaves):
+                if all(s != ("T", k) for s in encoded_parts(spec)):
+                    outs[k] = slot_leaf(self.ring, slot, leaves, ("T", k)).clone()
+            batch = unflatten(spec, outs)
+            batch[0] = images.run(*host, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin))[0]
+            del host
+        finally:
+            self.release_slot(slot)
+        return batch
 
     def collect_leases(self):
         """Free the slots whose leased tensors are all gone."""

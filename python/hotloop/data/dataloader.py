@@ -50,6 +50,9 @@ from ._pool import POLL_S, Pool, Task
 from ._prefetch import Prefetcher
 from ._resume import EpochLog, Plan
 from ._worker import WorkerSpec
+from .gpu_decode import ImagePipeline
+from .image_source import MARKER
+from .image_stage import ImageStage, is_encoded_batch
 from .normalize import Normalize
 
 __all__ = ["DataLoader", "LoaderStats"]
@@ -74,6 +77,11 @@ class LoaderStats:
     view_batches: int = 0  # CPU batches handed out as views of their ring slot (no copy out of the ring)
     register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
     worker_restarts: int = 0
+    decoder: str = None  # gpu_decode: what decodes the images (None: gpu_decode off or not started)
+    images_gpu_decoded: int = 0  # images nvjpeg decoded
+    images_cpu_decoded: int = 0  # images the workers decoded (CPU backend; PNG, CMYK, progressive, truncated files)
+    images_refused: int = 0  # images nvjpeg refused, decoded by PIL in the main process instead
+    images_cpu_pipeline: int = 0  # images the dataset's own transform made (a CenterCrop larger than the image)
 
     @property
     def stall_fraction(self) -> float:
@@ -114,6 +122,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
         too when device is None).
     max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.
+    gpu_decode: True, a backend name or a hotloop.GpuDecode: for a torchvision ImageFolder /
+        DatasetFolder (default loader) or a hotloop.EncodedImageDataset whose transform is made of
+        RandomResizedCrop, Resize, CenterCrop, RandomHorizontalFlip, ToTensor / PILToTensor /
+        ToImage + ToDtype and Normalize (v1 or v2), workers only read the files and draw the random
+        crops and flips (the transform's own draws: the same as the CPU pipeline's for the same
+        seed); JPEGs are decoded by the GPU's hardware decoders (nvjpeg) and one kernel crops,
+        resizes, flips and normalises the batch. Anything else warns and runs as torch would; see
+        hotloop.GpuDecode for backends, dtype and layout, and loader.stats.decoder for what ran.
 
     A replacement starts from its predecessor's RNG states after the last batch the main process
     has from it (map-style), so redone batches equal those it would have made. An IterableDataset
@@ -129,7 +145,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  collate_fn=None, pin_memory=False, drop_last=False, timeout=0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor=None, persistent_workers=False,
                  pin_memory_device="", in_order=True, device=None, prefetch_batches=2, gpu_transform=None,
-                 max_worker_restarts=3):
+                 max_worker_restarts=3, gpu_decode=None):
         # torch checks num_workers < 0 (in its words, below); a float passed it and failed at iter() in range()
         expect_int("DataLoader", "num_workers", num_workers)
         expect_count("DataLoader", "prefetch_batches", prefetch_batches)
@@ -155,6 +171,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_iter = None  # weak reference to the live iterator
         self._hl_plan = None  # the loaded state, as the next multi-worker iterator applies it
         self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
+        kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
+        images = ImagePipeline.make(gpu_decode, dataset, collate_fn, self.batch_size, kind)
+        self.gpu_decode = ImageStage(images, self.device, self._hl_stats) if images is not None else None
 
     @property
     def stats(self) -> LoaderStats:
@@ -326,6 +345,8 @@ def _host_batch_out(loader, batch, pin):
     """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
     through the transform, as the ring path would deliver it."""
     device, tf = loader.device, loader.gpu_transform
+    if loader.gpu_decode is not None and is_encoded_batch(batch):
+        batch[0] = _host_images(loader, batch[0])
     if device is None and tf is None:
         if pin:
             from torch.utils.data._utils.pin_memory import pin_memory
@@ -345,6 +366,32 @@ def _host_batch_out(loader, batch, pin):
     return unflatten(spec, outs)
 
 
+def _swap_in_images(it, loader) -> bool:
+    """gpu_decode: the iterator's workers (or its own thread) index the image path's samples and
+    collate them into packed batches; the decoder opens first, since what a sample holds (JPEG
+    bytes or pixels) depends on it. False when gpu_decode is off."""
+    stage = loader.gpu_decode
+    if stage is None:
+        return False
+    backend = stage.open()
+    it._dataset = stage.pipeline.worker_dataset(backend)
+    it._collate_fn = stage.pipeline.collate_fn()
+    return True
+
+
+def _host_images(loader, packed):
+    """A packed image batch that came whole: decoded and resized on the current stream (the CPU
+    without a device), waiting for it (a batch too big for the ring, or one that came through a pipe)."""
+    stage, device = loader.gpu_decode, loader.device
+    parts = [packed[k] for k in (MARKER, "data", "done")]
+    if device is None:
+        return stage.run(*parts, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]
+    stream = torch.cuda.current_stream(device)
+    images, _ = stage.run(*parts, stream.cuda_stream, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
+    stream.synchronize()  # the host bytes are the batch's own, freed when this returns
+    return images
+
+
 class _SingleIter(_SingleProcessDataLoaderIter):
     """num_workers=0: torch's own single-process iterator, plus device, transform, stats and resume.
 
@@ -355,6 +402,9 @@ class _SingleIter(_SingleProcessDataLoaderIter):
 
     def __init__(self, loader):
         super().__init__(loader)
+        if _swap_in_images(self, loader):
+            self._dataset_fetcher = _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
+                                                                self._collate_fn, self._drop_last)
         self._loader = loader
         self._last_return = None
         self._prepared = collections.deque()  # (Pending or batch or _Raise, samples), oldest first
@@ -493,6 +543,7 @@ class _MultiIter(_BaseDataLoaderIter):
             # stands in for torch's reset of that iterator, which draws no new worker seed
             generator_state = loader._generator().get_state()
         super().__init__(loader)
+        _swap_in_images(self, loader)
         # torch starts its workers here, before _reset draws another: a DataPipe's first epoch is seeded with this one
         self._first_shared_seed = self._shared_seed
         if carry_on:

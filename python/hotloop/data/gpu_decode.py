@@ -1,0 +1,118 @@
+"""hotloop.GpuDecode: the DataLoader's gpu_decode= option, and what it resolves to for one loader."""
+import functools
+import os
+import random
+import warnings
+
+import torch
+
+from .image_plan import ImagePlan
+from .image_source import EncodedSamples, ImageSource, collate_encoded
+
+BACKENDS = ("auto", "hardware", "cuda", "cpu")
+_SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
+_SIZE_MARGIN = 1.5  # the first batch reserves this many times a mean batch's bytes in the ring
+
+
+class GpuDecode:
+    """How hotloop.DataLoader(..., gpu_decode=GpuDecode(...)) decodes images (gpu_decode=True is
+    GpuDecode()).
+
+    backend: "auto" (default): nvjpeg's hardware JPEG decoders where the GPU has them (A100, H100,
+        H200, ...), else decoding in the workers with PIL: the GPU's SMs are left to training, since
+        decoding on them slowed a ResNet-50 step by 41 % on an H200. "hardware", "cuda" (nvjpeg on
+        the SMs) or "cpu" (the workers decode) force one; a forced GPU backend that cannot run raises.
+        Whatever the backend, the crop, resize, flip and normalisation run as one GPU kernel.
+    dtype: the images' dtype: None (the default) is what the transform makes (float32 after
+        ToTensor); float16 or bfloat16 halve the bytes (autocast takes them as they are).
+    channels_last: images in channels_last memory format (what a convolutional net under AMP
+        runs fastest on), else contiguous NCHW as torch's pipeline makes them.
+    """
+
+    def __init__(self, backend="auto", dtype=None, channels_last=False):
+        if backend not in BACKENDS:
+            raise ValueError(f"GpuDecode: expected backend in {BACKENDS}, got {backend!r}")
+        if dtype not in (None, torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+            raise TypeError(f"GpuDecode: expected dtype None, float32, float16, bfloat16 or uint8, got {dtype}")
+        if not isinstance(channels_last, bool):
+            raise TypeError(f"GpuDecode: expected channels_last to be a bool, got {type(channels_last).__name__}")
+        self.backend, self.dtype, self.channels_last = backend, dtype, channels_last
+
+    def __repr__(self):
+        return f"GpuDecode(backend={self.backend!r}, dtype={self.dtype}, channels_last={self.channels_last})"
+
+    @classmethod
+    def from_argument(cls, value):
+        """gpu_decode= as given: None/False (off), True, a backend name, or a GpuDecode."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, str):
+            return cls(backend=value)
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"DataLoader: expected gpu_decode=True/False, a backend name {BACKENDS} or a "
+                        f"hotloop.GpuDecode, got {type(value).__name__}")
+
+
+class ImagePipeline:
+    """One loader's image path: the source, the plan and the options. Made by the DataLoader when
+    gpu_decode is on and the dataset and transform are recognised; None (with a warning that says
+    why) otherwise, and the loader runs the dataset's own pipeline as torch would."""
+
+    def __init__(self, config, source, plan, batch_size):
+        self.config, self.source, self.plan = config, source, plan
+        self.batch_size = batch_size or 1
+        self.out_dtype = config.dtype if config.dtype is not None else plan.dtype
+        if self.out_dtype != torch.uint8 and plan.dtype == torch.uint8:
+            raise TypeError(f"DataLoader: gpu_decode with dtype={config.dtype}, but the transform makes uint8 "
+                            "images (no ToTensor / ToDtype): ask for dtype=None or torch.uint8, or convert "
+                            "in the transform")
+        self.capacity = _batch_bytes_estimate(source, self.batch_size)
+
+    @classmethod
+    def make(cls, value, dataset, collate_fn, batch_size, loader_kind):
+        config = GpuDecode.from_argument(value)
+        if config is None:
+            return None
+        source, why = ImageSource.of(dataset)
+        plan = ImagePlan.of(source.transform) if source is not None else None
+        if source is not None and plan is None:
+            why = f"its transform {source.transform!r} holds a step hotloop does not run on the GPU"
+        if source is not None and collate_fn is not None:
+            why = "a collate_fn was given (gpu_decode makes the batch itself, as default_collate would)"
+        if loader_kind != "map":
+            why = "gpu_decode needs a map-style dataset with automatic batching (batch_size not None)"
+        if why is not None:
+            warnings.warn(f"hotloop.DataLoader: gpu_decode is off: {why}; the dataset's own pipeline runs "
+                          "in the workers, as with torch", stacklevel=3)
+            return None
+        return cls(config, source, plan, batch_size)
+
+    def worker_dataset(self, backend):
+        """What the workers index: JPEG bytes travel when the decoder is on the GPU."""
+        gpu = backend in ("hardware", "cuda")
+        return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity)
+
+    def collate_fn(self):
+        return functools.partial(collate_encoded, capacity=self.capacity)
+
+
+def _batch_bytes_estimate(source, batch_size):
+    """Bytes a batch's data tensor reserves: sampled file sizes of an ImageFolder (os.stat only),
+    times the batch size, with a margin; 0 (size from the first batch) for other sources."""
+    samples = getattr(source.dataset, "samples", None)
+    if not samples:
+        return 0
+    rng = random.Random(0)
+    picks = [samples[rng.randrange(len(samples))][0] for _ in range(min(_SIZE_SAMPLE, len(samples)))]
+    sizes = []
+    for path in picks:
+        try:
+            sizes.append(os.stat(path).st_size)
+        except OSError:
+            pass
+    if not sizes:
+        return 0
+    return int(sum(sizes) / len(sizes) * batch_size * _SIZE_MARGIN)

@@ -1,0 +1,190 @@
+"""The main process's half of gpu_decode: a packed batch (image_source.py) to one image tensor.
+
+Per batch, on the loader's side stream: the JPEG bytes, still in the ring slot (page-locked), go to
+nvjpeg in one batched call that decodes into one device buffer; the crop boxes that workers decoded
+themselves are copied into the same buffer; then one kernel crops, resizes, flips and normalises
+every image into the batch (image_resize.py). An image nvjpeg refused is decoded here by the
+dataset's own loader (PIL, whose error is the CPU pipeline's) and joins the rest. Without a device
+the same steps run on the CPU, the kernel's C reference resizing: what the CPU tests check.
+"""
+import array
+import dataclasses
+
+import numpy as np
+import torch
+
+from .. import _C
+from . import image_resize
+from .image_source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
+
+_K = {name: column(name) for name in COLUMNS}
+
+
+def encoded_parts(spec):
+    """(table, data, done) spec leaves of a packed batch's spec, or None for any other batch. A
+    packed batch is [{MARKER: table, "data": ..., "done": ...}, targets] (collate_encoded)."""
+    if spec[0] != "L" or len(spec[1]) != 2 or spec[1][0][0] != "D":
+        return None
+    items = dict(spec[1][0][1])
+    if MARKER not in items:
+        return None
+    return items[MARKER], items["data"], items["done"]
+
+
+def is_encoded_batch(batch) -> bool:
+    return type(batch) is list and len(batch) == 2 and type(batch[0]) is dict and MARKER in batch[0]
+
+
+@dataclasses.dataclass
+class _Prepared:
+    rows: list  # the table, as lists of ints
+    places: list  # each row's offset in buf
+    out: torch.Tensor  # the images, NCHW-shaped
+    mem: torch.Tensor  # their memory, in the kernel's order
+    buf: torch.Tensor  # decoded pixels of every image
+    table_dev: torch.Tensor  # the kernel's entry table on the device (None on the CPU)
+
+
+class ImageStage:
+    """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
+    bytes) and the per-batch work. One thread at a time uses it (the loader's epoch lock)."""
+
+    def __init__(self, pipeline, device, stats):
+        self.pipeline = pipeline
+        self.stats = stats  # the loader's LoaderStats: the images_* counts and decoder
+        self.device = device  # torch.device("cuda", n) or None
+        self.decoder = None
+        self.backend = None  # "hardware", "cuda" or "cpu" once opened
+        self.reason = None  # why auto did not take the hardware decoder
+
+    def open(self):
+        if self.backend is not None:
+            return self.backend
+        wanted = self.pipeline.config.backend
+        if self.device is None or wanted == "cpu":
+            self.backend = "cpu"
+            if self.device is None and wanted in ("hardware", "cuda"):
+                raise ValueError(f"DataLoader: gpu_decode backend {wanted!r} needs device='cuda'")
+            self.stats.decoder = self.description
+            return self.backend
+        from .nvjpeg import open_decoder
+        tried = ["hardware"] if wanted in ("auto", "hardware") else ["cuda"]
+        try:
+            self.decoder = open_decoder(self.device.index, tried[0], self.pipeline.batch_size)
+            self.backend = tried[0]
+        except RuntimeError as exc:
+            if wanted != "auto":
+                raise
+            # not the SMs: on an H200 they slowed a ResNet-50 step by 41 % decoding beside it
+            self.backend, self.reason = "cpu", str(exc)
+        self.stats.decoder = self.description
+        return self.backend
+
+    def close(self):
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+
+    @property
+    def description(self):
+        if self.backend is None:
+            return None
+        if self.backend == "cpu":
+            return "cpu (workers decode with PIL)" + (f"; no hardware decoder: {self.reason}" if self.reason else "")
+        return f"nvjpeg {self.backend} ({self.decoder.library if self.decoder is not None else '?'})"
+
+    def prepare(self, table, empty):
+        """Read the batch's table and allocate what it needs (output, decode buffer, entry table) on
+        the output device, for the current stream: all allocation comes before the caller orders its
+        side stream after the consumer's (DeviceCopies.copy_to_device). `empty(shape, dtype)`
+        allocates the buffers."""
+        rows = table.tolist()
+        c = self.pipeline
+        out, mem = image_resize.empty_batch(len(rows), c.plan.out_size, c.out_dtype, self.device or "cpu",
+                                            c.config.channels_last)
+        places, total = [], 0  # where each row's decoded pixels go in the buffer
+        for r in rows:
+            size = r[_K["src_h"]] * r[_K["src_w"]] * 3 if r[_K["kind"]] != DONE else 0
+            places.append(total)
+            total += (size + 255) // 256 * 256  # images start aligned for the kernel's loads
+        buf = empty((max(total, 256),), torch.uint8)  # never empty: a stand-in entry reads its first pixel
+        table_dev = empty((len(rows) * _C.IMAGE_ENTRY_BYTES,), torch.uint8) if self.device is not None else None
+        return _Prepared(rows, places, out, mem, buf, table_dev)
+
+    def launch(self, prepared, data, done, stream):
+        """Queue the batch's decode, uploads and kernel on `stream` (0 on the CPU). data's memory must
+        stay put until the stream has passed them (a ring slot, released after the batch's event).
+        Returns (images NCHW-shaped, device buffers to keep until the stream passed them)."""
+        p = prepared
+        base = p.buf.data_ptr()
+        self._decode(p, data, stream)
+        entries = []
+        for k, r in enumerate(p.rows):
+            kind = r[_K["kind"]]
+            if kind == PIXELS:
+                self.stats.images_cpu_decoded += 1
+                self._upload(p.buf, p.places[k], data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]], stream)
+            if kind == DONE:
+                # a stand-in that reads one pixel; _place_done overwrites its output after the kernel
+                self.stats.images_cpu_pipeline += 1
+                h, w = self.pipeline.plan.out_size
+                entries.append((base, 3, 1, 1, 0, 0, 1, 1, h, w, 0, 0, 0, 3))
+                continue
+            entries.append((base + p.places[k], r[_K["src_w"]] * 3, r[_K["src_h"]], r[_K["src_w"]],
+                            r[_K["box_top"]], r[_K["box_left"]], r[_K["box_h"]], r[_K["box_w"]],
+                            r[_K["resized_h"]], r[_K["resized_w"]], r[_K["out_top"]], r[_K["out_left"]],
+                            r[_K["flip"]], 3))
+        c = self.pipeline
+        image_resize.resize_batch(image_resize.pack_entries(entries), len(entries), p.mem, c.config.channels_last,
+                                  c.plan.mean, c.plan.std, c.plan.scale, stream, p.table_dev)
+        for k, r in enumerate(p.rows):
+            if r[_K["kind"]] == DONE:
+                self._place_done(p.out, k, done[r[_K["offset"]]], stream)
+        return p.out, [b for b in (p.buf, p.table_dev) if b is not None]
+
+    def run(self, table, data, done, stream, empty):
+        """prepare then launch: for callers that allocate on the stream they queue on."""
+        return self.launch(self.prepare(table, empty), data, done, stream)
+
+    def _decode(self, p, data, stream):
+        """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here."""
+        encoded = [k for k, r in enumerate(p.rows) if r[_K["kind"]] == ENCODED]
+        if not encoded:
+            return
+        base, data_addr = p.buf.data_ptr(), data.data_ptr()
+        sources, dests = array.array("q"), array.array("q")
+        for k in encoded:
+            r = p.rows[k]
+            sources += array.array("q", (data_addr + r[_K["offset"]], r[_K["length"]]))
+            dests += array.array("q", (base + p.places[k], r[_K["src_w"]] * 3))
+        statuses = self.decoder.decode(sources.tobytes(), dests.tobytes(), len(encoded), stream)
+        for k, status in zip(encoded, statuses):
+            if status == 0:
+                self.stats.images_gpu_decoded += 1
+                continue
+            self.stats.images_refused += 1
+            r = p.rows[k]
+            raw = data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]].numpy().tobytes()
+            image = self.pipeline.source.load(raw, r[_K["index"]])  # PIL's error, if it has one
+            pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
+            if pixels.shape != (r[_K["src_h"]], r[_K["src_w"]], 3):
+                raise RuntimeError(f"gpu_decode: image {r[_K['index']]} decodes to {pixels.shape[:2]}, but its "
+                                   f"JPEG header says {(r[_K['src_h']], r[_K['src_w']])}")
+            self._upload(p.buf, p.places[k], torch.from_numpy(pixels).view(-1), stream)
+
+    def _upload(self, buf, place, src, stream):
+        """Host bytes into the decode buffer at `place`: from the slot (page-locked) a DMA on the
+        stream; from pageable memory cudaMemcpyAsync stages them before it returns."""
+        nbytes = src.numel()
+        if self.device is None:
+            buf[place:place + nbytes].copy_(src)
+            return
+        _C.cuda_memcpy_htod_async(buf.data_ptr() + place, src.data_ptr(), nbytes, stream)
+
+    def _place_done(self, out, k, image, stream):
+        """A finished CPU-pipeline image (C, H, W) into output k, in the output's dtype."""
+        if self.device is None:
+            out[k].copy_(image)
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+            out[k].copy_(image.to(self.device, non_blocking=False))

@@ -1,0 +1,305 @@
+"""gpu_decode on the CPU: the transform read as one kernel's parameters, draws equal to torchvision's,
+fallbacks, bad files, and whole batches against torch's DataLoader running the CPU pipeline.
+
+Without a device the image path still runs: workers decode with PIL (the CPU backend) and the
+kernel's C reference resizes. Bound: the resize rounds as PIL's does, so an image differs from the
+CPU pipeline's by at most 1 level of 255 before normalising (asserted on every element)."""
+import array
+import ctypes
+import io
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms as v1
+import torchvision.transforms.v2 as v2
+from PIL import Image
+from torch.utils.data import DataLoader as TorchDataLoader
+from torchvision.datasets import ImageFolder
+
+import hotloop
+from hotloop.data.image_plan import ImagePlan
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+LEVEL = 1 / 255 / min(STD) + 1e-5  # one level of 255, normalised
+
+
+def _photo(rng, h, w):
+    """Smooth content with some noise: compresses like a photo, not like white noise."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    base = [np.sin(x / rng.uniform(5, 30) + rng.uniform(0, 6)) * np.cos(y / rng.uniform(5, 30)) for _ in range(3)]
+    img = np.stack(base, -1) * 100 + 128 + rng.normal(0, 12, (h, w, 3))
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+
+
+def make_folder(root, n=24, classes=3, seed=None, sizes=(40, 140), extra=()):
+    """An ImageFolder of JPEGs (plus `extra`: (name, bytes) files in class 0)."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        os.makedirs(os.path.join(root, f"c{c}"), exist_ok=True)
+    for i in range(n):
+        h, w = (int(v) for v in rng.integers(*sizes, size=2))
+        _photo(rng, h, w).save(os.path.join(root, f"c{i % classes}", f"{i:04d}.jpg"), quality=90)
+    for name, data in extra:
+        with open(os.path.join(root, "c0", name), "wb") as f:
+            f.write(data)
+    return root
+
+
+def encoded(image, fmt="JPEG", **kw):
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+TRAIN_V1 = lambda size: v1.Compose([v1.RandomResizedCrop(size), v1.RandomHorizontalFlip(), v1.ToTensor(),
+                                    v1.Normalize(MEAN, STD)])
+TRAIN_V2 = lambda size: v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(),
+                                    v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+EVAL_V1 = lambda size: v1.Compose([v1.Resize(size + size // 7), v1.CenterCrop(size), v1.ToTensor(), v1.Normalize(MEAN, STD)])
+EVAL_V2 = lambda size: v2.Compose([v2.Resize(size + size // 7), v2.CenterCrop(size), v2.PILToTensor(),
+                                   v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+
+
+@pytest.mark.parametrize("make", [TRAIN_V1, TRAIN_V2, EVAL_V1, EVAL_V2])
+def test_plan_reads_the_usual_pipelines(make):
+    plan = ImagePlan.of(make(32))
+    assert plan is not None and plan.out_size == (32, 32)
+    assert plan.mean == MEAN and plan.std == STD and plan.scale == 255.0 and plan.dtype == torch.float32
+
+
+@pytest.mark.parametrize("transform", [
+    v1.Compose([v1.RandomResizedCrop(32), v1.ColorJitter(0.2), v1.ToTensor()]),  # a step it does not move
+    v1.Compose([v1.RandomResizedCrop(32, interpolation=v1.InterpolationMode.BICUBIC), v1.ToTensor()]),
+    v1.Compose([v1.Resize(40), v1.RandomResizedCrop(32), v1.ToTensor()]),  # two resamplings
+    v1.Compose([v1.Resize(40), v1.ToTensor()]),  # the size depends on the image
+    v1.Compose([v1.ToTensor(), v1.RandomResizedCrop(32)]),  # geometry on floats
+    v1.Compose([v1.RandomResizedCrop(32)]),  # a PIL image out
+    v1.Compose([v1.RandomResizedCrop(32), v1.ToTensor(), v1.Lambda(lambda x: x * 2)]),
+    None,
+])
+def test_plan_declines_what_it_cannot_do(transform):
+    assert ImagePlan.of(transform) is None
+
+
+@pytest.mark.parametrize("make", [TRAIN_V1, TRAIN_V2])
+def test_draws_are_the_transforms_own(make):
+    """For a seed, draw() makes as many generator draws as the transform on a PIL image of that size,
+    and they give torchvision's own crop box and flip. (Whole batches against the CPU pipeline, below,
+    show the crops are the ones the transform makes.)"""
+    t = make(24)
+    plan = ImagePlan.of(t)
+    rng = np.random.default_rng()
+    for _ in range(200):
+        h, w = (int(v) for v in rng.integers(8, 300, size=2))
+        seed = int(rng.integers(2**31))
+        torch.manual_seed(seed)
+        geo = plan.draw(h, w)
+        after_plan = torch.rand(4)
+        torch.manual_seed(seed)
+        t(Image.new("RGB", (w, h)))
+        after_transform = torch.rand(4)
+        assert torch.equal(after_plan, after_transform)  # the same number of draws
+        torch.manual_seed(seed)
+        probe = v1.RandomResizedCrop.get_params(torch.zeros(()).expand(3, h, w), (0.08, 1.0), (3 / 4, 4 / 3))
+        flip = bool(torch.rand(1) < 0.5)
+        assert (geo.box_top, geo.box_h, geo.box_w, geo.flip) == (probe[0], probe[2], probe[3], flip)
+        assert geo.box_left == probe[1]  # the flip comes after the crop: the box is not mirrored
+
+
+def test_a_flip_before_the_crop_mirrors_the_box():
+    plan = ImagePlan.of(v1.Compose([v1.RandomHorizontalFlip(p=1.0), v1.RandomResizedCrop(16), v1.ToTensor()]))
+    for seed in range(50):
+        torch.manual_seed(seed)
+        geo = plan.draw(60, 90)
+        torch.manual_seed(seed)
+        torch.rand(1)
+        top, left, h, w = v1.RandomResizedCrop.get_params(torch.zeros(()).expand(3, 60, 90), (0.08, 1.0), (3 / 4, 4 / 3))
+        assert (geo.box_top, geo.box_left, geo.box_h, geo.box_w, geo.flip) == (top, 90 - left - w, h, w, 1)
+
+
+def _batches(loader, seed=0):
+    torch.manual_seed(seed)  # num_workers=0: the transform draws from the main process's generator
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def _compare(ours, theirs):
+    assert len(ours) == len(theirs)
+    for (x, y), (tx, ty) in zip(ours, theirs):
+        assert torch.equal(y, ty)
+        assert x.shape == tx.shape and x.dtype == tx.dtype
+        diff = (x.float() - tx.float()).abs().max().item()
+        assert diff <= LEVEL, f"max difference {diff} > one level ({LEVEL})"
+
+
+@pytest.mark.parametrize("make", [TRAIN_V1, TRAIN_V2, EVAL_V1, EVAL_V2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_match_the_cpu_pipeline(tmp_path, make, workers):
+    root = make_folder(str(tmp_path), n=22)
+    seed = random.randrange(2**31)
+    ds = ImageFolder(root, transform=make(32))
+    theirs = _batches(TorchDataLoader(ds, batch_size=5, shuffle=True, num_workers=workers,
+                                      generator=torch.Generator().manual_seed(seed)))
+    loader = hotloop.DataLoader(ds, batch_size=5, shuffle=True, num_workers=workers,
+                                generator=torch.Generator().manual_seed(seed), gpu_decode=True)
+    _compare(_batches(loader), theirs)
+    st = loader.stats
+    assert st.decoder.startswith("cpu") and st.images_cpu_decoded == 22 and st.images_gpu_decoded == 0
+
+
+def test_files_the_jpeg_path_cannot_take_fall_back(tmp_path):
+    rng = np.random.default_rng()
+    photo = _photo(rng, 50, 70)
+    extra = [("png_named.jpg", encoded(photo, "PNG")), ("grey.jpg", encoded(photo.convert("L"))),
+             ("cmyk.jpg", encoded(photo.convert("CMYK"))), ("progressive.jpg", encoded(photo, progressive=True)),
+             ("real.png", encoded(photo, "PNG"))]
+    root = make_folder(str(tmp_path), n=10, extra=extra)
+    ds = ImageFolder(root, transform=TRAIN_V1(24))
+    seed = random.randrange(2**31)
+    theirs = _batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(seed)))
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(seed),
+                                gpu_decode=True)
+    _compare(_batches(loader), theirs)
+
+
+def test_center_crop_larger_than_the_image_runs_the_transform(tmp_path):
+    root = make_folder(str(tmp_path), n=8, sizes=(20, 60))
+    tf = v1.Compose([v1.CenterCrop(48), v1.ToTensor(), v1.Normalize(MEAN, STD)])
+    ds = ImageFolder(root, transform=tf)
+    theirs = _batches(TorchDataLoader(ds, batch_size=4))
+    loader = hotloop.DataLoader(ds, batch_size=4, gpu_decode=True)
+    _compare(_batches(loader), theirs)
+    assert loader.stats.images_cpu_pipeline > 0
+
+
+@pytest.mark.parametrize("bad", [b"\xff\xd8\xff\xe0 truncated", os.urandom(3000), b""])
+def test_a_bad_file_raises_what_pil_raises(tmp_path, bad):
+    root = make_folder(str(tmp_path), n=6, extra=[("bad.jpg", bad)])
+    ds = ImageFolder(root, transform=TRAIN_V1(24))
+    with pytest.raises(Exception) as theirs:
+        _batches(TorchDataLoader(ds, batch_size=7, num_workers=0))
+    with pytest.raises(type(theirs.value)) as ours:
+        _batches(hotloop.DataLoader(ds, batch_size=7, num_workers=0, gpu_decode=True))
+    assert str(ours.value) == str(theirs.value)  # PIL's words (naming the file where PIL does)
+
+
+def test_a_truncated_jpeg_raises_what_pil_raises(tmp_path):
+    whole = encoded(_photo(np.random.default_rng(), 80, 80))
+    root = make_folder(str(tmp_path), n=6, extra=[("cut.jpg", whole[:len(whole) // 2])])
+    ds = ImageFolder(root, transform=TRAIN_V1(24))
+    with pytest.raises(Exception) as theirs:
+        _batches(TorchDataLoader(ds, batch_size=7, num_workers=2))
+    with pytest.raises(type(theirs.value)) as ours:
+        _batches(hotloop.DataLoader(ds, batch_size=7, num_workers=2, gpu_decode=True))
+    assert str(theirs.value).splitlines()[-1] in str(ours.value)
+
+
+def test_unrecognised_pipelines_warn_and_run_as_torch(tmp_path):
+    root = make_folder(str(tmp_path), n=8)
+    ds = ImageFolder(root, transform=v1.Compose([v1.RandomResizedCrop(24), v1.ColorJitter(0.3), v1.ToTensor()]))
+    with pytest.warns(UserWarning, match="gpu_decode is off"):
+        loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, gpu_decode=True,
+                                    generator=torch.Generator().manual_seed(1))
+    theirs = _batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(1)))
+    for (x, y), (tx, ty) in zip(_batches(loader), theirs):
+        assert torch.equal(x, tx) and torch.equal(y, ty)
+    assert loader.gpu_decode is None and loader.stats.decoder is None
+
+
+def test_encoded_image_dataset_from_bytes():
+    rng = np.random.default_rng()
+    items = [(encoded(_photo(rng, int(rng.integers(30, 90)), int(rng.integers(30, 90)))), i % 4) for i in range(13)]
+    ds = hotloop.EncodedImageDataset(lambda i: items[i], len(items), transform=EVAL_V2(24))
+    theirs = _batches(TorchDataLoader(ds, batch_size=4))
+    loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, gpu_decode=True)
+    _compare(_batches(loader), theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_dtype_and_layout(tmp_path, dtype, channels_last):
+    root = make_folder(str(tmp_path), n=9)
+    ds = ImageFolder(root, transform=EVAL_V1(24))
+    theirs = _batches(TorchDataLoader(ds, batch_size=3))
+    loader = hotloop.DataLoader(ds, batch_size=3, gpu_decode=hotloop.GpuDecode(dtype=dtype, channels_last=channels_last))
+    ours = _batches(loader)
+    for (x, _), (tx, _) in zip(ours, theirs):
+        assert x.dtype == dtype and x.shape == tx.shape
+        assert x.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        tol = LEVEL + tx.abs().max().item() * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)
+        assert (x.float() - tx).abs().max().item() <= tol
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="backend"):
+        hotloop.GpuDecode(backend="nvdec")
+    with pytest.raises(TypeError, match="dtype"):
+        hotloop.GpuDecode(dtype=torch.int32)
+    with pytest.raises(TypeError, match="gpu_decode"):
+        hotloop.DataLoader(list(range(4)), gpu_decode=3)
+
+
+class PilDecoder:
+    """nvjpeg's part played by PIL on the CPU, so that CI runs the JPEG-bytes path: the stage hands
+    it host pointers and pitches as it would nvjpeg; it refuses every third image (status 1), as
+    nvjpeg refuses what it does not support, and those go to the stage's own fallback."""
+
+    library = "PIL, standing in for nvjpeg"
+
+    def __init__(self):
+        self.decoded = self.refused = 0
+
+    def decode(self, sources, dests, count, stream):
+        src, dst = array.array("q", sources), array.array("q", dests)
+        statuses = bytearray()
+        for k in range(count):
+            if k % 3 == 2:
+                statuses.append(1)
+                self.refused += 1
+                continue
+            data = ctypes.string_at(src[2 * k], src[2 * k + 1])
+            pixels = np.ascontiguousarray(np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+            h, w, _ = pixels.shape
+            for r in range(h):
+                ctypes.memmove(dst[2 * k] + r * dst[2 * k + 1], pixels[r].ctypes.data, w * 3)
+            statuses.append(0)
+            self.decoded += 1
+        return bytes(statuses)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers):
+    """Workers send JPEG bytes and headers; the stage decodes them in one call into its buffer,
+    decodes what the decoder refused itself, and the batches equal the CPU pipeline's."""
+    from hotloop.data.image_stage import ImageStage
+
+    decoder = PilDecoder()
+
+    def open_stand_in(self):
+        self.backend, self.decoder = "hardware", decoder
+        self.stats.decoder = self.description
+        return self.backend
+
+    monkeypatch.setattr(ImageStage, "open", open_stand_in)
+    photo = _photo(np.random.default_rng(), 60, 50)
+    extra = [("grey.jpg", encoded(photo.convert("L"))), ("cmyk.jpg", encoded(photo.convert("CMYK"))),
+             ("progressive.jpg", encoded(photo, progressive=True)), ("png_named.jpg", encoded(photo, "PNG"))]
+    root = make_folder(str(tmp_path), n=23, extra=extra)
+    ds = ImageFolder(root, transform=TRAIN_V2(28))
+    seed = random.randrange(2**31)
+    theirs = _batches(TorchDataLoader(ds, batch_size=6, shuffle=True, num_workers=workers,
+                                      generator=torch.Generator().manual_seed(seed)))
+    loader = hotloop.DataLoader(ds, batch_size=6, shuffle=True, num_workers=workers, gpu_decode=True,
+                                generator=torch.Generator().manual_seed(seed))
+    _compare(_batches(loader), theirs)
+    st = loader.stats
+    assert st.images_gpu_decoded == decoder.decoded > 0 and st.images_refused == decoder.refused > 0
+    # the CMYK, progressive and PNG files never reach the decoder: the workers decode them
+    assert st.images_cpu_decoded == 3
+    assert st.images_gpu_decoded + st.images_refused + st.images_cpu_decoded == len(ds)
