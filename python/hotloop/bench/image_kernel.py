@@ -1,4 +1,4 @@
-"""Benchmark rows for the image batch kernel: crop, resize, flip and normalise a batch of differently sized
+"""Benchmark rows for the image batch kernel (part of the images component, hotloop/bench/images.py): crop, resize, flip and normalise a batch of differently sized
 images in one call, against torch's per-image interpolate(antialias=True) and a normalise."""
 import math
 

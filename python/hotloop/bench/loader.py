@@ -66,30 +66,30 @@ def _hotloop_way(dataset, batch_size, workers, device):
                               device=device if device.type == "cuda" else None, gpu_transform=tf)
 
 
-def _sync(device):
+def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _loader_rate(make, batches, warmup, device):
+def loader_rate(make, batches, warmup, device):
     """img/s of iterating a fresh loader, after `warmup` batches (worker start-up excluded)."""
     it = iter(make())
     n = 0
     for _ in range(warmup):
         next(it)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for x, _y in it:
         n += x.shape[0]
         if n >= batches * x.shape[0]:
             break
-    _sync(device)
+    sync(device)
     rate = n / (time.perf_counter() - t0)
     del it
     return rate
 
 
-def _resnet_step(device):
+def resnet_step(device):
     import torchvision
 
     model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
@@ -107,7 +107,7 @@ def _resnet_step(device):
     return step
 
 
-def _timed_steps(step, batches, first, steady, device):
+def timed_steps(step, batches, first, steady, device):
     """(seconds of the first `first` steps counted from iterator creation, img/s over `steady` later steps)"""
     t_start = time.perf_counter()
     it = iter(batches)
@@ -117,12 +117,12 @@ def _timed_steps(step, batches, first, steady, device):
         x, y = next(it)
         step(x, y)
         if k + 1 == first:
-            _sync(device)
+            sync(device)
             t_first = time.perf_counter() - t_start
             t_steady0 = time.perf_counter()
         elif k + 1 > first:
             n += x.shape[0]
-    _sync(device)
+    sync(device)
     rate = n / (time.perf_counter() - t_steady0)
     del it
     return t_first, rate
@@ -145,8 +145,8 @@ def rows(ctx):
     for workers in worker_counts:
         ours, theirs = [], []
         for _ in range(1 if quick else 2):  # alternate, keep the better of each
-            ours.append(_loader_rate(lambda: _hotloop_way(ds, batch, workers, device), alone_batches, warmup, device))
-            theirs.append(_loader_rate(lambda: _TorchWay(ds, batch, workers, device), alone_batches, warmup, device))
+            ours.append(loader_rate(lambda: _hotloop_way(ds, batch, workers, device), alone_batches, warmup, device))
+            theirs.append(loader_rate(lambda: _TorchWay(ds, batch, workers, device), alone_batches, warmup, device))
         yield Row("loader", f"loader alone, {workers} workers, batch {batch}, {crop}px", max(ours), max(theirs),
                   "img/s", note="uint8 crop+flip in workers, normalised fp16 channels_last on the device"
                   if cuda else "CPU batches")
@@ -199,7 +199,7 @@ def rows(ctx):
     if not cuda:
         return
     try:
-        step = _resnet_step(device)
+        step = resnet_step(device)
     except ImportError:
         return
     x0, y0 = next(iter(_TorchWay(ds, batch, 2, device)))
@@ -211,11 +211,11 @@ def rows(ctx):
     for workers in (4, 8, 12, 14):
         # the GPU-resident reference next to the runs it is compared with: on the H200 one profiling
         # run's fed steady state came out 6 % faster than a resident reference taken a minute before
-        t_first_res, rate_res = _timed_steps(step, resident, 25, steady, device)
+        t_first_res, rate_res = timed_steps(step, resident, 25, steady, device)
         res = {}
         for name, make in (("hotloop", lambda: _hotloop_way(fed_ds, batch, workers, device)),
                            ("torch", lambda: _TorchWay(fed_ds, batch, workers, device))):
-            res[name] = _timed_steps(step, make(), 25, steady, device)
+            res[name] = timed_steps(step, make(), 25, steady, device)
         yield Row("loader", f"ResNet-50 AMP steady state, {workers} workers, % of GPU-resident",
                   100 * res["hotloop"][1] / rate_res, 100 * res["torch"][1] / rate_res, "%",
                   note=f"resident {rate_res:.0f} img/s, measured right before")

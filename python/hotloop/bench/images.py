@@ -1,0 +1,236 @@
+"""Benchmark rows for gpu_decode: an ImageFolder of JPEGs, RandomResizedCrop(224) + flip + normalise.
+
+It writes its own JPEGs first (ImageNet-like: 400-640 x 300-480 px, quality 90, ~70 KB; smooth
+content plus noise, so that they compress like photos), into a temporary folder that is removed at
+the end; nothing is downloaded. Batches of 256 arrive on the GPU as normalised float16 channels_last.
+torch's way is its DataLoader running the torchvision transform in 15 workers (pin_memory, then
+.to(device) and a cast); hotloop's is the same dataset and transform with gpu_decode in 4 workers.
+Figures: the kernel alone (image_kernel.py), the loader alone (img/s), feeding a ResNet-50 AMP step (% of the speed with the batch
+already on the GPU, steady state and first 25 steps), CPU seconds per image of all processes,
+the step's own slowdown with the decoder working beside it, and each backend forced in turn.
+"""
+import multiprocessing
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from . import image_kernel
+from .harness import Row
+from .loader import loader_rate, resnet_step, sync, timed_steps
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _write_jpegs(args):
+    from PIL import Image
+
+    root, first, count, seed = args
+    rng = np.random.default_rng(seed)
+    for i in range(first, first + count):
+        h, w = int(rng.integers(300, 481)), int(rng.integers(400, 641))
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        planes = [np.sin(x / rng.uniform(8, 60) + rng.uniform(0, 6)) * np.cos(y / rng.uniform(8, 60) + rng.uniform(0, 6))
+                  for _ in range(3)]
+        img = np.stack(planes, -1) * 90 + 128 + rng.normal(0, 9, (h, w, 3))
+        path = os.path.join(root, f"c{i % 10}", f"{i:06d}.jpg")
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, quality=90)
+
+
+def write_dataset(root, n):
+    """n JPEGs in 10 class folders under root, written by all cores."""
+    for c in range(10):
+        os.makedirs(os.path.join(root, f"c{c}"), exist_ok=True)
+    chunks = [(root, k, min(64, n - k), k) for k in range(0, n, 64)]
+    with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+        pool.map(_write_jpegs, chunks)
+
+
+def train_transform():
+    import torchvision.transforms as T
+
+    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def image_folder(root, repeat):
+    """The folder's ImageFolder, its sample list repeated (an epoch long enough to time)."""
+    from torchvision.datasets import ImageFolder
+
+    ds = ImageFolder(root, transform=train_transform())
+    ds.samples = ds.samples * repeat
+    ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
+    return ds
+
+
+class TorchWay:
+    """torch's DataLoader with the transform in its workers, pinned, copied, cast to fp16 channels_last."""
+
+    def __init__(self, dataset, batch_size, workers, device):
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                                  pin_memory=True, drop_last=True, prefetch_factor=2)
+        self.device = device
+
+    def __iter__(self):
+        for x, y in self.loader:
+            x = x.to(self.device, non_blocking=True).to(torch.float16, memory_format=torch.channels_last)
+            yield x, y.to(self.device, non_blocking=True)
+
+
+def hotloop_way(dataset, batch_size, workers, device, backend="auto"):
+    import hotloop
+
+    return hotloop.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
+                              device=device, gpu_decode=hotloop.GpuDecode(backend=backend, dtype=torch.float16,
+                                                                          channels_last=True))
+
+
+def _tree_cpu_seconds():
+    """user + system CPU seconds of this process and every live descendant (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, times = {}, {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(pid)] = int(fields[1])
+        times[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    me, total = os.getpid(), 0.0
+    for pid, t in times.items():
+        p = pid
+        while p in parents and p != me and p > 1:
+            p = parents[p]
+        if p == me:
+            total += t
+    return total
+
+
+def _rate_and_cpu(make, batches, warmup, device):
+    """(img/s, CPU seconds per image) of iterating a fresh loader after warm-up batches."""
+    it = iter(make())
+    for _ in range(warmup):
+        next(it)
+    sync(device)
+    cpu0, t0, n = _tree_cpu_seconds(), time.perf_counter(), 0
+    for x, _y in it:
+        n += x.shape[0]
+        if n >= batches * x.shape[0]:
+            break
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    cpu = _tree_cpu_seconds() - cpu0
+    del it
+    return n / elapsed, cpu / n
+
+
+def _step_ms(step, x, y, reps):
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(x, y)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rows(ctx):
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    device = ctx.device
+    yield from image_kernel.rows(ctx)
+    if not ctx.is_cuda:
+        return  # the loader's figures are the GPU's: without one gpu_decode runs the kernel's C reference
+    try:
+        import torchvision  # noqa: F401  the pipeline being measured is torchvision's
+    except ImportError:
+        yield Row("images", "needs torchvision", float("nan"), float("nan"), "img/s")
+        return
+    quick = ctx.quick
+    batch, files = (64, 640) if quick else (256, 5120)
+    batches, warmup = (6, 2) if quick else (40, 6)
+    torch_workers = min(15, max(1, (os.cpu_count() or 2) - 1))
+    ours_workers = min(4, torch_workers)
+    root = tempfile.mkdtemp(prefix="hotloop-bench-jpegs-")
+    try:
+        t0 = time.perf_counter()
+        write_dataset(root, files)
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
+        note_data = (f"{files} JPEGs written in {time.perf_counter() - t0:.0f} s, mean {np.mean(sizes) / 1e3:.0f} KB; "
+                     f"batch {batch}, fp16 channels_last on the GPU")
+        ds = image_folder(root, repeat=max(1, (batches + warmup + 8) * batch // files + 1))
+
+        # 1 and 3: the loader alone, and what it costs the CPUs
+        ours = _rate_and_cpu(lambda: hotloop_way(ds, batch, ours_workers, device), batches, warmup, device)
+        theirs = _rate_and_cpu(lambda: TorchWay(ds, batch, torch_workers, device), batches, warmup, device)
+        probe = hotloop_way(ds, batch, ours_workers, device)
+        iter(probe)
+        decoder = probe.stats.decoder
+        del probe
+        yield Row("images", f"loader alone, hotloop {ours_workers} workers vs torch {torch_workers}", ours[0], theirs[0],
+                  "img/s", note=f"{note_data}; hotloop decoder: {decoder}")
+        yield Row("images", "CPU seconds per image, all processes", ours[1] * 1e3, theirs[1] * 1e3, "ms",
+                  note="user+system time of the main process and its workers over the timed batches")
+
+        # 5. each backend forced (a GPU without hardware JPEG decoders gets cuda or cpu)
+        for backend in ("hardware", "cuda", "cpu"):
+            workers = torch_workers if backend == "cpu" else ours_workers
+            try:
+                rate = loader_rate(lambda: hotloop_way(ds, batch, workers, device, backend), batches // 2, warmup, device)
+            except RuntimeError as exc:
+                yield Row("images", f"loader alone, backend {backend}", float("nan"), theirs[0], "img/s",
+                          note=f"not available: {exc}")
+                continue
+            yield Row("images", f"loader alone, backend {backend}, {workers} workers", rate, theirs[0], "img/s",
+                      note=f"torch: {torch_workers} workers, CPU pipeline")
+        if quick:
+            return
+
+        # 2 and 4: feeding a ResNet-50 AMP step, and the step's own cost with the decoder beside it
+        try:
+            step = resnet_step(device)
+        except ImportError:
+            return
+        x0, y0 = next(iter(TorchWay(ds, batch, 2, device)))
+        for _ in range(5):
+            step(x0, y0)
+        steady = 60
+        resident = [(x0, y0)] * (25 + steady)
+        t_first_res, rate_res = timed_steps(step, resident, 25, steady, device)
+        res = {"hotloop": timed_steps(step, hotloop_way(ds, batch, ours_workers, device), 25, steady, device),
+               "torch": timed_steps(step, TorchWay(ds, batch, torch_workers, device), 25, steady, device)}
+        yield Row("images", "ResNet-50 AMP steady state, % of GPU-resident", 100 * res["hotloop"][1] / rate_res,
+                  100 * res["torch"][1] / rate_res, "%", note=f"resident {rate_res:.0f} img/s; hotloop "
+                  f"{ours_workers} workers, torch {torch_workers}")
+        yield Row("images", "ResNet-50 AMP first 25 steps, % of GPU-resident", 100 * t_first_res / res["hotloop"][0],
+                  100 * t_first_res / res["torch"][0], "%", note="from iter() to step 25 done, worker start-up included")
+
+        alone = _step_ms(step, x0, y0, 40)
+        stop = threading.Event()
+
+        def decode_beside():
+            loader = hotloop_way(ds, batch, ours_workers, device)
+            while not stop.is_set():
+                for _ in loader:
+                    if stop.is_set():
+                        break
+
+        thread = threading.Thread(target=decode_beside, daemon=True)
+        thread.start()
+        time.sleep(3)  # the decoder at full speed
+        beside = _step_ms(step, x0, y0, 40)
+        stop.set()
+        thread.join()
+        yield Row("images", "ResNet-50 step with the decoder working beside it", beside, alone, "ms",
+                  note="hotloop: the loader decoding flat out in another thread of the process; torch: the step alone")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
