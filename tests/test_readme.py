@@ -54,8 +54,34 @@ GPU_STAND_INS = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_readme_gpu_loop_runs():
-    block = block_with('device="cuda"')
+    block = block_with("hotloop.GradScaler()")
     out = run_script(GPU_STAND_INS + block + "\ntrain_one_epoch()\nprint('epoch done')\n")
     assert out.returncode == 0, out.stderr
     assert "epoch done" in out.stdout
     assert "peak" in out.stderr.lower()  # the memory report
+
+
+IMAGE_STAND_INS = textwrap.dedent("""
+    import os, tempfile
+    import numpy as np
+    import torch, hotloop
+    import torchvision.transforms as T
+    from PIL import Image
+    from torchvision.datasets import ImageFolder
+    root = tempfile.mkdtemp()
+    for i in range(40):
+        os.makedirs(os.path.join(root, f"c{i % 2}"), exist_ok=True)
+        pixels = np.random.randint(0, 256, (300 + i, 400 - i, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(os.path.join(root, f"c{i % 2}", f"{i}.jpg"), quality=90)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_readme_image_folder_block_runs():
+    block = block_with("gpu_decode=True")
+    check = "\nimages, labels = next(iter(loader))\nprint(tuple(images.shape), images.device, loader.stats.decoder)\n"
+    out = run_script(IMAGE_STAND_INS + block.replace("batch_size=256", "batch_size=16") + check)
+    assert out.returncode == 0, out.stderr
+    assert "(16, 3, 224, 224) cuda:0" in out.stdout, out.stdout

@@ -67,11 +67,12 @@ class ImageStage:
                 raise ValueError(f"DataLoader: gpu_decode backend {wanted!r} needs device='cuda'")
             self.stats.decoder = self.description
             return self.backend
-        from .nvjpeg import open_decoder
-        tried = ["hardware"] if wanted in ("auto", "hardware") else ["cuda"]
+        from .nvjpeg import nvjpeg_library_candidates
+        backend = "cuda" if wanted == "cuda" else "hardware"
         try:
-            self.decoder = open_decoder(self.device.index, tried[0], self.pipeline.batch_size)
-            self.backend = tried[0]
+            self.decoder = _C.JpegDecoder(nvjpeg_library_candidates(), self.device.index, backend,
+                                          self.pipeline.batch_size)
+            self.backend = backend
         except RuntimeError as exc:
             if wanted != "auto":
                 raise

@@ -1,0 +1,98 @@
+"""gpu_decode on the GPU: whole batches from nvjpeg (hardware and CUDA backends) and the kernel against
+torch's DataLoader running the CPU pipeline; the CPU backend on the GPU within one level; no leaks.
+
+Bound for the nvjpeg backends: its IDCT and chroma upsampling are not libjpeg-turbo's, so decoded
+pixels differ from PIL's by a few levels (tests/data/test_jpeg_decode.py measures them); after the
+antialiased resize averages them, an output value differs from the CPU pipeline's by at most
+DECODE_MAX_LEVELS levels of 255 and by DECODE_MEAN_LEVELS on average (asserted per batch)."""
+import gc
+import os
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torchvision.datasets import ImageFolder
+
+import hotloop
+
+from .test_gpu_decode import LEVEL, STD, TRAIN_V1, EVAL_V2, _batches, _compare, make_folder
+
+pytestmark = pytest.mark.gpu
+
+DECODE_MAX_LEVELS = 12
+DECODE_MEAN_LEVELS = 1.0
+
+
+def _levels(x, tx):
+    """|difference| in levels of 255, per element (normalised values times std times 255)."""
+    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
+    return (x.float() - tx.to(x.device).float()).abs() * std * 255
+
+
+@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("make", [TRAIN_V1, EVAL_V2])
+def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
+    root = make_folder(str(tmp_path), n=40, sizes=(60, 400))
+    ds = ImageFolder(root, transform=make(64))
+    seed = random.randrange(2**31)
+    theirs = _batches(TorchDataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
+                                      generator=torch.Generator().manual_seed(seed)))
+    try:
+        loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, device="cuda",
+                                    generator=torch.Generator().manual_seed(seed),
+                                    gpu_decode=hotloop.GpuDecode(backend=backend))
+        ours = _batches(loader)
+    except RuntimeError as exc:
+        if backend == "hardware" and "hardware" in str(exc):
+            pytest.skip(f"no hardware JPEG decoder here: {exc}")
+        raise
+    worst = 0.0
+    for (x, y), (tx, ty) in zip(ours, theirs):
+        assert x.is_cuda and torch.equal(y.cpu(), ty)
+        d = _levels(x, tx)
+        worst = max(worst, d.max().item())
+        assert d.mean().item() <= DECODE_MEAN_LEVELS
+    assert worst <= DECODE_MAX_LEVELS
+    st = loader.stats
+    assert st.decoder.startswith(f"nvjpeg {backend}") and st.images_gpu_decoded == len(ds)
+
+
+def test_cpu_backend_on_the_gpu_is_within_one_level(tmp_path):
+    root = make_folder(str(tmp_path), n=30)
+    ds = ImageFolder(root, transform=TRAIN_V1(48))
+    seed = random.randrange(2**31)
+    theirs = _batches(TorchDataLoader(ds, batch_size=7, num_workers=2, generator=torch.Generator().manual_seed(seed)))
+    loader = hotloop.DataLoader(ds, batch_size=7, num_workers=2, device="cuda", gpu_decode="cpu",
+                                generator=torch.Generator().manual_seed(seed))
+    ours = [(x.cpu(), y.cpu()) for x, y in _batches(loader)]
+    _compare(ours, theirs)
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_leak_over_five_epochs(tmp_path):
+    root = make_folder(str(tmp_path), n=48, sizes=(100, 300))
+    ds = ImageFolder(root, transform=TRAIN_V1(64))
+    loader = hotloop.DataLoader(ds, batch_size=16, num_workers=2, device="cuda", gpu_decode=True,
+                                persistent_workers=True)
+    for x, _ in loader:  # the first epoch makes the ring, the decoder and the allocator's blocks
+        pass
+    del x
+    torch.cuda.synchronize()
+    gc.collect()
+    base_mem, base_fds = torch.cuda.memory_allocated(), _fds()
+    for _ in range(5):
+        for x, _ in loader:
+            assert x.shape == (16, 3, 64, 64)
+        del x
+    torch.cuda.synchronize()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == base_mem
+    assert _fds() == base_fds
+    ring_bytes = loader.stats.ring_bytes
+    del loader
+    gc.collect()
+    assert ring_bytes > 0 and _fds() < base_fds
