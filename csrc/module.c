@@ -176,6 +176,8 @@ static int exec_module(PyObject *module) {
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 ||
         hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
         return -1;
+    if (hl_jpeg_header_exec(module) < 0)
+        return -1;
     if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0)
         return -1;
     return 0;
@@ -187,6 +189,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(state->nvml_error);
     Py_VISIT(state->ring_type);
     Py_VISIT(state->monitor_type);
+    Py_VISIT(state->jpeg_info_type);
     return 0;
 }
 
@@ -196,6 +199,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(state->nvml_error);
     Py_CLEAR(state->ring_type);
     Py_CLEAR(state->monitor_type);
+    Py_CLEAR(state->jpeg_info_type);
     return 0;
 }
 
@@ -209,7 +213,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hotloop._C",
-    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels, pinned ring, NVML sampler.",
+    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels, pinned ring, NVML sampler, JPEG headers.",
     .m_size = sizeof(hl_state),
     .m_methods = module_methods,
     .m_slots = module_slots,

@@ -11,6 +11,7 @@ typedef struct {
     PyObject *nvml_error; /* hotloop.NvmlError, a RuntimeError */
     PyObject *ring_type;    /* set by ring.c, when it adds its type */
     PyObject *monitor_type; /* set by monitor.c, when it adds its type */
+    PyObject *jpeg_info_type;     /* set by jpeg_header.c: what jpeg_header() returns */
 } hl_state;
 
 hl_state *hl_state_of(PyObject *module);
@@ -64,5 +65,6 @@ int hl_monitor_exec(PyObject *module);
 int hl_nvml_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */
 int hl_normalize_exec(PyObject *module);
+int hl_jpeg_header_exec(PyObject *module); /* JPEG headers read in C */
 
 #endif
