@@ -81,6 +81,20 @@ int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call
     return -1;
 }
 
+int hl_raise_nvjpeg(PyObject *module, int code, const char *name, const char *detail, const char *call,
+                    const char *file, int line) {
+    PyObject *call_obj = call_name(call), *message = NULL;
+    if (call_obj == NULL)
+        return -1;
+    message = PyUnicode_FromFormat("%U failed with %s (%d)%s%s [%s:%d]", call_obj, name, code, *detail ? ": " : "",
+                                   detail, file, line);
+    if (message != NULL)
+        raise_with_details(hl_state_of(module)->nvjpeg_error, message, code, name, call_obj, file, line);
+    Py_XDECREF(message);
+    Py_DECREF(call_obj);
+    return -1;
+}
+
 int hl_add_int_constants(PyObject *module, const hl_int_constant *constants) {
     for (const hl_int_constant *c = constants; c->name != NULL; c++)
         if (PyModule_AddIntConstant(module, c->name, c->value) < 0)
@@ -173,8 +187,15 @@ static int exec_module(PyObject *module) {
                       "Attributes: code, error_name, call, file, line.",
                       &state->nvml_error) < 0)
         return -1;
+    if (add_exception(module, "hotloop.NvjpegError",
+                      "An nvjpeg call failed; the message names the call and its NVJPEG_STATUS_* name.\n"
+                      "Attributes: code, error_name, call, file, line.",
+                      &state->nvjpeg_error) < 0)
+        return -1;
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 ||
         hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
+        return -1;
+    if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0)
         return -1;
     if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0)
         return -1;
@@ -189,6 +210,9 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(state->nvml_error);
     Py_VISIT(state->ring_type);
     Py_VISIT(state->monitor_type);
+    Py_VISIT(state->nvjpeg_error);
+    Py_VISIT(state->jpeg_info_type);
+    Py_VISIT(state->jpeg_decoder_type);
     return 0;
 }
 
@@ -198,6 +222,9 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(state->nvml_error);
     Py_CLEAR(state->ring_type);
     Py_CLEAR(state->monitor_type);
+    Py_CLEAR(state->nvjpeg_error);
+    Py_CLEAR(state->jpeg_info_type);
+    Py_CLEAR(state->jpeg_decoder_type);
     return 0;
 }
 
@@ -211,7 +238,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hotloop._C",
-    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels, pinned ring, NVML sampler.",
+    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels, pinned ring, NVML sampler, JPEG headers and nvjpeg.",
     .m_size = sizeof(hl_state),
     .m_methods = module_methods,
     .m_slots = module_slots,

@@ -11,6 +11,9 @@ typedef struct {
     PyObject *nvml_error; /* hotloop.NvmlError, a RuntimeError */
     PyObject *ring_type;    /* set by ring.c, when it adds its type */
     PyObject *monitor_type; /* set by monitor.c, when it adds its type */
+    PyObject *nvjpeg_error;       /* hotloop.NvjpegError, a RuntimeError */
+    PyObject *jpeg_info_type;     /* set by jpeg_header.c: what jpeg_header() returns */
+    PyObject *jpeg_decoder_type;  /* set by nvjpeg.c */
 } hl_state;
 
 hl_state *hl_state_of(PyObject *module);
@@ -47,6 +50,11 @@ int hl_cuda_raise_if(PyObject *module, const hl_cuda_status *status);
 int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call, const char *file,
                   int line);
 
+/* Build and raise hotloop.NvjpegError: `code` is nvjpeg's status, `name` its NVJPEG_STATUS_* name,
+   `detail` more text (may be empty). Only nvjpeg.c calls it. */
+int hl_raise_nvjpeg(PyObject *module, int code, const char *name, const char *detail, const char *call,
+                    const char *file, int line);
+
 /* A constant C owns and Python reads from _C (Python keeps no copy of the number). */
 typedef struct {
     const char *name;
@@ -65,5 +73,7 @@ int hl_nvml_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */
 int hl_normalize_exec(PyObject *module);
 int hl_image_resize_exec(PyObject *module);
+int hl_jpeg_header_exec(PyObject *module); /* JPEG headers read in C */
+int hl_nvjpeg_exec(PyObject *module);      /* nvjpeg by dlopen: JpegDecoder */
 
 #endif

@@ -81,7 +81,7 @@ typedef struct hl_monitor {
     const char *first_error_call;
 } hl_monitor;
 
-enum { NO_UTIL = 1, NO_POWER = 2, NO_TEMP = 4, NO_SM_CLOCK = 8, NO_MEM_CLOCK = 16, NO_REASONS = 32 };
+enum { NO_UTIL = 1, NO_POWER = 2, NO_TEMP = 4, NO_SM_CLOCK = 8, NO_MEM_CLOCK = 16, NO_REASONS = 32, NO_JPEG = 64 };
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static hl_monitor *registry;
@@ -230,6 +230,10 @@ static void sample_slow(hl_monitor *m) {
     rc = (skip & NO_REASONS) || !n->reasons ? NVML_ERROR_FUNCTION_NOT_FOUND : n->reasons(m->device, &reasons);
     slow_reading(rc, 0, NO_REASONS, "nvmlDeviceGetCurrentClocksEventReasons", &unsupported, &err, &err_call);
     s.reasons = rc == NVML_SUCCESS ? reasons : 0;
+    unsigned int period_us = 0;
+    rc = (skip & NO_JPEG) || !n->jpg_utilization ? NVML_ERROR_FUNCTION_NOT_FOUND
+                                                 : n->jpg_utilization(m->device, &v, &period_us);
+    s.util_jpeg = slow_reading(rc, v, NO_JPEG, "nvmlDeviceGetJpgUtilization", &unsupported, &err, &err_call);
     s.t = seconds(now_ns());
 
     pthread_mutex_lock(&m->lock);
@@ -439,9 +443,9 @@ PyDoc_STRVAR(snapshot_doc,
              "snapshot() -> dict\n\n"
              "The kept samples, oldest first, as bytes of packed records (memory: f8 t, u8 used, u8 reserved,\n"
              "u8 free; slow: f8 t, u4 util_gpu, util_memory, power_mw, temperature_c, sm_clock_mhz,\n"
-             "memory_clock_mhz, u8 reasons; pcie: f8 t, u4 rx_kb_per_s, tx_kb_per_s; times are\n"
-             "time.monotonic() seconds, 0xffffffff marks an unsupported reading) and statistics over every\n"
-             "sample taken, kept or dropped. Works while running.");
+             "memory_clock_mhz, u8 reasons, u4 util_jpeg, u4 unused; pcie: f8 t, u4 rx_kb_per_s,\n"
+             "tx_kb_per_s; times are time.monotonic() seconds, 0xffffffff marks an unsupported reading) and\n"
+             "statistics over every sample taken, kept or dropped. Works while running.");
 
 static PyObject *monitor_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_monitor *m = (hl_monitor *)self;
@@ -692,9 +696,9 @@ static void monitor_dealloc(PyObject *self) {
 
 PyDoc_STRVAR(monitor_doc,
              "Monitor(device=0, interval_ms=1.0, slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072)\n\n"
-             "An NVML sampler run by a C thread without the GIL: device memory every interval_ms; utilisation,\n"
-             "power, temperature, clocks and clock-event reasons every slow_interval_ms; PCIe throughput on a\n"
-             "thread of its own every pcie_interval_ms (0: off). `device` is an NVML index or a UUID. The ring\n"
+             "An NVML sampler run by a C thread without the GIL: device memory every interval_ms; utilisation\n"
+             "(SMs, memory, JPEG engines), power, temperature, clocks and clock-event reasons every\n"
+             "slow_interval_ms; PCIe throughput on a thread of its own every pcie_interval_ms (0: off). `device` is an NVML index or a UUID. The ring\n"
              "keeps the newest `capacity` memory samples; peaks and means cover every sample.\n"
              "Raises hotloop.NvmlError when NVML is missing or fails.");
 

@@ -23,7 +23,9 @@ typedef struct {
     uint32_t power_mw;
     uint32_t temperature_c;
     uint32_t sm_clock_mhz, memory_clock_mhz;
-    uint64_t reasons; /* clock-event (throttle) reason bits */
+    uint64_t reasons;   /* clock-event (throttle) reason bits */
+    uint32_t util_jpeg; /* percent: the JPEG engines (nvjpeg's hardware backend) */
+    uint32_t unused;    /* explicit padding: the record is 48 bytes */
 } hl_slow_sample;
 
 /* PCIe throughput, read on its own thread because each reading blocks ~20 ms. */

@@ -68,6 +68,7 @@ static hl_nvml *nvml_load(const char *path, void *lib) {
     n->persistence = (nvmlDeviceGetEnableState_fn)lookup(lib, "nvmlDeviceGetPersistenceMode", NULL);
     n->ecc = (nvmlDeviceGetTwoStates_fn)lookup(lib, "nvmlDeviceGetEccMode", NULL);
     n->mig = (nvmlDeviceGetMigMode_fn)lookup(lib, "nvmlDeviceGetMigMode", NULL);
+    n->jpg_utilization = (nvmlDeviceGetJpgUtilization_fn)lookup(lib, "nvmlDeviceGetJpgUtilization", NULL);
     return n;
 }
 
@@ -237,7 +238,8 @@ PyDoc_STRVAR(nvml_device_info_doc,
              "nvml_device_info(index) -> dict\n\n"
              "What NVML says about one device now: name, uuid, memory (total/used/reserved/free bytes),\n"
              "pcie (gen, gen_max, width, width_max), power_mw, power_limit_mw, power_default_limit_mw,\n"
-             "temperature_c, sm_clock_mhz, sm_clock_max_mhz, utilization_gpu, reasons, persistence_mode,\n"
+             "temperature_c, sm_clock_mhz, sm_clock_max_mhz, utilization_gpu, utilization_jpeg (the JPEG\n"
+             "engines, percent), reasons, persistence_mode,\n"
              "ecc (current, pending), mig (current, pending). None where the device does not say. Reads only.");
 
 static PyObject *nvml_device_info(PyObject *module, PyObject *arg) {
@@ -287,6 +289,8 @@ static PyObject *nvml_device_info(PyObject *module, PyObject *arg) {
                                                ? PyLong_FromUnsignedLong(v) : Py_NewRef(Py_None)) < 0 ||
         set_item(info, "utilization_gpu", n->utilization && n->utilization(d, &util) == NVML_SUCCESS
                                               ? PyLong_FromUnsignedLong(util.gpu) : Py_NewRef(Py_None)) < 0 ||
+        set_item(info, "utilization_jpeg", n->jpg_utilization && n->jpg_utilization(d, &v, &v2) == NVML_SUCCESS
+                                               ? PyLong_FromUnsignedLong(v) : Py_NewRef(Py_None)) < 0 ||
         set_item(info, "reasons", n->reasons && n->reasons(d, &reasons) == NVML_SUCCESS
                                       ? PyLong_FromUnsignedLongLong(reasons) : Py_NewRef(Py_None)) < 0 ||
         set_item(info, "persistence_mode", n->persistence && n->persistence(d, &e) == NVML_SUCCESS

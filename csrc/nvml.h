@@ -92,6 +92,9 @@ typedef nvmlReturn_t (*nvmlDeviceGetReasons_fn)(nvmlDevice_t device, unsigned lo
 typedef nvmlReturn_t (*nvmlDeviceGetPcieThroughput_fn)(nvmlDevice_t device, int counter, unsigned int *kb_per_s);
 typedef nvmlReturn_t (*nvmlDeviceGetEnableState_fn)(nvmlDevice_t device, int *mode); /* persistence */
 typedef nvmlReturn_t (*nvmlDeviceGetTwoStates_fn)(nvmlDevice_t device, int *current, int *pending); /* ECC */
+/* percent of the sampling period the JPEG engines (NVJPG) were busy, and that period in microseconds */
+typedef nvmlReturn_t (*nvmlDeviceGetJpgUtilization_fn)(nvmlDevice_t device, unsigned int *utilization,
+                                                       unsigned int *sampling_period_us);
 typedef nvmlReturn_t (*nvmlDeviceGetMigMode_fn)(nvmlDevice_t device, unsigned int *current, unsigned int *pending);
 
 /* what nvml.c resolved from one library; optional entry points may be NULL */
@@ -122,6 +125,7 @@ typedef struct {
     nvmlDeviceGetEnableState_fn persistence;
     nvmlDeviceGetTwoStates_fn ecc;
     nvmlDeviceGetMigMode_fn mig;
+    nvmlDeviceGetJpgUtilization_fn jpg_utilization; /* drivers before 520 lack it */
 } hl_nvml;
 
 /* The NVML library named by HOTLOOP_NVML_LIBRARY (else libnvidia-ml.so.1), opened and initialised

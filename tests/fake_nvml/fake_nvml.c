@@ -21,7 +21,8 @@
     X(total) X(reserved) X(used) X(step) X(spike_call) X(spike_value) X(memory_calls) X(util_gpu) X(util_memory)   \
     X(power_mw) X(power_limit_mw) X(power_default_mw) X(temperature_c) X(sm_clock_mhz) X(sm_clock_max_mhz)         \
     X(memory_clock_mhz) X(reasons) X(pcie_rx) X(pcie_tx) X(pcie_calls) X(pcie_delay_us) X(pcie_gen)                \
-    X(pcie_gen_max) X(pcie_width) X(pcie_width_max) X(persistence) X(ecc) X(mig) X(no_v2) X(unsupported_power) X(spike_next)
+    X(pcie_gen_max) X(pcie_width) X(pcie_width_max) X(persistence) X(ecc) X(mig) X(no_v2) X(unsupported_power) X(spike_next) \
+    X(util_jpeg) X(unsupported_jpeg)
 
 #define AS_ENUM(name) F_##name,
 enum { FIELDS(AS_ENUM) FIELD_COUNT };
@@ -66,6 +67,7 @@ static void defaults(void) {
         atomic_store(&dev->f[F_spike_call], -1);
         atomic_store(&dev->f[F_util_gpu], 97);
         atomic_store(&dev->f[F_util_memory], 40);
+        atomic_store(&dev->f[F_util_jpeg], 23);
         atomic_store(&dev->f[F_power_mw], 300000);
         atomic_store(&dev->f[F_power_limit_mw], 700000);
         atomic_store(&dev->f[F_power_default_mw], 700000);
@@ -293,6 +295,16 @@ EXPORT int nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u) {
     INJECT("nvmlDeviceGetUtilizationRates");
     u->gpu = (unsigned int)GET(d, util_gpu);
     u->memory = (unsigned int)GET(d, util_memory);
+    return 0;
+}
+
+/* the JPEG engines; unsupported_jpeg=1 answers NOT_SUPPORTED, as a GPU without engines does */
+EXPORT int nvmlDeviceGetJpgUtilization(nvmlDevice_t d, unsigned int *utilization, unsigned int *period_us) {
+    INJECT("nvmlDeviceGetJpgUtilization");
+    if (GET(d, unsupported_jpeg))
+        return 3; /* NVML_ERROR_NOT_SUPPORTED */
+    *utilization = (unsigned int)GET(d, util_jpeg);
+    *period_us = 166667;
     return 0;
 }
 

@@ -200,6 +200,30 @@ def test_unsupported_readings_are_none_not_errors(fake):
     assert r.util_mean == 97 and r.temperature_max_c == 55
 
 
+def test_jpeg_engine_utilisation(fake):
+    """nvmlDeviceGetJpgUtilization: in every slow sample and in nvml_device_info; a GPU without JPEG
+    engines answers NOT_SUPPORTED, which is NaN / None, not an error."""
+    busy = int(np.random.default_rng().integers(1, 100))
+    fake.set("util_jpeg", busy)
+    m = _C.Monitor(0, interval_ms=1.0, slow_interval_ms=2.0, capacity=256)
+    m.start()
+    wait_for(lambda: m.snapshot()["slow_samples"] >= 3)
+    m.stop()
+    s = m.snapshot()
+    tl = memory.Timeline(s, s["started"])
+    assert len(tl.util_jpeg) == len(tl.util_gpu) >= 3 and np.all(tl.util_jpeg == busy)
+    assert _C.nvml_device_info(0)["utilization_jpeg"] == busy
+    fake.set("unsupported_jpeg", 1)
+    m.start()
+    wait_for(lambda: m.snapshot()["slow_samples"] >= 3)
+    m.stop()
+    s = m.snapshot()
+    assert s["error"] is None
+    tl = memory.Timeline(s, s["started"])
+    assert np.all(np.isnan(tl.util_jpeg)) and np.all(tl.util_gpu == 97)
+    assert _C.nvml_device_info(0)["utilization_jpeg"] is None
+
+
 def test_fork_leaves_no_sampler_in_the_child(fake):
     m = _C.Monitor(0, interval_ms=1.0)
     m.start()

@@ -11,7 +11,7 @@ from ..memory.text import GiB
 from ..memory.timeline import Timeline
 
 COLUMNS = ["time", "gpu", "used_mib", "reserved_mib", "util_pct", "mem_util_pct", "power_w", "temp_c",
-           "sm_mhz", "mem_mhz", "pcie_rx_mb_s", "pcie_tx_mb_s", "reasons"]
+           "sm_mhz", "mem_mhz", "pcie_rx_mb_s", "pcie_tx_mb_s", "reasons", "jpeg_pct"]
 
 
 def _positive(text):
@@ -54,7 +54,8 @@ def _row(t, index, tl):
             _value(slow["memory_clock_mhz"]) if slow is not None else "",
             _value(pcie["rx_kb_per_s"], 1 / 1024, 0) if pcie is not None else "",
             _value(pcie["tx_kb_per_s"], 1 / 1024, 0) if pcie is not None else "",
-            ",".join(reason_names(int(slow["reasons"]))) if slow is not None else ""]
+            ",".join(reason_names(int(slow["reasons"]))) if slow is not None else "",
+            _value(slow["util_jpeg"]) if slow is not None else ""]
 
 
 def _interrupt(signum, frame):
@@ -89,9 +90,9 @@ def main(args) -> int:
             return 2
         writer = csv.writer(csv_file)
         writer.writerow(COLUMNS)
-    header = ("{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8}  {}"
-              .format("time", "gpu", "used MiB", "rsvd MiB", "sm%", "mem%", "power W", "temp", "SM MHz",
-                      "memMHz", "rx MB/s", "tx MB/s", "clock-event reasons"))
+    line = "{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8} {:>5}  {}"
+    header = line.format("time", "gpu", "used MiB", "rsvd MiB", "sm%", "mem%", "power W", "temp", "SM MHz",
+                         "memMHz", "rx MB/s", "tx MB/s", "jpeg%", "clock-event reasons")
     # SIGTERM ends the logger like Ctrl-C does
     previous = signal.signal(signal.SIGTERM, _interrupt)
     t_start, wall_start = time.monotonic(), time.time()
@@ -114,8 +115,7 @@ def main(args) -> int:
                 print(header, flush=True)
             for d, m in zip(devices, monitors):
                 row = _row(now, d, Timeline(m.snapshot()))
-                print("{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8}  {}"
-                      .format(*row), flush=True)
+                print(line.format(*row[:12], row[13], row[12]), flush=True)  # the reasons last
                 if writer:
                     writer.writerow(row)
             if csv_file:

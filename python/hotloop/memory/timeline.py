@@ -7,7 +7,7 @@ def _dtypes():
     memory = np.dtype([("t", "<f8"), ("used", "<u8"), ("reserved", "<u8"), ("free", "<u8")])
     slow = np.dtype([("t", "<f8"), ("util_gpu", "<u4"), ("util_memory", "<u4"), ("power_mw", "<u4"),
                      ("temperature_c", "<u4"), ("sm_clock_mhz", "<u4"), ("memory_clock_mhz", "<u4"),
-                     ("reasons", "<u8")])
+                     ("reasons", "<u8"), ("util_jpeg", "<u4"), ("unused", "<u4")])
     pcie = np.dtype([("t", "<f8"), ("rx_kb_per_s", "<u4"), ("tx_kb_per_s", "<u4")])
     assert (memory.itemsize, slow.itemsize, pcie.itemsize) == (
         _C.MONITOR_MEMORY_SAMPLE_BYTES, _C.MONITOR_SLOW_SAMPLE_BYTES, _C.MONITOR_PCIE_SAMPLE_BYTES)
@@ -17,8 +17,8 @@ def _dtypes():
 class Timeline:
     """The kept samples as numpy arrays; times in seconds since the monitor started.
 
-    memory: time, used, reserved, free (bytes); slow: slow_time, util_gpu (%), power_w,
-    temperature_c, sm_clock_mhz, reasons; pcie: pcie_time, pcie_rx_mb_s, pcie_tx_mb_s. Readings the
+    memory: time, used, reserved, free (bytes); slow: slow_time, util_gpu (%), util_jpeg (% of the
+    JPEG engines), power_w, temperature_c, sm_clock_mhz, reasons; pcie: pcie_time, pcie_rx_mb_s, pcie_tx_mb_s. Readings the
     device does not offer are NaN. `.memory`, `.slow`, `.pcie` hold the raw structured arrays.
     """
 
@@ -41,6 +41,7 @@ class Timeline:
 
         self.slow_time = self.slow["t"] - t0
         self.util_gpu = readings("util_gpu")
+        self.util_jpeg = readings("util_jpeg")
         self.power_w = readings("power_mw", 1e-3)
         self.temperature_c = readings("temperature_c")
         self.sm_clock_mhz = readings("sm_clock_mhz")
