@@ -25,6 +25,7 @@ def collect() -> dict:
         "cuda_devices": [],
         "torch": None,
         "torch_cuda": None,
+        "nvjpeg": _nvjpeg(),
     }
     try:
         import torch
@@ -38,8 +39,33 @@ def collect() -> dict:
             facts["cuda_devices"].append({
                 "index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
                 "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count,
+                "jpeg_decoder": _jpeg_decoder(i) if facts["nvjpeg"]["path"] else None,
             })
     return facts
+
+
+def _nvjpeg() -> dict:
+    """Which nvjpeg gpu_decode would open (path, version), or why none loads."""
+    try:
+        from ..data.nvjpeg import nvjpeg_library_candidates  # hotloop.data needs torch
+    except ImportError as exc:
+        return {"path": None, "version": None, "error": str(exc)}
+    try:
+        path, version = _C.nvjpeg_load(nvjpeg_library_candidates())
+    except RuntimeError as exc:
+        return {"path": None, "version": None, "error": str(exc).splitlines()[0]}
+    return {"path": path, "version": ".".join(map(str, version)), "error": None}
+
+
+def _jpeg_decoder(device) -> str:
+    """The backend gpu_decode's "auto" takes on this GPU: its hardware JPEG decoders, or the workers."""
+    from ..data.nvjpeg import nvjpeg_library_candidates
+
+    try:
+        _C.JpegDecoder(nvjpeg_library_candidates(), device, "hardware", 1).close()
+    except RuntimeError as exc:
+        return f"workers (no hardware JPEG decoder: {str(exc).splitlines()[0]})"
+    return "nvjpeg hardware"
 
 
 def cuda_version_text(version):
@@ -69,9 +95,12 @@ def main(args) -> int:
         ("hotloop can use CUDA", "yes" if facts["cuda_unavailable_reason"] is None
          else f"no: {facts['cuda_unavailable_reason']}"),
     ]
+    nvjpeg = facts["nvjpeg"]
+    lines.append(("nvjpeg (gpu_decode)", f"{nvjpeg['path']} {nvjpeg['version']}" if nvjpeg["path"]
+                  else f"not found: {nvjpeg['error']}"))
     for d in facts["cuda_devices"]:
         lines.append((f"cuda:{d['index']}", f"{d['name']}, sm_{d['capability'].replace('.', '')}, "
-                      f"{d['memory_gib']} GiB, {d['multiprocessors']} SMs"))
+                      f"{d['memory_gib']} GiB, {d['multiprocessors']} SMs; JPEG decode: {d['jpeg_decoder'] or 'workers'}"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}")
