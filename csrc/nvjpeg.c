@@ -641,9 +641,10 @@ PyDoc_STRVAR(decode_doc,
              "Returns one status byte per image: JPEG_DECODED; JPEG_UNSUPPORTED (not by this backend: CMYK,\n"
              "YCCK, RGB-coded, 12-bit, lossless or arithmetic JPEGs, and what nvjpeg refuses, e.g. progressive\n"
              "ones on the hardware backend); JPEG_CORRUPT (truncated, or nvjpeg found it corrupt). A failed\n"
-             "image never loses the others. The GIL is released for the whole call; the host may block\n"
-             "while nvjpeg works through the batch (its Huffman decoding, on the CPU for the cuda backend's\n"
-             "progressive JPEGs). ValueError for bad pointers or pitches before any work is queued.");
+             "image never loses the others. The GIL is released for the whole call; the host blocks while\n"
+             "nvjpeg works through the batch (on an H200, 256 JPEGs of ~70 KB: ~8 ms hardware, ~3 ms cuda),\n"
+             "longer where the cuda backend decodes Huffman codes on the CPU: progressive JPEGs, and batches\n"
+             "of 50 or fewer (nvjpeg's rule). ValueError for bad pointers or pitches before any work is queued.");
 
 static PyObject *decoder_decode(PyObject *self, PyObject *args) {
     hl_jpeg_decoder *d = (hl_jpeg_decoder *)self;
@@ -876,8 +877,9 @@ PyDoc_STRVAR(decoder_doc,
              "of `paths` that loads. backend \"hardware\": the JPEG engines (baseline JPEGs; nvjpeg says which);\n"
              "hotloop.NvjpegError saying \"no hardware JPEG decoder\" on a GPU without them. backend \"cuda\":\n"
              "nvjpeg's GPU-hybrid batched decoder on the SMs, progressive JPEGs one by one with Huffman decoding\n"
-             "on the CPU. interpolate: subsampled chroma upsampled by interpolation, as libjpeg-turbo (PIL) does\n"
-             "(False, or an nvjpeg without the option: replicated). Made on `device`, the current device left\n"
+             "on the CPU. interpolate: subsampled chroma upsampled by interpolation, as libjpeg-turbo (PIL) does:\n"
+             "pixels within 1 (hardware) or 3 (cuda) of PIL's; False, or an nvjpeg without the option:\n"
+             "replicated, up to ~70 off at colour edges. Made on `device`, the current device left\n"
              "as it was. One thread at a time: a second thread calling decode() meanwhile gets RuntimeError;\n"
              "make one decoder per thread.");
 

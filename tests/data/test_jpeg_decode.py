@@ -29,11 +29,11 @@ HANG_GUARD_S = 600  # the GPU tests encode and decode 100-megapixel images
 REPORT = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def write_report():
-    yield
+def report(key, value):
+    """Keep a measured figure (written at once: a run cut short still leaves what it measured)."""
+    REPORT[key] = value
     path = os.environ.get("HOTLOOP_JPEG_REPORT")
-    if path and REPORT:
+    if path:
         with open(path, "w") as f:
             json.dump(REPORT, f, indent=1, sort_keys=True)
 
@@ -476,11 +476,21 @@ def check_written(batch, decoder, first, statuses):
 
 
 KINDS = ["420", "444", "422", "grey", "progressive"]
-# what PIL decodes that each backend decodes (else JPEG_UNSUPPORTED): measured on the H200
+# what PIL decodes that each backend decodes (else JPEG_UNSUPPORTED), as seen on the H200: the engines
+# refuse progressive JPEGs (nvjpegDecodeBatchedSupported), the cuda backend takes them one by one
 EXPECTED = {"hardware": {"420", "444", "422", "grey"}, "cuda": set(KINDS)}
-# max abs and mean abs difference from PIL allowed, per backend (measured ... ; see the report)
-BOUND_MAX = {"hardware": 64, "cuda": 64}
-BOUND_MEAN = {"hardware": 2.5, "cuda": 2.5}
+# (max abs, mean abs) difference from PIL's decode allowed, by (backend, interpolate). Measured on the
+# H200, 64 images of each kind, nvjpeg 13.0.1 against PIL's libjpeg-turbo, the worst kind:
+#   interpolated chroma (the default): hardware max 1, mean 0.0001 (4:4:4 and grey exact);
+#                                      cuda max 3, mean 0.035 (progressive the same)
+#   replicated chroma:                 hardware max 60, mean 3.3; cuda max 74, mean 3.0 (4:2:0, 4:2:2)
+BOUNDS = {("hardware", True): (4, 0.05), ("cuda", True): (8, 0.25),
+          ("hardware", False): (160, 8.0), ("cuda", False): (160, 8.0)}
+
+
+def within(backend, worst, mean, interpolate=True):
+    bound_max, bound_mean = BOUNDS[backend, interpolate]
+    return worst <= bound_max and mean <= bound_mean
 
 
 @pytest.mark.gpu
@@ -508,16 +518,18 @@ def test_decode_batch_against_pil(backend, interpolate):
             entry["max"] = max(entry["max"], worst)
             entry["mean"].append(mean)
             if kind == "grey":
-                assert (got[..., 0] == got[..., 1]).all() and (got[..., 1] == got[..., 2]).all()
+                entry["r=g=b"] = entry.get("r=g=b", True) and bool((got[..., 0] == got[..., 1]).all() and
+                                                                   (got[..., 1] == got[..., 2]).all())
     for entry in stats.values():
         entry["mean"] = float(np.mean(entry["mean"])) if entry["mean"] else None
-    REPORT[f"accuracy {backend} interpolate={decoder.interpolate}"] = dict(stats, host_blocked_s=blocked)
+    report(f"accuracy {backend} interpolate={decoder.interpolate}", dict(stats, host_blocked_s=blocked))
     print(backend, decoder.interpolate, json.dumps(stats))
+    assert stats["grey"].get("r=g=b", True)
     for kind, entry in stats.items():
         wanted = _C.JPEG_DECODED if kind in EXPECTED[backend] else _C.JPEG_UNSUPPORTED
         assert set(entry["statuses"]) == {wanted}, (kind, entry["statuses"])
         if entry["mean"] is not None:
-            assert entry["max"] <= BOUND_MAX[backend] and entry["mean"] <= BOUND_MEAN[backend], (kind, entry)
+            assert within(backend, entry["max"], entry["mean"], decoder.interpolate), (kind, entry)
     check_written(batch, decoder, images, statuses)
     decoder.close()
 
@@ -553,14 +565,14 @@ def test_unsupported_and_corrupt_images_keep_the_others(backend):
     batch = Batch(batch_blobs, shapes)
     decoder = open_decoder(backend, 16)
     statuses, images, _, _ = batch.decode(decoder)
-    REPORT[f"bad images {backend}"] = statuses
+    report(f"bad images {backend}", statuses)
     for i, status in enumerate(statuses):
         if i in cases:
             assert status in cases[i][1], (i, status)
         else:
             assert status == _C.JPEG_DECODED, (i, status)
             worst, mean = differences(images[i], batch_blobs[i])
-            assert worst <= BOUND_MAX[backend] and mean <= BOUND_MEAN[backend]
+            assert within(backend, worst, mean), (i, worst, mean)
     decoder.close()
 
 
@@ -576,7 +588,7 @@ def test_decode_checks_and_lifecycle(backend):
     if backend == "hardware":
         engines, cores = decoder.hardware_engines
         assert engines >= 1 and cores >= 1
-        REPORT["hardware engines"] = decoder.hardware_engines
+        report("hardware engines", decoder.hardware_engines)
     batch = Batch(blobs)
     outs, dests = batch.outputs(0)
     stream = torch.cuda.current_stream().cuda_stream
@@ -608,6 +620,55 @@ def test_decode_checks_and_lifecycle(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
+def test_throughput_report(backend):
+    """Not a benchmark gate: the figures for the report (256 PIL-made 500x375 q90 JPEGs, ~74 KB)."""
+    rng = np.random.default_rng()
+    blobs = [encode(Image.fromarray(natural(375, 500, rng, noise=11)), quality=90) for _ in range(256)]
+    batch = Batch(blobs)
+    outs, dests = batch.outputs(0)
+    figures = {}
+    for interpolate in (True, False):
+        decoder = open_decoder(backend, 256, interpolate=interpolate)
+        stream = torch.cuda.current_stream()
+        rates, blocked = [], []
+        for run in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            status = decoder.decode(batch.sources, dests, 256, stream.cuda_stream)
+            t1 = time.perf_counter()
+            stream.synchronize()
+            t2 = time.perf_counter()
+            statuses = set(status)
+            if run >= 2:
+                rates.append(256 / (t2 - t0))
+                blocked.append(t1 - t0)
+        figures[f"interpolate={decoder.interpolate}"] = {
+            "images_per_s": statistics.median(rates), "host_blocked_ms": 1e3 * statistics.median(blocked),
+            "mean_kb": sum(map(len, blobs)) / 256 / 1024, "statuses": sorted(statuses)}
+        decoder.close()
+    try:  # torchvision's GPU decode of the same bytes, for scale
+        import torchvision.io
+
+        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+        rates = []
+        for run in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torchvision.io.decode_jpeg(tensors, device="cuda")
+            torch.cuda.synchronize()
+            if run >= 2:
+                rates.append(256 / (time.perf_counter() - t0))
+        figures["torchvision.io.decode_jpeg(device='cuda') images_per_s"] = statistics.median(rates)
+    except Exception as err:  # noqa: BLE001 - context only
+        figures["torchvision"] = repr(err)
+    report(f"throughput {backend}", figures)
+    print(backend, json.dumps(figures), file=sys.stderr)
+    assert all(f["statuses"] == [_C.JPEG_DECODED] for k, f in figures.items() if k.startswith("interpolate"))
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_very_large_image(backend):
     rng = np.random.default_rng()
     h = w = 10000
@@ -620,15 +681,16 @@ def test_very_large_image(backend):
     batch = Batch([small, big, small])
     decoder = open_decoder(backend, 3)
     statuses, images, _, blocked = batch.decode(decoder)
-    REPORT[f"10000x10000 {backend}"] = {"statuses": statuses, "host_blocked_s": blocked}
+    report(f"10000x10000 {backend}", {"statuses": statuses, "host_blocked_s": blocked})
     assert statuses[0] == statuses[2] == _C.JPEG_DECODED
     assert statuses[1] in (_C.JPEG_DECODED, _C.JPEG_UNSUPPORTED)
     if statuses[1] == _C.JPEG_DECODED:
         reference = pil_rgb(big)
         rows = slice(0, h, 97)
         diff = np.abs(images[1][rows].astype(np.int16) - reference[rows].astype(np.int16))
-        REPORT[f"10000x10000 {backend}"].update(max=int(diff.max()), mean=float(diff.mean()))
-        assert diff.max() <= BOUND_MAX[backend] and diff.mean() <= BOUND_MEAN[backend]
+        report(f"10000x10000 {backend}", dict(REPORT[f"10000x10000 {backend}"], max=int(diff.max()),
+                                               mean=float(diff.mean())))
+        assert within(backend, int(diff.max()), float(diff.mean()))
     decoder.close()
 
 
@@ -652,7 +714,7 @@ def test_no_leak_over_50_decoders(backend):
     gc.collect()
     torch.cuda.synchronize()
     free_after, fds_after = torch.cuda.mem_get_info()[0], len(os.listdir("/proc/self/fd"))
-    REPORT[f"leak {backend}"] = {"device_bytes_lost": free_before - free_after, "fds": fds_after - fds_before}
+    report(f"leak {backend}", {"device_bytes_lost": free_before - free_after, "fds": fds_after - fds_before})
     assert free_before - free_after < 64 << 20, (free_before, free_after)
     assert fds_after - fds_before <= 2
 
@@ -675,50 +737,3 @@ def test_one_decoder_per_thread():
     for t in threads:
         t.join()
     assert results[0] == results[1] == [[0] * 8] * 5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
-def test_throughput_report(backend):
-    """Not a benchmark gate: the figures for the report (256 PIL-made 500x375 q90 JPEGs, ~74 KB)."""
-    rng = np.random.default_rng()
-    blobs = [encode(Image.fromarray(natural(375, 500, rng, noise=11)), quality=90) for _ in range(256)]
-    batch = Batch(blobs)
-    outs, dests = batch.outputs(0)
-    figures = {}
-    for interpolate in (True, False):
-        decoder = open_decoder(backend, 256, interpolate=interpolate)
-        stream = torch.cuda.current_stream()
-        rates, blocked = [], []
-        for run in range(7):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            status = decoder.decode(batch.sources, dests, 256, stream.cuda_stream)
-            t1 = time.perf_counter()
-            stream.synchronize()
-            t2 = time.perf_counter()
-            assert status == bytes(256)
-            if run >= 2:
-                rates.append(256 / (t2 - t0))
-                blocked.append(t1 - t0)
-        figures[f"interpolate={decoder.interpolate}"] = {
-            "images_per_s": statistics.median(rates), "host_blocked_ms": 1e3 * statistics.median(blocked),
-            "mean_kb": sum(map(len, blobs)) / 256 / 1024}
-        decoder.close()
-    try:  # torchvision's GPU decode of the same bytes, for scale
-        import torchvision.io
-
-        tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
-        rates = []
-        for run in range(7):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            torchvision.io.decode_jpeg(tensors, device="cuda")
-            torch.cuda.synchronize()
-            if run >= 2:
-                rates.append(256 / (time.perf_counter() - t0))
-        figures["torchvision.io.decode_jpeg(device='cuda') images_per_s"] = statistics.median(rates)
-    except Exception as err:  # noqa: BLE001 - context only
-        figures["torchvision"] = repr(err)
-    REPORT[f"throughput {backend}"] = figures
-    print(backend, json.dumps(figures), file=sys.stderr)
