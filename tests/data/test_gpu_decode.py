@@ -126,13 +126,16 @@ def _batches(loader, seed=0):
     return [(x.clone(), y.clone()) for x, y in loader]
 
 
-def _compare(ours, theirs):
+def _compare(ours, theirs, levels=1):
+    """Every element within `levels` levels of 255 (normalised): 1 against Pillow's resize, which the
+    kernel's arithmetic is; 2 against torch's uint8 tensor resize (v2 pipelines that resize after
+    ToImage), whose fixed point differs from Pillow's by a level at times, and ours from it by one."""
     assert len(ours) == len(theirs)
     for (x, y), (tx, ty) in zip(ours, theirs):
         assert torch.equal(y, ty)
         assert x.shape == tx.shape and x.dtype == tx.dtype
         diff = (x.float() - tx.float()).abs().max().item()
-        assert diff <= LEVEL, f"max difference {diff} > one level ({LEVEL})"
+        assert diff <= levels * LEVEL, f"max difference {diff} > {levels} level(s) ({levels * LEVEL})"
 
 
 @pytest.mark.parametrize("make", [TRAIN_V1, TRAIN_V2, EVAL_V1, EVAL_V2])
@@ -145,7 +148,7 @@ def test_batches_match_the_cpu_pipeline(tmp_path, make, workers):
                                       generator=torch.Generator().manual_seed(seed)))
     loader = hotloop.DataLoader(ds, batch_size=5, shuffle=True, num_workers=workers,
                                 generator=torch.Generator().manual_seed(seed), gpu_decode=True)
-    _compare(_batches(loader), theirs)
+    _compare(_batches(loader), theirs, levels=2 if make is TRAIN_V2 else 1)
     st = loader.stats
     assert st.decoder.startswith("cpu") and st.images_cpu_decoded == 22 and st.images_gpu_decoded == 0
 
@@ -297,7 +300,7 @@ def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers)
                                       generator=torch.Generator().manual_seed(seed)))
     loader = hotloop.DataLoader(ds, batch_size=6, shuffle=True, num_workers=workers, gpu_decode=True,
                                 generator=torch.Generator().manual_seed(seed))
-    _compare(_batches(loader), theirs)
+    _compare(_batches(loader), theirs, levels=2)  # TRAIN_V2 resizes tensors
     st = loader.stats
     assert st.images_gpu_decoded == decoder.decoded > 0 and st.images_refused == decoder.refused > 0
     # the CMYK, progressive and PNG files never reach the decoder: the workers decode them

@@ -100,6 +100,7 @@ class Pending:
     tensors: list
     nbytes: int
     timing: tuple  # (start, end) timing events or None
+    host: object = None  # host memory the copy stream reads (gpu_decode's staging), kept until `event`
 
 
 class DeviceCopies:
@@ -198,12 +199,12 @@ class DeviceCopies:
             cuda.run_transform(tf, staging, mem, side)
         result = unflatten(spec, outs)
         if parts is not None:
-            result[0], buffers = images.launch(prepared, host[1], host[2], side)
+            result[0], buffers, staged = images.launch(prepared, host[1], host[2], side)
             keep += buffers
             outs.append(result[0])
         event = self._event()
         cuda.record(event, side)
-        return Pending(slot, event, result, keep, consumer, outs, nbytes, timing)
+        return Pending(slot, event, result, keep, consumer, outs, nbytes, timing, staged if parts is not None else None)
 
     def deliver(self, pending, release):
         """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""
@@ -244,6 +245,7 @@ class DeviceCopies:
 
     def _recycle(self, p):
         """Its events back to the pools, for later copies (or for close to destroy)."""
+        p.host = None
         self.event_pool.append(p.event)
         if p.timing is not None:
             self.timing_pool += p.timing

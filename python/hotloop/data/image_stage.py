@@ -43,6 +43,7 @@ class _Prepared:
     mem: torch.Tensor  # their memory, in the kernel's order
     buf: torch.Tensor  # decoded pixels of every image
     table_dev: torch.Tensor  # the kernel's entry table on the device (None on the CPU)
+    host: torch.Tensor = None  # the page-locked copy of the bytes the decode and uploads read (GPU)
 
 
 class ImageStage:
@@ -115,9 +116,20 @@ class ImageStage:
     def launch(self, prepared, data, done, stream):
         """Queue the batch's decode, uploads and kernel on `stream` (0 on the CPU). data's memory must
         stay put until the stream has passed them (a ring slot, released after the batch's event).
-        Returns (images NCHW-shaped, device buffers to keep until the stream passed them)."""
+        Returns (images NCHW-shaped, device buffers and the host buffer to keep until the stream
+        passed them)."""
         p = prepared
         base = p.buf.data_ptr()
+        if self.device is not None:
+            # a ring slot is page-locked in separate 8 MiB registrations and a DMA may not span two
+            # (ring_pin.c): on the H200 the CPU backend's uploads failed (cudaErrorInvalidValue) and
+            # nvjpeg refused some images of batches of 256, then hung, where a batch's bytes crossed
+            # a boundary. One page-locked copy of the bytes the batch uses (~18 MB, a few ms, off the
+            # training thread) is a single allocation. Not yet run on the GPU (see the issue's note).
+            used = max((r[_K["offset"]] + r[_K["length"]] for r in p.rows if r[_K["kind"]] != DONE), default=0)
+            staged = torch.empty(max(used, 1), dtype=torch.uint8, pin_memory=True)
+            staged[:used].copy_(data[:used])
+            data = p.host = staged
         self._decode(p, data, stream)
         entries = []
         for k, r in enumerate(p.rows):
@@ -141,11 +153,11 @@ class ImageStage:
         for k, r in enumerate(p.rows):
             if r[_K["kind"]] == DONE:
                 self._place_done(p.out, k, done[r[_K["offset"]]], stream)
-        return p.out, [b for b in (p.buf, p.table_dev) if b is not None]
+        return p.out, [b for b in (p.buf, p.table_dev) if b is not None], p.host
 
     def run(self, table, data, done, stream, empty):
         """prepare then launch: for callers that allocate on the stream they queue on."""
-        return self.launch(self.prepare(table, empty), data, done, stream)
+        return self.launch(self.prepare(table, empty), data, done, stream)[:2]
 
     def _decode(self, p, data, stream):
         """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here."""
@@ -167,7 +179,7 @@ class ImageStage:
             r = p.rows[k]
             raw = data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]].numpy().tobytes()
             image = self.pipeline.source.load(raw, r[_K["index"]])  # PIL's error, if it has one
-            pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
+            pixels = np.array(image, dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
             if pixels.shape != (r[_K["src_h"]], r[_K["src_w"]], 3):
                 raise RuntimeError(f"gpu_decode: image {r[_K['index']]} decodes to {pixels.shape[:2]}, but its "
                                    f"JPEG header says {(r[_K['src_h']], r[_K['src_w']])}")
