@@ -125,7 +125,7 @@ class ImageStage:
             # (ring_pin.c): on the H200 the CPU backend's uploads failed (cudaErrorInvalidValue) and
             # nvjpeg refused some images of batches of 256, then hung, where a batch's bytes crossed
             # a boundary. One page-locked copy of the bytes the batch uses (~18 MB, a few ms, off the
-            # training thread) is a single allocation. Not yet run on the GPU (see the note).
+            # training thread) is a single allocation.
             used = max((r[_K["offset"]] + r[_K["length"]] for r in p.rows if r[_K["kind"]] != DONE), default=0)
             staged = torch.empty(max(used, 1), dtype=torch.uint8, pin_memory=True)
             staged[:used].copy_(data[:used])
