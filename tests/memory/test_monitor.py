@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -222,6 +223,21 @@ def test_jpeg_engine_utilisation(fake):
     tl = memory.Timeline(s, s["started"])
     assert np.all(np.isnan(tl.util_jpeg)) and np.all(tl.util_gpu == 97)
     assert _C.nvml_device_info(0)["utilization_jpeg"] is None
+
+
+def test_report_shows_the_jpeg_engines_beside_the_sms(fake):
+    busy = int(np.random.default_rng().integers(1, 100))
+    fake.set("util_jpeg", busy)
+    with hotloop.MemoryMonitor(interval_ms=1.0, slow_interval_ms=2.0) as mon:
+        wait_for(lambda: mon.timeline.slow.size >= 3)
+    r = mon.report()
+    assert r.util_jpeg_mean == busy
+    assert re.search(rf"JPEG decoders \(mean\)\s+{busy} %", str(r)), str(r)
+    fake.set("unsupported_jpeg", 1)
+    with hotloop.MemoryMonitor(interval_ms=1.0, slow_interval_ms=2.0) as mon:
+        wait_for(lambda: mon.timeline.slow.size >= 3)
+    r = mon.report()
+    assert r.util_jpeg_mean is None and "JPEG decoders" not in str(r)
 
 
 def test_fork_leaves_no_sampler_in_the_child(fake):

@@ -346,6 +346,9 @@ class MemoryMonitor:
             else:
                 r.context_baseline = int(self._used_at_start)
             r.util_mean = None if s["util_mean"] < 0 else s["util_mean"]
+            jpeg = r.timeline.util_jpeg
+            jpeg = jpeg[jpeg == jpeg]  # NaN: the GPU has no JPEG engines, or the driver cannot say
+            r.util_jpeg_mean = float(jpeg.mean()) if len(jpeg) else None
             r.power_mean_w = None if s["power_mean_w"] < 0 else s["power_mean_w"]
             r.power_max_w = None if s["power_max_mw"] is None else s["power_max_mw"] / 1e3
             r.temperature_max_c = s["temperature_max_c"]

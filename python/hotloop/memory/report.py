@@ -45,6 +45,7 @@ class MemoryReport:
     context_baseline: int = None       # device used at start minus torch reserved at start
     non_torch_at_peak: int = None      # peak device used - peak reserved - context baseline
     util_mean: float = None
+    util_jpeg_mean: float = None  # the hardware JPEG decoders' (NVML), over the kept samples; None where absent
     power_mean_w: float = None
     power_max_w: float = None
     power_limit_w: float = None

@@ -52,6 +52,8 @@ def format_report(r) -> str:
         rows.append(("torch", "no CUDA device in torch: allocator figures unavailable"))
     if r.nvml:
         rows.append(("GPU utilisation (mean)", "-" if r.util_mean is None else f"{r.util_mean:.0f} %"))
+        if r.util_jpeg_mean is not None:  # beside the SMs': what gpu_decode's hardware decoders did
+            rows.append(("  JPEG decoders (mean)", f"{r.util_jpeg_mean:.0f} %"))
         power = [("-" if v is None else f"{v:.0f}") for v in (r.power_mean_w, r.power_max_w, r.power_limit_w)]
         rows.append(("power mean / max / limit", " / ".join(power) + " W"))
         rows.append(("temperature max", "-" if r.temperature_max_c is None else f"{r.temperature_max_c} °C"))
