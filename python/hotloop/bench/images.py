@@ -115,21 +115,27 @@ def _tree_cpu_seconds():
 
 
 def _rate_and_cpu(make, batches, warmup, device):
-    """(img/s, CPU seconds per image) of iterating a fresh loader after warm-up batches."""
+    """(img/s over `batches` batches after `warmup`, CPU seconds per image over the whole epoch).
+    The CPU is counted from before the workers start to the epoch's last batch, over every image
+    of the epoch: workers make batches ahead, so a window of batches would miss work done before it."""
+    cpu0 = _tree_cpu_seconds()
     it = iter(make())
-    for _ in range(warmup):
-        next(it)
-    sync(device)
-    cpu0, t0, n = _tree_cpu_seconds(), time.perf_counter(), 0
+    n = timed = 0
+    t0 = elapsed = None
     for x, _y in it:
-        n += x.shape[0]
-        if n >= batches * x.shape[0]:
-            break
+        n += 1
+        if n == warmup:
+            sync(device)
+            t0 = time.perf_counter()
+        elif n == warmup + batches:
+            sync(device)
+            elapsed = time.perf_counter() - t0
+            timed = batches * x.shape[0]
+        images = n * x.shape[0]
     sync(device)
-    elapsed = time.perf_counter() - t0
-    cpu = _tree_cpu_seconds() - cpu0
+    cpu = _tree_cpu_seconds() - cpu0  # before the workers exit: their times are read from /proc
     del it
-    return n / elapsed, cpu / n
+    return timed / elapsed, cpu / images
 
 
 def _step_ms(step, x, y, reps):
@@ -167,7 +173,8 @@ def rows(ctx):
         sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
         note_data = (f"{files} JPEGs written in {time.perf_counter() - t0:.0f} s, mean {np.mean(sizes) / 1e3:.0f} KB; "
                      f"batch {batch}, fp16 channels_last on the GPU")
-        ds = image_folder(root, repeat=max(1, (batches + warmup + 8) * batch // files + 1))
+        epoch = batches + warmup + 8  # batches per epoch: the CPU figure counts a whole epoch
+        ds = image_folder(root, repeat=max(1, epoch * batch // files + 1))
 
         # 1 and 3: the loader alone, and what it costs the CPUs
         ours = _rate_and_cpu(lambda: hotloop_way(ds, batch, ours_workers, device), batches, warmup, device)
