@@ -742,17 +742,19 @@ class Pool:
 
     def images_out(self, slot, spec, leaves, images, pin):
         """gpu_decode without a device: the packed batch decoded and resized on the CPU, from the slot."""
+        parts = encoded_parts(spec)
         try:
-            host = [slot_leaf(self.ring, slot, leaves, s) for s in encoded_parts(spec)]
-            outs = [None] * len(leaves)
-            for k, (off, dtype, shape) in enumerate(leaves):
-                if all(s != ("T", k) for s in encoded_parts(spec)):
-                    outs[k] = slot_leaf(self.ring, slot, leaves, ("T", k)).clone()
+            host = [slot_leaf(self.ring, slot, leaves, s) for s in parts]
+            outs = [None if ("T", k) in parts else slot_leaf(self.ring, slot, leaves, ("T", k)).clone()
+                    for k in range(len(leaves))]
             batch = unflatten(spec, outs)
-            batch[0] = images.run(*host, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=pin))[0]
+            batch[0] = images.run(*host, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]
             del host
         finally:
             self.release_slot(slot)
+        if pin:  # as torch pins a batch with pin_memory=True
+            from torch.utils.data._utils.pin_memory import pin_memory
+            batch = pin_memory(batch)
         return batch
 
     def collect_leases(self):

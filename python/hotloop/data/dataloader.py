@@ -387,8 +387,10 @@ def _host_images(loader, packed):
     if device is None:
         return stage.run(*parts, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]
     stream = torch.cuda.current_stream(device)
-    images, _ = stage.run(*parts, stream.cuda_stream, lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
-    stream.synchronize()  # the host bytes are the batch's own, freed when this returns
+    images, *buffers = stage.run(*parts, stream.cuda_stream,
+                                 lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
+    stream.synchronize()  # the host bytes are the batch's own, and the buffers are freed when this returns
+    del buffers
     return images
 
 

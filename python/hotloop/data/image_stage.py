@@ -156,8 +156,9 @@ class ImageStage:
         return p.out, [b for b in (p.buf, p.table_dev) if b is not None], p.host
 
     def run(self, table, data, done, stream, empty):
-        """prepare then launch: for callers that allocate on the stream they queue on."""
-        return self.launch(self.prepare(table, empty), data, done, stream)[:2]
+        """prepare then launch, for callers that allocate on the stream they queue on; launch's
+        result (the caller holds the buffers until the stream has passed them)."""
+        return self.launch(self.prepare(table, empty), data, done, stream)
 
     def _decode(self, p, data, stream):
         """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here."""
