@@ -103,7 +103,11 @@ class ImageSource:
                 return f.read(), target
 
         def load(data, index):
-            return dataset.loader(dataset.samples[index][0])  # PIL's own errors, naming the file
+            from PIL import Image
+            try:  # the bytes already read: pil_loader's own steps, without reading the file again
+                return Image.open(io.BytesIO(data)).convert("RGB")
+            except Exception:
+                return dataset.loader(dataset.samples[index][0])  # PIL's own error, naming the file
 
         return cls(dataset, read, load), None
 
