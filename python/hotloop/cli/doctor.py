@@ -63,9 +63,13 @@ class Doctor:
             return None
         self.facts["torch"] = torch.__version__
         self.facts["torch_cuda"] = torch.version.cuda
-        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        # cuDNN is loaded only where a GPU can use it: a CUDA build of torch under AddressSanitizer
+        # aborts in that load (CI's sanitizer run, which has no GPU, saw it)
+        gpu = torch.cuda.is_available()
+        cudnn = torch.backends.cudnn.version() if gpu and torch.backends.cudnn.is_available() else None
         self.facts["cudnn"] = cudnn
-        value = f"{torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}, cuDNN {cudnn or 'none'}"
+        value = (f"{torch.__version__}, CUDA {torch.version.cuda or 'none (CPU build)'}, "
+                 f"cuDNN {cudnn or ('none' if gpu else 'not loaded (no GPU)')}")
         if system is None:
             self.add("torch", "PASS", value)
             return torch
