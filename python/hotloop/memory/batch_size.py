@@ -4,8 +4,11 @@ Doubling then bisecting (Lightning's BatchSizeFinder) costs about 2·log2(limit)
 size that ran once at the edge of memory, so the real run, with a little more fragmentation, can run
 out. Activation memory grows linearly with the batch, so after two sizes have run the peak is fitted
 as a + b·size and the next trial goes straight to where the line meets the memory available, less a
-margin; a short bracketed search (the fitted guess where it lands inside the bracket, halving where
-guesses keep failing) confirms it. The answer is always a size that ran, never an extrapolation.
+margin; a short bracketed search confirms it: the fitted guess where it lands inside the bracket (a
+parabola where the peaks curve, the line moved up where they step), or, where a size the peaks said
+would fit runs out of memory (a workspace the sizes below do not show), a bisection of the octaves
+between the largest size that ran and that one. The answer is always a size that ran, never an
+extrapolation.
 """
 import dataclasses
 import gc
@@ -180,6 +183,29 @@ def _line_fit(points):
     return a, b, sigma
 
 
+def _crossing(predict, lo, upper, usable):
+    """The largest size in [lo, upper] whose predicted peak stays within usable (lo when none does)."""
+    if predict(upper) <= usable:
+        return upper
+    while upper - lo > 1:
+        mid = (lo + upper) // 2
+        lo, upper = (mid, upper) if predict(mid) <= usable else (lo, mid)
+    return lo
+
+
+def _through(points, curved):
+    """The parabola through the last three (size, peak) points where they curve upwards and curved is
+    set, else the line through the last two."""
+    if curved and len(points) >= 3:
+        (sa, pa), (sb, pb), (sc, pc) = points[-3:]
+        d0, d1 = (pb - pa) / (sb - sa), (pc - pb) / (sc - sb)
+        curve = (d1 - d0) / (sc - sa)
+        if curve > 0 and d1 > 0:
+            return lambda x: pc + d1 * (x - sc) + curve * (x - sc) * (x - sb)
+    (s0, p0), (s1, p1) = points[-2:]
+    return lambda x: p1 + (p1 - p0) / (s1 - s0) * (x - s1)
+
+
 class _Search:
     """The state of one search: trials so far, the margin and bracket they justify, the next size."""
 
@@ -196,12 +222,19 @@ class _Search:
         # the smallest capacity seen: cuDNN/cuBLAS handles made by the first trial, or another process,
         # take memory the allocator cannot have
         self.capacity = capacity if self.capacity is None else min(self.capacity, capacity)
-        self.fit = _line_fit([(t.batch_size, t.peak_bytes) for t in self.trials if not t.oom])
-        # the margin: a fixed share of the capacity (fragmentation that a longer run adds, a cuDNN
-        # algorithm with a larger workspace) or three standard deviations of the measured peaks about
-        # the fitted line, whichever is larger: where peaks are noisy or not linear the fit is trusted less
-        sigma = self.fit[2] if self.fit else 0.0
-        self.margin = int(max(self.headroom * self.capacity, 3 * sigma))
+        self.fit = _line_fit(self.ran())
+        self.margin = self.margin_with(self.fit)
+
+    def ran(self, hi=None):
+        """(size, peak) of the trials that ran, at or below hi, by size."""
+        return sorted({t.batch_size: t.peak_bytes for t in self.trials
+                       if not t.oom and (hi is None or t.batch_size <= hi)}.items())
+
+    def margin_with(self, fit):
+        # a fixed share of the capacity (fragmentation that a longer run adds, a cuDNN algorithm with a
+        # larger workspace) or three standard deviations of the measured peaks about the fitted line,
+        # whichever is larger: where peaks are noisy or not linear the fit is trusted less
+        return int(max(self.headroom * self.capacity, 3 * (fit[2] if fit else 0.0)))
 
     def fits(self, trial):
         return not trial.oom and trial.peak_bytes <= self.capacity - self.margin
@@ -215,48 +248,91 @@ class _Search:
             over.append(self.max_batch_size + 1)
         return lo, (min(over) if over else None)
 
-    @staticmethod
-    def resolution(size):
-        # searching closer than 1/64 of the size costs trials for under 1.6% more batch
-        return max(1, size // 64)
+    def model(self, hi):
+        """The peak the next guess expects at a size: a function of the size, built from the largest
+        sizes that ran at or below hi (near the limit they follow the peaks more closely than the fit
+        over all of them, where a step or a curve bends the line)."""
+        ran = self.ran(hi)
+        if len(ran) == 1:
+            # one size has run: its growth over what was held before it (model, optimizer state) is at
+            # most b·size, so the line through the baseline overestimates the slope and underestimates
+            # the limit
+            size, peak = ran[0]
+            return lambda x: self.baseline + (peak - self.baseline) * x / size
+        # inside a bracket, peaks that curve upwards (allocator rounding, a larger workspace) are
+        # followed by the parabola through the three largest sizes; a line would aim short of the limit
+        curved = hi is not None
+        below = _through(ran[:-1], curved) if len(ran) >= 4 else None
+        top, peak = ran[-1]
+        if below is not None and peak - below(top) > self.margin_with(_line_fit(ran[:-1])):
+            # the largest size stepped above what the sizes below it predict, by more than the margin
+            # they justify (cuDNN picked an algorithm with a larger workspace, the allocator the next
+            # block size): the sizes below keep the slope, the step moves it up
+            return lambda x: below(x) + peak - below(top)
+        return _through(ran, curved)
+
+    def resolution(self, lo, hi, predict):
+        # searching closer than 1/64 of the size costs trials for under 1.6% more batch; and where the
+        # margin is three standard deviations, it is itself known only to about 3σ/sqrt(2(n - 2)) (the
+        # standard error of a standard deviation from n - 2 degrees of freedom): where the bracket
+        # holds the size at which the peaks cross the usable memory, searching closer than the samples
+        # that memory buys across it chases the margin's noise, as each trial moves it
+        step = max(1, lo // 64)
+        n = len(self.ran())
+        if n > 2 and hi is not None and predict(hi) > self.capacity - self.margin:
+            per_sample = (predict(hi) - predict(lo)) / (hi - lo)
+            if per_sample > 0:
+                step = max(step, int(3 * self.fit[2] / math.sqrt(2 * (n - 2)) / per_sample))
+        return step
+
+    def split(self, lo, hi):
+        """A size between lo and hi when the peaks below lo say nothing about where the limit is."""
+        # every octave between them is as likely to hold the limit as the next: halve the octaves, then,
+        # inside one octave, the sizes. The octaves are those that doubling from start walks: at each of
+        # its sizes doubling + bisection (the yardstick) needs more trials for a limit just above than
+        # just below, so a split there sets apart limits that cost it fewer trials; against that count
+        # it saves up to a trial over splitting at the geometric mean
+        k_lo, k_hi = math.log2(lo / self.start), math.log2(hi / self.start)
+        ks = [k for k in range(math.floor(k_lo) + 1, math.ceil(k_hi)) if lo < self.start << k < hi]
+        if ks:
+            return self.start << min(ks, key=lambda k: abs(k - (k_lo + k_hi) / 2))
+        return (lo + hi) // 2
 
     def next_size(self):
         """The size to try next, or None when the bracket is narrow enough."""
         lo, hi = self.bracket()
         if lo is None:
             return None
-        step = self.resolution(lo)
+        predict = self.model(hi)
+        step = self.resolution(lo, hi, predict)
         if hi is not None and hi - lo <= step:
             return None
-        usable = self.capacity - self.margin
-        ran = sorted({t.batch_size: t.peak_bytes for t in self.trials
-                      if not t.oom and (hi is None or t.batch_size <= hi)}.items())
-        last = self.trials[-1]
-        if hi is not None and (last.oom and last.batch_size == hi or
-                               len(self.trials) >= 2 and not any(self.fits(t) for t in self.trials[-2:])):
-            # a guess ran out of memory (no peak to learn from), or two failed running (peaks grow faster
-            # than a line): halve the bracket
-            return (lo + hi) // 2
-        if len(ran) >= 2:
-            # the line through the two largest sizes that ran: near the limit it follows the peaks more
-            # closely than the fit over all of them, where a step or a curve bends the line
-            (s0, p0), (s1, p1) = ran[-2], ran[-1]
-            slope = (p1 - p0) / (s1 - s0)
-            guess = math.floor(s1 + (usable - p1) / slope) if slope > 0 else 2 * lo
-        else:
-            # one size has run: its growth over what was held before it (model, optimizer state) is at
-            # most b·size, so the line through the baseline underestimates how far memory lasts
-            size, peak = ran[-1]
-            grown = peak - self.baseline
-            guess = math.floor(size * (usable - self.baseline) / grown) if grown > 0 else 8 * lo
+        last = next((t for t in self.trials if t.batch_size == hi), None)
+        if last is not None and last.oom and predict(hi) <= self.capacity - self.margin / 2:
+            # the peaks said hi would run with room to spare (more than half the margin: less is within
+            # what the margin is there for), and it ran out of memory: something above lo that the
+            # peaks below it do not show (a cuDNN workspace, an allocator step) sets the limit, and a
+            # line refitted through them would aim at hi again: search the bracket instead
+            return self.split(lo, hi)
         # a line through two sizes close together, extrapolated far, carries their noise with it: go at
         # most 16 times past the largest size that ran, and let that trial steady the line
-        guess = min(guess, 16 * ran[-1][0])
-        # the guess says lo is the limit: confirm with a size just above it
-        guess = max(guess, lo + step)
-        if hi is not None:
-            guess = min(guess, hi - 1)
-        return guess
+        upper = min(16 * self.ran(hi)[-1][0], hi or math.inf)
+        guess = _crossing(predict, lo, upper, self.capacity - self.margin)
+        # the trial itself will move the margin (on curving peaks it shrinks as sizes near the limit
+        # add points the line fits well): aim where the limit will be once it is counted
+        for _ in range(3):
+            fit = _line_fit(self.ran() + [(guess, predict(guess))])
+            guess = _crossing(predict, lo, upper, self.capacity - self.margin_with(fit))
+        # the guess says lo is the limit: confirm with a size just above it; or that a trial at hi is:
+        # a size just below it (max_batch_size itself where that is hi); where the two overlap, either
+        # answer ends the search
+        low = lo + step
+        if hi is None:
+            return max(guess, low)
+        high = hi - (step if last is not None else 1)
+        if low <= high:
+            return min(max(guess, low), high)
+        return min(max(guess, high), low)
 
 
 def find_max_batch_size(step_fn, *, start=1, max_batch_size=None, device=None, memory=None, headroom=0.03,
@@ -267,10 +343,14 @@ def find_max_batch_size(step_fn, *, start=1, max_batch_size=None, device=None, m
     The first trial runs `start`; its peak over what was held before it bounds the memory per sample,
     so the second trial jumps to where that bound says memory runs out. From two sizes on, the peaks
     are fitted as a + b·size and each trial goes where the line meets the usable memory; a size just
-    above the answer confirms it. Trials that fail twice running halve the bracket instead, so a
-    non-linear step cannot mislead the search for long; no guess goes more than 16 times past the
-    largest size that ran. On a linear model this takes 4-7 trials where doubling and bisecting
-    takes about 2·log2(limit) (22 for a limit near 1500).
+    above the answer confirms it. No guess goes more than 16 times past the largest size that ran.
+    Inside the bracket, peaks that curve are followed by a parabola and a step up moves the line; a
+    size the peaks said would fit that runs out of memory (a workspace or an allocator block the sizes
+    below do not show) turns the search into a bisection of the octaves between. On a linear model
+    this takes 4-7 trials where doubling and bisecting takes about 2·log2(limit) (22 for a limit near
+    1500), and 5-10 on noisy, stepped or curved ones. Where memory runs out far below the line's
+    limit, no search can promise half the trials of doubling and bisecting for every size it may run
+    out at, nor that half plus 2.5 (the tests count why); this one takes at most that half plus 6.5.
 
     The margin: the answer's measured peak stays below capacity - margin, where the margin is the
     larger of `headroom` (a share of the capacity, default 3%: fragmentation a longer run adds, a
@@ -285,8 +365,9 @@ def find_max_batch_size(step_fn, *, start=1, max_batch_size=None, device=None, m
     memory: where peaks come from: an object with reset(), peak() -> bytes since the reset,
     capacity() -> bytes that could be held, and optionally in_use() -> bytes held after reset()
     (default: CudaMemory(device), torch's allocator). max_batch_size bounds the answer. The search stops
-    once the bracket is within 1/64 of the size, or after max_trials. Raises RuntimeError when even
-    `start` does not fit.
+    once the bracket is within 1/64 of the size (or within what the margin itself is known to, where
+    it is three standard deviations), or after max_trials. Raises RuntimeError when even `start` does
+    not fit.
     """
     expect_count("find_max_batch_size", "start", start, least=1)
     if max_batch_size is not None:
