@@ -161,7 +161,10 @@ def test_fds_rss_and_no_shm_over_epochs(persistent):
         assert shm_files() <= shm
         assert len(set(open_fds()) - fds) == (0 if persistent else 1)  # non-persistent: the kept batch's ring
         assert same(*keep)
-    assert rss_kb() - rss < 20 << 10  # kB: flat, not growing by epochs
+    # kB: flat, not growing by epochs. Not under AddressSanitizer, whose quarantine keeps freed memory
+    # (up to 256 MB) on purpose: there RSS rose 20.5 MiB in one CI run and under 20 in others
+    if "address" not in hotloop.build_info()["sanitizers"]:
+        assert rss_kb() - rss < 20 << 10
     del keep, loader
     gc.collect()
     assert set(open_fds()) <= fds
