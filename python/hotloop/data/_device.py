@@ -198,13 +198,15 @@ class DeviceCopies:
         for staging, mem in staged:
             cuda.run_transform(tf, staging, mem, side)
         result = unflatten(spec, outs)
+        host_copy = None
         if parts is not None:
-            result[0], buffers, staged = images.launch(prepared, host[1], host[2], side)
+            result[0], buffers, host_copy = images.launch(prepared, host[1], host[2], side)
             keep += buffers
-            outs.append(result[0])
+            # the consumer's tensors (record_stream in deliver): the images, not the packed leaves' places
+            outs = [t for t in outs if t is not None] + [result[0]]
         event = self._event()
         cuda.record(event, side)
-        return Pending(slot, event, result, keep, consumer, outs, nbytes, timing, staged if parts is not None else None)
+        return Pending(slot, event, result, keep, consumer, outs, nbytes, timing, host_copy)
 
     def deliver(self, pending, release):
         """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""

@@ -698,8 +698,9 @@ class Pool:
         it. torch's pinned allocator keeps a block until events recorded on the streams that used it
         completed; a lease sees no such event."""
         images = self.loader.gpu_decode
-        if images is not None and encoded_parts(spec) is not None:
-            return self.images_out(slot, spec, leaves, images, pin)
+        packed = encoded_parts(spec) if images is not None else None
+        if packed is not None:
+            return self.images_out(slot, spec, leaves, images, packed, pin)
         tf = self.loader.gpu_transform
         outs, triples = [], []
         view = parts = None
@@ -740,9 +741,9 @@ class Pool:
             self.loader.stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
 
-    def images_out(self, slot, spec, leaves, images, pin):
-        """gpu_decode without a device: the packed batch decoded and resized on the CPU, from the slot."""
-        parts = encoded_parts(spec)
+    def images_out(self, slot, spec, leaves, images, parts, pin):
+        """gpu_decode without a device: the packed batch (its `parts`: encoded_parts of the spec)
+        decoded and resized on the CPU, from the slot."""
         try:
             host = [slot_leaf(self.ring, slot, leaves, s) for s in parts]
             outs = [None if ("T", k) in parts else slot_leaf(self.ring, slot, leaves, ("T", k)).clone()
