@@ -95,8 +95,10 @@ def test_monitor_cli_ends_cleanly_on_a_signal(fake_nvml_library, sig):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
     env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "FAKE_NVML_PCIE_DELAY_US": "500", "CUDA_VISIBLE_DEVICES": ""})
+    # SIGINT as a terminal delivers it, even where the tests run in a background job, which inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30)  # bounded wait for the header
         assert ready, "the monitor printed nothing in 30 s"

@@ -605,6 +605,8 @@ it = iter(loader)
 next(it)
 print("pids", " ".join(str(p.pid) for p in it._pool.procs), flush=True)
 if sys.argv[1] == "interrupt":
+    # Ctrl-C as in a terminal, even where this test runs in a background job (which inherits SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
         for _ in it:
