@@ -69,6 +69,37 @@ def test_cpu_backend_on_the_gpu_is_within_one_level(tmp_path):
     _compare(ours, theirs)
 
 
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "cpu"])
+def test_batches_larger_than_one_ring_registration(tmp_path, backend):
+    """A batch's bytes span several of the ring's 8 MiB page-locked registrations, which one DMA may
+    not cross: on the H200 such batches of 256 made nvjpeg refuse images, then hang, and the CPU
+    backend's uploads fail (cudaErrorInvalidValue), where small test batches never did."""
+    root = make_folder(str(tmp_path), n=80, sizes=(700, 900))
+    ds = ImageFolder(root, transform=TRAIN_V1(64))
+    batch = 40
+    sizes = sorted(os.path.getsize(path) for path, _ in ds.samples)
+    assert sum(sizes[:batch]) > 8 << 20, "the premise: even the smallest files of a batch fill more than 8 MiB"
+    seed = random.randrange(2**31)
+    theirs = _batches(TorchDataLoader(ds, batch_size=batch, shuffle=True, num_workers=2,
+                                      generator=torch.Generator().manual_seed(seed)))
+    try:
+        loader = hotloop.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, device="cuda",
+                                    generator=torch.Generator().manual_seed(seed),
+                                    gpu_decode=hotloop.GpuDecode(backend=backend))
+        ours = _batches(loader)
+    except RuntimeError as exc:
+        if backend == "hardware" and "hardware" in str(exc):
+            pytest.skip(f"no hardware JPEG decoder here: {exc}")
+        raise
+    if backend == "cpu":
+        _compare([(x.cpu(), y.cpu()) for x, y in ours], theirs)
+    else:
+        for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
+            assert torch.equal(y.cpu(), ty) and _levels(x, tx).max().item() <= DECODE_MAX_LEVELS
+        st = loader.stats
+        assert st.images_gpu_decoded == len(ds) and st.images_refused == 0
+
+
 def _fds():
     return len(os.listdir("/proc/self/fd"))
 

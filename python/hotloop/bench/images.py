@@ -23,7 +23,7 @@ import torch
 
 from . import image_kernel
 from .harness import Row
-from .loader import loader_rate, resnet_step, sync, timed_steps
+from .loader import resnet_step, sync, timed_steps
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -76,6 +76,9 @@ class TorchWay:
                                                   pin_memory=True, drop_last=True, prefetch_factor=2)
         self.device = device
 
+    def __len__(self):
+        return len(self.loader)
+
     def __iter__(self):
         for x, y in self.loader:
             x = x.to(self.device, non_blocking=True).to(torch.float16, memory_format=torch.channels_last)
@@ -117,12 +120,15 @@ def _tree_cpu_seconds():
 def _rate_and_cpu(make, batches, warmup, device):
     """(img/s over `batches` batches after `warmup`, CPU seconds per image over the whole epoch).
     The CPU is counted from before the workers start to the epoch's last batch, over every image
-    of the epoch: workers make batches ahead, so a window of batches would miss work done before it."""
+    of the epoch: workers make batches ahead, so a window of batches would miss work done before it.
+    It is read when the last batch arrives, while the workers live: both loaders end them once the
+    epoch is over, and a dead worker's time is no longer in /proc."""
     cpu0 = _tree_cpu_seconds()
-    it = iter(make())
+    loader = make()
+    total = len(loader)
     n = timed = 0
-    t0 = elapsed = None
-    for x, _y in it:
+    t0 = elapsed = cpu = None
+    for x, _y in loader:
         n += 1
         if n == warmup:
             sync(device)
@@ -131,11 +137,10 @@ def _rate_and_cpu(make, batches, warmup, device):
             sync(device)
             elapsed = time.perf_counter() - t0
             timed = batches * x.shape[0]
-        images = n * x.shape[0]
-    sync(device)
-    cpu = _tree_cpu_seconds() - cpu0  # before the workers exit: their times are read from /proc
-    del it
-    return timed / elapsed, cpu / images
+        if n == total:
+            sync(device)
+            cpu = (_tree_cpu_seconds() - cpu0) / (n * x.shape[0])
+    return timed / elapsed, cpu
 
 
 def _step_ms(step, x, y, reps):
@@ -173,7 +178,9 @@ def rows(ctx):
         sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs]
         note_data = (f"{files} JPEGs written in {time.perf_counter() - t0:.0f} s, mean {np.mean(sizes) / 1e3:.0f} KB; "
                      f"batch {batch}, fp16 channels_last on the GPU")
-        epoch = batches + warmup + 8  # batches per epoch: the CPU figure counts a whole epoch
+        steady = 60  # ResNet-50 steps timed after the first 25
+        # batches per epoch: the CPU figure counts a whole epoch; the ResNet-50 runs need 25 + steady
+        epoch = max(batches + warmup + 8, 0 if quick else 25 + steady + 2)
         ds = image_folder(root, repeat=max(1, epoch * batch // files + 1))
 
         # 1 and 3: the loader alone, and what it costs the CPUs
@@ -188,17 +195,19 @@ def rows(ctx):
         yield Row("images", "CPU seconds per image, all processes", ours[1] * 1e3, theirs[1] * 1e3, "ms",
                   note="user+system time of the main process and its workers over the timed batches")
 
-        # 5. each backend forced (a GPU without hardware JPEG decoders gets cuda or cpu)
+        # 5. each backend forced (a GPU without hardware JPEG decoders gets cuda or cpu), timed as above
         for backend in ("hardware", "cuda", "cpu"):
             workers = torch_workers if backend == "cpu" else ours_workers
             try:
-                rate = loader_rate(lambda: hotloop_way(ds, batch, workers, device, backend), batches // 2, warmup, device)
+                rate, cpu = _rate_and_cpu(lambda: hotloop_way(ds, batch, workers, device, backend), batches, warmup,
+                                          device)
             except RuntimeError as exc:
                 yield Row("images", f"loader alone, backend {backend}", float("nan"), theirs[0], "img/s",
                           note=f"not available: {exc}")
                 continue
             yield Row("images", f"loader alone, backend {backend}, {workers} workers", rate, theirs[0], "img/s",
-                      note=f"torch: {torch_workers} workers, CPU pipeline")
+                      note=f"torch: {torch_workers} workers, CPU pipeline; CPU {cpu * 1e3:.3f} ms per image "
+                      f"(torch {theirs[1] * 1e3:.3f})")
         if quick:
             return
 
@@ -210,7 +219,6 @@ def rows(ctx):
         x0, y0 = next(iter(TorchWay(ds, batch, 2, device)))
         for _ in range(5):
             step(x0, y0)
-        steady = 60
         resident = [(x0, y0)] * (25 + steady)
         t_first_res, rate_res = timed_steps(step, resident, 25, steady, device)
         res = {"hotloop": timed_steps(step, hotloop_way(ds, batch, ours_workers, device), 25, steady, device),
