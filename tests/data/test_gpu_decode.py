@@ -21,7 +21,9 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
+from hotloop.data.gpu_decode import ImagePipeline
 from hotloop.data.image_plan import ImagePlan
+from hotloop.data.image_source import collate_encoded
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 LEVEL = 1 / 255 / min(STD) + 1e-5  # one level of 255, normalised
@@ -234,6 +236,19 @@ def test_dtype_and_layout(tmp_path, dtype, channels_last):
         assert x.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         tol = LEVEL + tx.abs().max().item() * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)
         assert (x.float() - tx).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("backend", ["cpu", "hardware"])
+def test_the_ring_reserves_room_for_what_the_backend_sends(tmp_path, backend):
+    """A batch bigger than the ring's reservation travels outside the ring, a slow way: the CPU
+    backend's crop pixels, once reserved as if JPEG bytes, never fit (half torch's speed on an H200)."""
+    root = make_folder(str(tmp_path), n=32, sizes=(100, 300))
+    ds = ImageFolder(root, transform=TRAIN_V1(32))
+    pipeline = ImagePipeline.make(True, ds, None, 8, "map")
+    samples = pipeline.worker_dataset(backend)
+    for first in range(0, len(ds), 8):
+        batch = collate_encoded([samples[i] for i in range(first, first + 8)])
+        assert batch[0]["data"].numel() <= pipeline.capacity
 
 
 def test_bad_options():
