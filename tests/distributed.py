@@ -1,0 +1,74 @@
+"""Run a test body on several ranks of a torch.distributed process group, one process each.
+
+    def body(rank, world_size, arg): ...          # module level: spawned processes import it
+    results = run_ranks(body, 2, args=(arg,))     # [what body returned on rank 0, on rank 1]
+
+Gloo on the CPU (what CI runs); backend="nccl" with one GPU per rank for the gpu-marked tests.
+A rank that raises fails the test with its traceback; a rank that hangs (a collective another
+rank never joined) fails it after `timeout` seconds, every process killed, instead of hanging CI.
+"""
+import multiprocessing
+import os
+import queue
+import socket
+import traceback
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(body, rank, world_size, backend, port, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            results.put((rank, "ok", body(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(body, world_size=2, *, args=(), backend="gloo", timeout=120):
+    """body(rank, world_size, *args) on each rank; the list of what each returned (picklable)."""
+    ctx = multiprocessing.get_context("spawn")  # no fork: the parent's threads and CUDA state stay home
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(body, r, world_size, backend, port, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(got) - {e[0] for e in errors})
+                raise AssertionError(f"ranks {missing} gave no result in {timeout} s (a collective left "
+                                     f"waiting?){''.join(f'; rank {r} raised:{chr(10)}{tb}' for r, tb in errors)}")
+            if status == "ok":
+                got[rank] = value
+            else:
+                errors.append((rank, value))
+                break  # the others may wait forever in a collective the failed rank left
+        if errors:
+            rank, tb = errors[0]
+            raise AssertionError(f"rank {rank} raised:\n{tb}")
+        for p in procs:
+            p.join(timeout)
+        return [got[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
