@@ -3,6 +3,7 @@ PNG written), bad input as one line and a non-zero exit, and the GPU runs under 
 import csv
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -76,6 +77,23 @@ def test_loop_on_the_cpu(tmp_path):
     assert f"hotloop ÷ torch: {ratio:.3f}x" in p.stdout
 
 
+def test_loop_jpeg_case_on_the_cpu(tmp_path):
+    """JPEG files through torchvision's transform in torch's workers and through gpu_decode (its CPU
+    path here): the same crops for the same seed, so the same loss; the files are removed after."""
+    pytest.importorskip("torchvision")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    p = subprocess.run([sys.executable, "-m", "hotloop", "bench", "loop", "--case", "tiny-cnn-jpeg", "--device",
+                        "cpu", "--steps", "2", "--workers", "2", "--json", str(tmp_path / "l.json")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(scratch)})
+    assert p.returncode == 0, p.stderr
+    runs = json.loads((tmp_path / "l.json").read_text())["runs"]
+    assert [(r["case"], r["loop"]) for r in runs] == [("tiny-cnn-jpeg", "torch"), ("tiny-cnn-jpeg", "hotloop")]
+    assert runs[0]["final_loss"] == pytest.approx(runs[1]["final_loss"], rel=1e-3)  # equal in one run
+    assert runs[1]["loader_stats_wait_s"] > 0
+    assert not any(scratch.iterdir()), "the generated JPEGs were left behind"
+
+
 def test_inference_on_the_cpu_skips_gpu_variants_with_a_reason(tmp_path):
     p = bench("inference", "--device", "cpu", "--iterations", "5", "--variants", "eager,fp16,graphs,tensorrt",
               "--json", str(tmp_path / "i.json"))
@@ -129,8 +147,8 @@ def test_train_resnet50_two_precisions_on_the_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_loop_on_the_gpu(tmp_path):
-    bench("loop", "--case", "tiny-cnn", "--case", "tiny-gpt", "--steps", "10", "--workers", "2",
-          "--json", str(tmp_path / "l.json"))
+    bench("loop", "--case", "tiny-cnn", "--case", "tiny-gpt", "--case", "tiny-cnn-jpeg", "--steps", "10",
+          "--workers", "2", "--json", str(tmp_path / "l.json"))
     runs = json.loads((tmp_path / "l.json").read_text())["runs"]
-    assert [r["loop"] for r in runs] == ["torch", "hotloop"] * 2
+    assert [r["loop"] for r in runs] == ["torch", "hotloop"] * 3
     assert all(r["peak_gib"] > 0 and r["optimizer_s"] > 0 for r in runs)

@@ -52,17 +52,17 @@ def write_dataset(root, n):
         pool.map(_write_jpegs, chunks)
 
 
-def train_transform():
+def train_transform(size=224):
     import torchvision.transforms as T
 
-    return T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
-def image_folder(root, repeat):
+def image_folder(root, repeat, size=224):
     """The folder's ImageFolder, its sample list repeated (an epoch long enough to time)."""
     from torchvision.datasets import ImageFolder
 
-    ds = ImageFolder(root, transform=train_transform())
+    ds = ImageFolder(root, transform=train_transform(size))
     ds.samples = ds.samples * repeat
     ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
     return ds

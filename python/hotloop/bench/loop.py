@@ -1,16 +1,23 @@
 """`python -m hotloop bench loop`: a whole training loop with hotloop's three pieces (DataLoader,
 GradScaler, MemoryMonitor) against the same loop with torch's (DataLoader with pinned memory and a
 copy, torch.amp.GradScaler, the seeds' reset/max_memory_allocated decorator): same model, data, seed
-and steps, timed from the iterator's start, with where the time went."""
+and steps, timed from the iterator's start, with where the time went. The -jpeg cases read a folder
+of generated JPEGs through torchvision's RandomResizedCrop + flip + normalise: torch's loader runs it
+in its workers, hotloop's with gpu_decode=True (images.py has the loader-only figures)."""
 import json
+import math
 import os
+import shutil
+import tempfile
 import time
 
 from .workloads import BenchError, build
 
-# case -> (model, batch size on a GPU, batch size on the CPU, clip the gradient norm)
-CASES = {"resnet50": ("resnet50", 256, 8, False), "gpt2-medium": ("gpt2-medium", 8, 2, True),
-         "tiny-cnn": ("tiny-cnn", 64, 16, False), "tiny-gpt": ("tiny-gpt", 16, 4, True)}
+# case -> (model, batch size on a GPU, batch size on the CPU, clip the gradient norm, JPEG files)
+CASES = {"resnet50": ("resnet50", 256, 8, False, False), "resnet50-jpeg": ("resnet50", 256, 8, False, True),
+         "gpt2-medium": ("gpt2-medium", 8, 2, True, False), "tiny-cnn": ("tiny-cnn", 64, 16, False, False),
+         "tiny-cnn-jpeg": ("tiny-cnn", 64, 16, False, True), "tiny-gpt": ("tiny-gpt", 16, 4, True, False)}
+JPEG_FILES = 2560  # distinct files of a -jpeg case, fewer when the loop needs fewer; the epoch repeats them
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -51,15 +58,40 @@ def _timers(torch, device):
     return time.perf_counter, lambda a, b: b - a
 
 
-def one_loop(case, side, device, steps, workers):
-    """Train `steps` steps of `case` with `side`'s pieces; the figures of that run."""
+def _batch_size(case, device):
+    name, gpu_batch, cpu_batch, _, _ = CASES[case]
+    return gpu_batch if device.type == "cuda" else cpu_batch
+
+
+def _jpeg_loader(side, root, workload, batch, steps, workers, generator, device):
+    """The -jpeg cases' loader: an ImageFolder of the files in root, long enough for `steps` batches."""
     import torch
 
     import hotloop
 
-    name, gpu_batch, cpu_batch, clip = CASES[case]
+    from .images import image_folder
+
+    files = sum(len(f) for _, _, f in os.walk(root))
+    dataset = image_folder(root, repeat=math.ceil(steps * batch / files), size=workload.shape[1])
     cuda = device.type == "cuda"
-    batch = gpu_batch if cuda else cpu_batch
+    if side == "hotloop":
+        decode = hotloop.GpuDecode(dtype=torch.float16 if cuda else torch.float32, channels_last=True)
+        return hotloop.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, generator=generator,
+                                  device=device if cuda else None, persistent_workers=False, gpu_decode=decode)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
+                                       generator=generator, pin_memory=cuda)
+
+
+def one_loop(case, side, device, steps, workers, jpeg_root=None):
+    """Train `steps` steps of `case` with `side`'s pieces; the figures of that run. jpeg_root: the
+    folder of JPEGs of a -jpeg case."""
+    import torch
+
+    import hotloop
+
+    name, _, _, clip, jpeg = CASES[case]
+    cuda = device.type == "cuda"
+    batch = _batch_size(case, device)
     workload = build(name, device, seed=0)
     model = workload.model
     image = workload.kind == "image"
@@ -74,17 +106,21 @@ def one_loop(case, side, device, steps, workers):
             workload.loss(x.contiguous(memory_format=torch.channels_last) if image else x, y).backward()
     optimizer.zero_grad(set_to_none=True)
     del x, y
-    dataset = Samples(workload, steps * batch)
     generator = torch.Generator().manual_seed(0)
-    if side == "hotloop":
-        loader = hotloop.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers, generator=generator,
-                                    device=device if cuda else None, persistent_workers=False,
+    if jpeg:
+        loader = _jpeg_loader(side, jpeg_root, workload, batch, steps, workers, generator, device)
+    elif side == "hotloop":
+        loader = hotloop.DataLoader(Samples(workload, steps * batch), batch_size=batch, shuffle=True,
+                                    num_workers=workers, generator=generator, device=device if cuda else None,
+                                    persistent_workers=False,
                                     gpu_transform=hotloop.Normalize(MEAN, STD) if image else None)
+    else:
+        loader = torch.utils.data.DataLoader(Samples(workload, steps * batch), batch_size=batch, shuffle=True,
+                                             num_workers=workers, generator=generator, pin_memory=cuda)
+    if side == "hotloop":
         scaler = hotloop.GradScaler(device.type)
         monitor = hotloop.MemoryMonitor(device=device, report=None) if cuda else None
     else:
-        loader = torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
-                                             generator=generator, pin_memory=cuda)
         scaler = torch.amp.GradScaler(device.type)
         monitor = None
         mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
@@ -105,7 +141,9 @@ def one_loop(case, side, device, steps, workers):
         wait += time.perf_counter() - t_wait
         if side == "torch":
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            if image:  # what hotloop.Normalize does in one kernel: HWC uint8 -> normalised channels_last
+            if jpeg:  # normalised float32 NCHW from the transform: what gpu_decode hands out
+                inputs = inputs.to(torch.float16 if cuda else torch.float32, memory_format=torch.channels_last)
+            elif image:  # what hotloop.Normalize does in one kernel: HWC uint8 -> normalised channels_last
                 dtype = torch.float16 if cuda else torch.float32
                 inputs = ((inputs.permute(0, 3, 1, 2).float() - mean) / std).to(dtype)
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -140,11 +178,24 @@ def one_loop(case, side, device, steps, workers):
     return figures
 
 
+def _write_jpegs(case, device, steps):
+    """A temporary folder of generated JPEGs for a -jpeg case (removed after its two loops)."""
+    from .images import write_dataset
+
+    try:
+        import torchvision  # noqa: F401  the pipeline being timed is torchvision's
+    except ImportError:
+        raise BenchError(f"--case {case}: needs torchvision (pip install torchvision)") from None
+    root = tempfile.mkdtemp(prefix="hotloop-bench-loop-jpegs-")
+    write_dataset(root, min(JPEG_FILES, steps * _batch_size(case, device)))
+    return root
+
+
 def run(args, device):
     import torch
 
     cuda = device.type == "cuda"
-    cases = args.case or (["resnet50", "gpt2-medium"] if cuda else ["tiny-cnn", "tiny-gpt"])
+    cases = args.case or (["resnet50", "resnet50-jpeg", "gpt2-medium"] if cuda else ["tiny-cnn", "tiny-gpt"])
     for case in cases:
         if case not in CASES:
             raise BenchError(f"--case: unknown case {case!r} (choose from {', '.join(CASES)})")
@@ -156,21 +207,27 @@ def run(args, device):
     print(f"hotloop bench loop on {device} ({name}), torch {torch.__version__}, {steps} steps, {workers} workers, "
           f"{'fp16' if cuda else 'bf16'} autocast; timed from iter(loader) to the last step's end", flush=True)
     results = []
-    header = (f"{'case':<12} {'loop':<8} {'batch':>5} {'total s':>8} {'samples/s':>10} {'data wait s':>11} "
+    header = (f"{'case':<13} {'loop':<8} {'batch':>5} {'total s':>8} {'samples/s':>10} {'data wait s':>11} "
               f"{'optimizer s':>11} {'rest s':>7} {'peak GiB':>8}")
     print(header)
     for case in cases:
         pair = {}
-        for side in ("torch", "hotloop"):
-            f = pair[side] = one_loop(case, side, device, steps, workers)
-            results.append(f)
-            peak = "-" if f["peak_gib"] is None else f"{f['peak_gib']:.2f}"
-            print(f"{case:<12} {side:<8} {f['batch_size']:>5} {f['total_s']:>8.2f} {f['samples_per_s']:>10.1f} "
-                  f"{f['data_wait_s']:>11.3f} {f['optimizer_s']:>11.3f} {f['rest_s']:>7.2f} {peak:>8}", flush=True)
-            if cuda:
-                torch.cuda.empty_cache()
+        jpeg_root = _write_jpegs(case, device, steps) if CASES[case][4] else None
+        try:
+            for side in ("torch", "hotloop"):
+                f = pair[side] = one_loop(case, side, device, steps, workers, jpeg_root)
+                results.append(f)
+                peak = "-" if f["peak_gib"] is None else f"{f['peak_gib']:.2f}"
+                print(f"{case:<13} {side:<8} {f['batch_size']:>5} {f['total_s']:>8.2f} {f['samples_per_s']:>10.1f} "
+                      f"{f['data_wait_s']:>11.3f} {f['optimizer_s']:>11.3f} {f['rest_s']:>7.2f} {peak:>8}",
+                      flush=True)
+                if cuda:
+                    torch.cuda.empty_cache()
+        finally:
+            if jpeg_root is not None:
+                shutil.rmtree(jpeg_root, ignore_errors=True)
         ratio = pair["hotloop"]["samples_per_s"] / pair["torch"]["samples_per_s"]
-        print(f"{'':<12} hotloop ÷ torch: {ratio:.3f}x samples/s", flush=True)
+        print(f"{'':<13} hotloop ÷ torch: {ratio:.3f}x samples/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "device_name": name, "torch": torch.__version__, "runs": results}, f,

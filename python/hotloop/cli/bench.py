@@ -43,7 +43,9 @@ def add_arguments(parser):
 
     loop = sub.add_parser("loop", help="a whole training loop with hotloop's three pieces against torch's")
     loop.add_argument("--case", action="append", default=None,
-                      help="resnet50, gpt2-medium (default both on a GPU), tiny-cnn, tiny-gpt (default on the CPU)")
+                      help="resnet50, resnet50-jpeg, gpt2-medium (the default on a GPU), tiny-cnn, tiny-gpt (the "
+                           "default on the CPU), tiny-cnn-jpeg; -jpeg: a folder of generated JPEGs, "
+                           "gpu_decode against torchvision's transform in torch's workers")
     loop.add_argument("--steps", type=_positive_int, default=None, help="timed steps per loop (default 60; 6 on the CPU)")
     loop.add_argument("--workers", type=int, default=None, help="DataLoader workers (default min(8, cores))")
     loop.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable)")
