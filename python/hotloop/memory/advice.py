@@ -2,7 +2,11 @@
 import os
 
 from .clock_reasons import POWER_REASONS, SLOWDOWN_REASONS, reason_bits
+from .ranks import compared_peaks
 from .text import MiB, format_size, top_level_modules
+
+IMBALANCE = 1.1  # the heaviest rank's peak over the lightest's above which the ranks are flagged
+STALL_SPREAD = 0.10  # a data-stall share this much larger on one rank than on another is flagged
 
 
 def compute_advice(r) -> list:
@@ -74,4 +78,64 @@ def compute_advice(r) -> list:
         else:
             advice.append("out of memory: lower the batch size, use AMP, or checkpoint the heaviest modules; "
                           "run with model= to see which modules hold the activations")
+    return advice
+
+
+def _differs(hi, lo, part):
+    a, b = part(hi), part(lo)
+    return None if a is None or b is None else a - b
+
+
+def compute_rank_advice(rows) -> list:
+    """Where the gathered ranks (RankMemory rows) differ: a peak imbalance (the heaviest over the
+    lightest above IMBALANCE), with the part of the difference that dominates and its likely causes;
+    and a data-loader stall share that differs by more than STALL_SPREAD."""
+    advice = []
+    compared = compared_peaks(rows)
+    if compared is not None and len(rows) > 1 and min(compared[0]) > 0:
+        peaks, what = compared
+        hi, lo = rows[peaks.index(max(peaks))], rows[peaks.index(min(peaks))]
+        ratio = max(peaks) / min(peaks)
+        if ratio > IMBALANCE:
+            line = (f"imbalance: rank {hi.rank}'s peak ({what}) is {format_size(max(peaks))}, {ratio:.2f}x rank "
+                    f"{lo.rank}'s {format_size(min(peaks))} (+{format_size(max(peaks) - min(peaks))}): the batch that "
+                    f"fits is set by rank {hi.rank} while the others leave memory unused; ")
+            allocated = _differs(hi, lo, lambda x: x.peak_allocated)
+            fragmentation = _differs(hi, lo, lambda x: x.fragmentation_at_peak)
+            outside = None
+            if what.startswith("device") and hi.peak_reserved is not None and lo.peak_reserved is not None:
+                outside = _differs(hi, lo, lambda x: x.peak_device_used - x.peak_reserved)
+            parts = {k: v for k, v in (("allocated", allocated), ("fragmentation", fragmentation),
+                                       ("outside", outside)) if v is not None}
+            main = max(parts, key=parts.get) if parts and max(parts.values()) > 0 else None
+            rank0_work = (f"work only rank {hi.rank} does (logging, evaluation, checkpointing under "
+                          "`if rank == 0`: move it out of the training step, or share it out)")
+            uneven = ("uneven batches or sequence lengths across ranks (DistributedSampler with drop_last=True, "
+                      "padded or length-bucketed batches of one size)")
+            stages = "pipeline stages of unequal size (rebalance the layers across stages)"
+            if main == "allocated":
+                causes = [uneven, stages] if hi.rank != 0 else [rank0_work, uneven, stages]
+                line += (f"most of it is memory torch allocated (+{format_size(allocated)}): likely "
+                         + "; or ".join(causes))
+            elif main == "fragmentation":
+                line += (f"most of it is fragmentation (+{format_size(fragmentation)} reserved but not allocated at "
+                         f"rank {hi.rank}'s peak): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or tensor "
+                         "shapes that vary from step to step on that rank")
+            elif main == "outside":
+                line += (f"most of it is outside torch's allocator (+{format_size(outside)}: CUDA contexts, NCCL, "
+                         f"cuBLAS/cuDNN workspaces): other ranks' CUDA contexts on rank {hi.rank}'s GPU (call "
+                         "torch.cuda.set_device(local_rank) before anything touches CUDA), or another process on it")
+            else:
+                causes = ([rank0_work] if hi.rank == 0 else []) + [uneven, stages, "other processes or other ranks' "
+                                                                   "CUDA contexts on its GPU"]
+                line += "likely " + "; or ".join(causes)
+            advice.append(line)
+    stalls = [x for x in rows if x.stall_fraction is not None]
+    if len(stalls) > 1:
+        slow = max(stalls, key=lambda x: x.stall_fraction)
+        fast = min(stalls, key=lambda x: x.stall_fraction)
+        if slow.stall_fraction - fast.stall_fraction > STALL_SPREAD:
+            advice.append(f"rank {slow.rank} waited on its data loader {100 * slow.stall_fraction:.0f} % of the time, "
+                          f"rank {fast.rank} {100 * fast.stall_fraction:.0f} %: every rank waits for it at each "
+                          f"collective; give rank {slow.rank}'s loader more workers or check its host (storage, CPU)")
     return advice

@@ -11,6 +11,10 @@ modules, and at the end joins what the device saw with what torch's caching allo
 
 followed by advice computed from those figures. Works without torch's CUDA (NVML figures only) and
 without NVML (torch figures only), and says which part is missing.
+
+Under torch.distributed, all_ranks=True gathers every rank's peaks, their parts and its data-loader
+stalls to the group's first rank, which prints one table with a row per rank and flags an imbalance
+(the heaviest peak over the lightest above 1.1) with what differs and its likely causes.
 """
 import functools
 import inspect
@@ -21,9 +25,10 @@ import time
 
 from .. import _C, input_wait
 from .._arguments import expect_count, expect_positive
-from .advice import compute_advice
+from .advice import compute_advice, compute_rank_advice
 from .clock_reasons import reason_names
 from .hooks import ModuleHooks
+from .ranks import RankMemory, gather_rows, group_rank
 from .report import MemoryReport
 from .timeline import Timeline
 
@@ -100,16 +105,27 @@ class MemoryMonitor:
     PNG path the timeline is drawn to (needs matplotlib). slow_interval_ms: utilisation, power,
     temperature, clocks. pcie_interval_ms: PCIe throughput on its own thread (0: off). capacity:
     memory samples kept (the oldest are dropped; peaks still see every sample).
+
+    all_ranks: under torch.distributed, when the block ends normally every rank of `process_group`
+    (default: the default group) sends its figures to the group's first rank (one gather_object: every
+    rank must run the block), whose report then holds a row per rank (`report.ranks`), prints them as
+    one table and advises on an imbalance; the other ranks keep their own report (rank and world_size
+    set, `ranks` empty) and print and plot nothing. A block that raises gathers nothing (the rank that
+    failed must not wait for the others) and prints its own report as without all_ranks. Without an
+    initialized process group all_ranks changes nothing.
     """
 
     def __init__(self, interval_ms=1.0, device=None, model=None, report=None, file=None, plot=None,
-                 slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072):
+                 slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072, all_ranks=False,
+                 process_group=None):
         if report not in ("table", "json", None):
             raise ValueError(f"report: expected 'table', 'json' or None, got {report!r}")
         expect_positive("MemoryMonitor", "interval_ms", interval_ms)
         expect_positive("MemoryMonitor", "slow_interval_ms", slow_interval_ms)
         expect_positive("MemoryMonitor", "pcie_interval_ms", pcie_interval_ms, zero_ok=True)
         expect_count("MemoryMonitor", "capacity", capacity, least=1)
+        if not isinstance(all_ranks, bool):
+            raise TypeError(f"MemoryMonitor: expected all_ranks to be True or False, got {all_ranks!r}")
         if model is not None:
             torch = _torch()
             if torch is None or not isinstance(model, torch.nn.Module):
@@ -127,7 +143,10 @@ class MemoryMonitor:
         self._sampler = None
         self._running = False
         self._report = None
+        self._gathered = False
         self._hooks = None
+        self.all_ranks = all_ranks
+        self.process_group = process_group
 
     # -- device resolution: torch index for the allocator, NVML index or UUID for the sampler --
     def _resolve(self):
@@ -203,6 +222,7 @@ class MemoryMonitor:
         self._loader_start = input_wait.snapshot()
         self._ring_window = input_wait.open_window()
         self._oom = None
+        self._gathered = False
         self._t0 = time.monotonic()
         if self._sampler is not None:
             self._sampler.start()
@@ -224,14 +244,41 @@ class MemoryMonitor:
         self._report = self._build_report()
         return self._report
 
-    def report(self) -> MemoryReport:
-        """The report: the final one after stop(), else one of the run so far."""
+    def report(self, all_ranks=False, process_group=None) -> MemoryReport:
+        """The report: the final one after stop(), else one of the run so far.
+
+        all_ranks=True, under torch.distributed: a collective over process_group (default: the
+        monitor's, else the default group) that every rank must call; the group's first rank gets
+        a report with every rank's row in `ranks` and advice on where they differ, the others their
+        own. A final report gathered once (by the block's end with all_ranks=True, or by an earlier
+        call) is returned again without a collective. Without an initialized process group, the
+        same as all_ranks=False."""
+        if not isinstance(all_ranks, bool):
+            raise TypeError(f"MemoryMonitor.report(): expected all_ranks to be True or False, got {all_ranks!r}")
         if self._running:
             self._t1 = time.monotonic()
-            return self._build_report()
+            report = self._build_report()
+            return self._gather(report, process_group) if all_ranks else report
         if self._report is None:
             raise RuntimeError("MemoryMonitor.report(): not started")
+        if all_ranks and not self._gathered:
+            self._report = self._gather(self._report, process_group)
+            self._gathered = True
         return self._report
+
+    def _gather(self, report, process_group=None):
+        """report with every rank's row on the group's first rank (a collective); report unchanged
+        where torch.distributed is not initialized or this process is not in the group."""
+        group = process_group if process_group is not None else self.process_group
+        where = group_rank(group)
+        if where is None or where[0] < 0:
+            return report
+        report.rank, report.world_size = where
+        rows = gather_rows(RankMemory.of(report, report.rank), group)
+        if rows is not None:
+            report.ranks = rows
+            report.advice = report.advice + compute_rank_advice(rows)
+        return report
 
     @property
     def timeline(self) -> Timeline:
@@ -265,6 +312,10 @@ class MemoryMonitor:
             except AttributeError:
                 pass
             self._emit(report, force=True)
+        elif exc is None and self.all_ranks:
+            report = self.report(all_ranks=True)
+            if report.rank in (None, 0):  # the other ranks sent theirs to the first: they print nothing
+                self._emit(report)
         else:
             self._emit(report)
 
@@ -296,7 +347,7 @@ class MemoryMonitor:
         self._oom = oom
 
     def _emit(self, report, force=False):
-        if not report.nvml and not report.torch_cuda:
+        if not report.nvml and not report.torch_cuda and not report.ranks:
             return  # no GPU: said once per process (_say_no_gpu), the report has nothing to show
         out = self.file if self.file is not None else sys.stderr
         fmt = self.report_format or ("table" if force else None)
@@ -399,7 +450,8 @@ def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report=
     The function's return value and exceptions are unchanged; the last report is kept on
     `train.last_report`. On torch.OutOfMemoryError the report (with the failed request, free memory
     and fragmentation) is printed and attached to the exception as `err.hotloop_report`.
-    Options are MemoryMonitor's.
+    Options are MemoryMonitor's: under torch.distributed, all_ranks=True (and process_group=) prints
+    one table of every rank's peaks on the group's first rank, and nothing on the others.
     """
     if fn is not None and not callable(fn):
         raise TypeError(f"memory_monitor: expected a function or keyword options, got {fn!r}")

@@ -21,7 +21,9 @@ class ModuleMemory:
 class MemoryReport:
     """What a monitored run used, from NVML and from torch's caching allocator, with advice.
 
-    Sizes are bytes, None where the source was unavailable. `str(report)` is a table;
+    Sizes are bytes, None where the source was unavailable. After a gather (all_ranks=True) the
+    group's first rank holds every rank's row in `ranks`, and its advice says where they differ.
+    `str(report)` is a table;
     `to_dict()`/`to_json()` give every field; `plot(path)` draws the timeline.
     """
     device: str = "cuda:0"
@@ -70,6 +72,11 @@ class MemoryReport:
     fp32_matmul_seen: bool = None
     # torch.OutOfMemoryError inside the run
     oom: dict = None
+    # report(all_ranks=True) under torch.distributed: this rank in its group, and on the group's first
+    # rank every rank's row (RankMemory, in rank order; empty on the other ranks)
+    rank: int = None
+    world_size: int = None
+    ranks: list = dataclasses.field(default_factory=list)
     advice: list = dataclasses.field(default_factory=list)
     timeline: Timeline = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -79,7 +86,7 @@ class MemoryReport:
             if f.name == "timeline":
                 continue
             value = getattr(self, f.name)
-            if f.name == "modules":
+            if f.name in ("modules", "ranks"):
                 value = [dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(m) for m in value]
             out[f.name] = value
         return out

@@ -1,4 +1,5 @@
-"""The memory report as text: a table whose lines add up, the biggest modules, the advice."""
+"""The memory report as text: a table whose lines add up, the biggest modules, the ranks, the advice."""
+from .ranks import compared_peaks
 
 GiB = float(1 << 30)
 MiB = float(1 << 20)
@@ -23,6 +24,8 @@ def top_level_modules(report):
 def format_report(r) -> str:
     """The report (a MemoryReport) as the table `str(report)` prints."""
     title = f"hotloop memory report: {r.device}" + (f" ({r.device_name})" if r.device_name else "")
+    if r.world_size is not None:
+        title += f", rank {r.rank} of {r.world_size}"
     title += f", {r.duration_s:.2f} s"
     rows = []
     if r.nvml and r.peak_device_used is not None:
@@ -85,7 +88,40 @@ def format_report(r) -> str:
         for m in top:
             lines.append(f"    {m.name:<{w}}  {format_size(m.activation_bytes):>10}  (output {format_size(m.output_bytes)}, "
                          f"{m.calls} call{'s' if m.calls != 1 else ''})")
+    if r.ranks:
+        lines += format_ranks(r.ranks)
     if r.advice:
         lines.append("advice:")
         lines += [f"  - {a}" for a in r.advice]
     return "\n".join(lines)
+
+
+_RANK_COLUMNS = (("peak device used", "peak_device_used"), ("torch reserved", "peak_reserved"),
+                 ("allocated", "peak_allocated"), ("fragmentation", "fragmentation_at_peak"),
+                 ("outside torch", "non_torch_at_peak"), ("context", "context_baseline"))
+
+
+def format_ranks(rows) -> list:
+    """The gathered rows (RankMemory) as a table, a line per rank, the heaviest and lightest marked;
+    columns no rank could fill are left out."""
+    columns = [("rank", lambda x: str(x.rank))]
+    if len({x.host for x in rows}) > 1:
+        columns.append(("host", lambda x: x.host))
+    columns.append(("device", lambda x: x.device))
+    columns += [(name, lambda x, f=field: format_size(getattr(x, f))) for name, field in _RANK_COLUMNS
+                if any(getattr(x, field) is not None for x in rows)]
+    if any(x.stall_fraction is not None for x in rows):
+        columns.append(("data stalls",
+                        lambda x: "-" if x.stall_fraction is None else f"{100 * x.stall_fraction:.1f} %"))
+    cells = [[name for name, _ in columns]] + [[cell(x) for _, cell in columns] for x in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    compared = compared_peaks(rows)
+    marks = [""] * len(rows)
+    if compared is not None and max(compared[0]) > min(compared[0]):
+        peaks = compared[0]
+        marks[peaks.index(max(peaks))], marks[peaks.index(min(peaks))] = "  <- heaviest", "  <- lightest"
+    lines = [f"  per rank ({len(rows)}" + (f"; peaks compared: {compared[1]}" if compared else "") + "):"]
+    for row, mark in zip(cells, [""] + marks):
+        lines.append("    " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     + mark)
+    return lines
