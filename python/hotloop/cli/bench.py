@@ -1,6 +1,7 @@
-"""`python -m hotloop bench {components,train,loop,inference}`: components alternates hotloop's way and
-torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
-train, loop and inference measure whole models (hotloop/bench/train.py, loop.py, inference.py)."""
+"""`python -m hotloop bench {components,train,loop,inference,distributed}`: components alternates hotloop's way
+and torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
+train, loop and inference measure whole models (hotloop/bench/train.py, loop.py, inference.py); distributed
+a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py)."""
 import importlib
 import sys
 
@@ -19,7 +20,7 @@ _positive_int.__name__ = "positive integer"  # argparse names the type in its me
 
 
 def add_arguments(parser):
-    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference}", required=True)
+    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference,distributed}", required=True)
     components = sub.add_parser("components", help="each component against torch's way of the same job")
     components.add_argument("--only", action="append", choices=sorted(COMPONENTS),
                             help="run only this component (repeatable)")
@@ -59,6 +60,23 @@ def add_arguments(parser):
                            help="comma-separated eager,fp16,graphs,compile,tensorrt (default all)")
     inference.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when usable)")
     inference.add_argument("--json", metavar="FILE", help="also write the figures to this JSON file")
+
+    distributed = sub.add_parser("distributed", help="a DDP and an FSDP2 step with hotloop's three pieces against "
+                                                     "torch's, at world size 1 and N (one process per GPU)")
+    distributed.add_argument("--model", default=None,
+                             help="gpt2-small (default on GPUs), tiny-gpt (default on the CPU: a smoke run)")
+    distributed.add_argument("--world-size", type=_positive_int, default=None,
+                             help="ranks of the second run, one GPU each (default: 2, or 1 with one GPU)")
+    distributed.add_argument("--steps", type=_positive_int, default=None,
+                             help="timed steps per side and run (default 30; 3 on the CPU)")
+    distributed.add_argument("--batch-size", type=_positive_int, default=None,
+                             help="samples per rank and step (default: the model's, 8 for gpt2-small)")
+    distributed.add_argument("--workers", type=int, default=None,
+                             help="DataLoader workers per loader and rank (default 2; 0 on the CPU)")
+    distributed.add_argument("--timeout", type=float, default=300.0,
+                             help="seconds a rank may spend in one phase before the command ends (default 300)")
+    distributed.add_argument("--device", default=None, help="cuda (NCCL) or cpu (gloo) (default: cuda when usable)")
+    distributed.add_argument("--json", metavar="FILE", help="also write the figures to this JSON file")
 
 
 def _device(args, command):
@@ -129,7 +147,14 @@ def _inference(args, device):
     return inference.run(args, device)
 
 
-SUBCOMMANDS = {"components": _components, "train": _train, "loop": _loop, "inference": _inference}
+def _distributed(args, device):
+    from ..bench import distributed
+
+    return distributed.run(args, device)
+
+
+SUBCOMMANDS = {"components": _components, "train": _train, "loop": _loop, "inference": _inference,
+               "distributed": _distributed}
 
 
 def main(args) -> int:
