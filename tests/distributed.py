@@ -20,7 +20,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _die_with_parent():
+    """A rank outlives a killed test run otherwise (pytest-timeout, Ctrl-C), waiting in a collective."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
 def _rank_main(body, rank, world_size, backend, port, args, results):
+    _die_with_parent()
     import torch
     import torch.distributed as dist
 
