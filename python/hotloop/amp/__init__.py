@@ -1,6 +1,7 @@
 """hotloop.GradScaler and the kernels under it: grad_scaler.py (the drop-in for torch.amp.GradScaler),
-device_grads.py (an optimizer's gradients per device: kernel table or torch's ops), ops.py (its kernels
-for code that wants them alone), tensor_table.py (many tensors, one launch)."""
+device_grads.py (an optimizer's gradients per device: kernel table or torch's ops), sharded.py (gradients
+sharded across ranks: the groups a check is reduced over, the one gather), ops.py (its kernels for code
+that wants them alone), tensor_table.py (many tensors, one launch)."""
 from .grad_scaler import GradScaler, OptState, OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]

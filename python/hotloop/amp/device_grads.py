@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import _C
-from . import tensor_table
+from . import sharded, tensor_table
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GRAD_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -72,10 +72,11 @@ def split(grads):
 def values(param, coalesce):
     """The tensor whose elements are param's gradient values: the gradient itself, or a sparse one's
     _values(). With `coalesce` a sparse gradient with repeated indices is first replaced by its
-    coalesced form (the sum of repeats is what the optimizer will see, and may overflow alone)."""
+    coalesced form (the sum of repeats is what the optimizer will see, and may overflow alone).
+    A DTensor gradient's values are its local shard's."""
     g = param.grad
     if not g.is_sparse:
-        return g
+        return sharded.local(g)
     if coalesce and not g.is_coalesced():
         param.grad = g = g.coalesce()
     return g._values()

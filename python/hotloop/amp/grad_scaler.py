@@ -36,7 +36,7 @@ import torch
 
 from .. import _C
 from .._arguments import expect_count, expect_number
-from . import device_grads
+from . import device_grads, sharded
 
 _logger = logging.getLogger(__name__)
 
@@ -93,13 +93,16 @@ class OverflowReport:
 class _OptimizerCache:
     """Per optimizer: the flat parameter list, the gradient table and the overflow report."""
 
-    __slots__ = ("groups_key", "params", "key", "devices", "reports", "number", "__weakref__")
+    __slots__ = ("groups_key", "params", "key", "devices", "reduce_over", "dtensors", "reports", "number",
+                 "__weakref__")
 
     def __init__(self, number):
         self.groups_key = None
         self.params = []
         self.key = None
         self.devices = None  # DeviceGrads, in order of first appearance
+        self.reduce_over = ()  # process groups the gradients are sharded over (none: not sharded)
+        self.dtensors = False  # the gradients were DTensors: the table holds their local shards
         self.reports = {}  # device -> int64 overflow report, kept across rebuilds
         self.number = number
 
@@ -155,6 +158,9 @@ class GradScaler:
         (Megatron-LM's rule; 1 is torch's behaviour).
     min_scale / max_scale (float, optional): bounds the scale never crosses.
     named_parameters (iterable of (name, Parameter), optional): names for :meth:`overflow_report`.
+    process_group (torch.distributed.ProcessGroup, optional): the group over which each rank's
+        optimizer holds only its shard of the gradients (a sharded optimizer of your own, plain-tensor
+        gradients); see "Distributed training" below.
 
     Usage is torch's::
 
@@ -177,6 +183,23 @@ class GradScaler:
     Gradients of one optimizer may live on several GPUs (model or pipeline parallel): a found_inf per
     device, as torch keeps them.
 
+    Distributed training: with DDP (replicated gradients, plain tensors) nothing changes and no
+    collective is added: every rank already sees the same gradients and takes the same decision.
+    Sharded gradients need every rank's share: the found-inf flag and the norm's partial sums are
+    gathered across the ranks (one small collective per check, asynchronous, no host sync on NCCL)
+    before the epilogue, so every rank skips the same steps and clips by the same coefficient, as torch's
+    GradScaler and clip_grad_norm_ do on FSDP2's DTensors. How the scaler knows that gradients are
+    sharded: DTensor gradients (FSDP2's ``fully_shard``) say so themselves; the scaler works on their
+    local shards (``to_local()``), in place, and reduces over the device-mesh dimensions they are
+    sharded on (a 1-D mesh, or HSDP's shard dimension). All of one optimizer's DTensor gradients must
+    be sharded alike, and not mixed with plain ones (ValueError). For plain gradients that are each
+    rank's shard (a sharded optimizer of your own) pass ``process_group=``: every optimizer's
+    gradients are then reduced over that group, DTensor ones included. Groups of one rank add
+    nothing. clip_grad_norm_ returns the norm of all ranks' gradients, as a plain tensor, the same on
+    every rank. overflow_report() on each rank names that rank's own first non-finite gradient (None on
+    a rank whose shards were all finite, though the step was skipped there too). A rank whose
+    sharded optimizer holds no gradient still takes part and skips with the others.
+
     Differences from torch, all deliberate: unscale_ accepts float16 gradients (torch's refuses them):
     hotloop checks each value after unscaling, in float32, so a float16 gradient that would become
     inf once unscaled counts as an overflow and the step is skipped, where torch would write the inf
@@ -190,8 +213,9 @@ class GradScaler:
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: float | None = None, max_scale: float | None = None,
-                 named_parameters=None) -> None:
+                 named_parameters=None, process_group=None) -> None:
         kind = _device_type(device)
+        self._process_group = sharded.expect_process_group(process_group)
         self._device = kind
         self._enabled = enabled
         if kind == "cuda" and enabled:
@@ -318,10 +342,9 @@ class GradScaler:
         appeared or went (a step compares their data pointers) or the current stream changed."""
         cache = self._cache_for(optimizer)
         grads = [p.grad for p in cache.params]
-        try:  # 0: no gradient; else where its values are
-            key = [g.data_ptr() if g is not None else 0 for g in grads]
-        except RuntimeError:  # a sparse gradient has no data pointer (-1: read from the parameter at each use)
-            key = [0 if g is None else (g.data_ptr() if g.layout is torch.strided else -1) for g in grads]
+        if cache.dtensors:  # a DTensor's data_ptr() is 0: its local shard's says where its values are
+            grads = [sharded.local(g) for g in grads]
+        key = self._key(grads)
         if cache.devices is None or key != cache.key:
             self._build(cache, key)
         else:
@@ -331,8 +354,18 @@ class GradScaler:
                     break
         return cache
 
+    @staticmethod
+    def _key(grads):
+        try:  # None: no gradient; else where its values are
+            return [g.data_ptr() if g is not None else None for g in grads]
+        except RuntimeError:  # a sparse gradient has no data pointer (-1: read from the parameter at each use)
+            return [None if g is None else (g.data_ptr() if g.layout is torch.strided else -1) for g in grads]
+
     def _build(self, cache, key):
-        split = device_grads.split([p.grad for p in cache.params])  # raises before anything runs
+        grads, reduce_over, dtensors = sharded.local_grads([p.grad for p in cache.params], self._process_group)
+        split = device_grads.split(grads)  # raises before anything runs
+        if dtensors:
+            key = self._key(grads)
         devices = []
         for device, (dense, index, others) in split.items():
             report = cache.reports.get(device)
@@ -342,6 +375,8 @@ class GradScaler:
             stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
             devices.append(device_grads.DeviceGrads(device, dense, index, others, stream, report))
         cache.devices = devices
+        cache.reduce_over = reduce_over
+        cache.dtensors = dtensors
         cache.key = key
 
     def _scale_on(self, device, copies):
@@ -368,10 +403,15 @@ class GradScaler:
         return aux
 
     def _run_check(self, cache, write, mode, p, max_norm, unscale):
-        """The check over every device's gradients. Returns (found_inf per device, per device the aux its
-        apply pass reads, the aux with the norm and the fused optimizer's grad_scale). No host sync."""
+        """The check over every device's gradients, and over every rank's shard of them when they are
+        sharded. Returns (found_inf per device, per device the aux its apply pass reads, the aux with the
+        norm and the fused optimizer's grad_scale). No host sync."""
         copies = {}
         params = cache.params
+        # several devices, or shards on several ranks: each device's epilogue only gathers its share,
+        # then one epilogue folds the shares (a local report stays with each rank's own first bad one)
+        combine = len(cache.devices) > 1 and (mode != _C.AMP_NORM_NONE or cache.reduce_over)
+        alone = not combine and not cache.reduce_over
         local = []
         for dg in cache.devices:
             scale = self._scale_on(dg.device, copies) if unscale else None
@@ -379,21 +419,57 @@ class GradScaler:
             if dg.others and scale is not None:
                 inv = scale.double().reciprocal().float()  # FP64 reciprocal, as the kernels and torch take it
             extra = device_grads.measure(params, dg, inv, write, mode, p) if dg.others else None
-            # with several devices and a norm, each device's epilogue only gathers its share (no clip)
-            alone = len(cache.devices) == 1 or mode == _C.AMP_NORM_NONE
             local.append(self._check(cache, dg, write, mode, p, max_norm if alone else -1.0, scale, True, extra,
-                                     report=alone))
-        found = {dg.device: aux[_C.AMP_AUX_FOUND] for dg, aux in zip(cache.devices, local)}
-        if len(cache.devices) <= 1 or mode == _C.AMP_NORM_NONE:
+                                     report=not combine))
+        if not combine and not cache.reduce_over:
+            found = {dg.device: aux[_C.AMP_AUX_FOUND] for dg, aux in zip(cache.devices, local)}
             return found, local, local[0] if local else None
-        # the first device's epilogue folds every device's share into one norm, clip factor and skip
-        # flag; every device applies those (each keeps its own found_inf, as torch's per-device ones)
-        home = cache.devices[0]
-        shares = torch.stack([torch.stack([aux[i] for i in _AUX_AS_EXTRA]).to(home.device) for aux in local])
-        final = self._check(cache, home, False, mode, p, max_norm, self._scale_on(home.device, copies) if unscale
-                            else None, False, shares, report=True)
+        if cache.devices:
+            home, final = cache.devices[0], local[0]
+        else:
+            # no gradient on this rank (a sharded optimizer that owns none now): it still takes part,
+            # with nothing found and nothing to add, so that the other ranks are not left waiting
+            home, final = self._no_grads_home(), None
+        home_scale = self._scale_on(home.device, copies) if unscale else None
+        if combine:
+            # the first device's epilogue folds every device's share into one norm, clip factor and skip
+            # flag; every device applies those
+            shares = torch.stack([self._share(aux).to(home.device) for aux in local])
+            last = not cache.reduce_over
+            final = self._check(cache, home, False, mode, p, max_norm if last else -1.0, home_scale, False, shares,
+                                report=True)
+        for i, group in enumerate(cache.reduce_over):
+            # every rank folds every rank's share, in rank order: the same norm and skip flag on each
+            last = i == len(cache.reduce_over) - 1
+            share = self._share(final) if final is not None else self._nothing_found(home.device)
+            final = self._check(cache, home, False, mode, p, max_norm if last else -1.0, home_scale, False,
+                                sharded.gather(share, group), report=False)
         auxes = [final if dg is home else final.to(dg.device) for dg in cache.devices]
+        # each device keeps its own found_inf, as torch's per-device ones; sharded, each is every rank's
+        if not cache.reduce_over:
+            found = {dg.device: aux[_C.AMP_AUX_FOUND] for dg, aux in zip(cache.devices, local)}
+        elif cache.devices:
+            found = {dg.device: aux[_C.AMP_AUX_FOUND] for dg, aux in zip(cache.devices, auxes)}
+        else:
+            found = {home.device: final[_C.AMP_AUX_FOUND]}
         return found, auxes, final
+
+    def _no_grads_home(self):
+        """Where a rank without gradients folds the other ranks' shares: the scale's device."""
+        dev = self._scale.device
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        return device_grads.DeviceGrads(dev, [], [], [], stream, None)
+
+    @staticmethod
+    def _nothing_found(device):
+        share = torch.zeros(_C.AMP_EXTRA_LEN, dtype=torch.float32, device=device)
+        share[_C.AMP_EXTRA_PARAM] = -1.0
+        return share
+
+    @staticmethod
+    def _share(aux):
+        """An epilogue's totals as an extra partial another epilogue folds in (AMP_EXTRA_LEN float32)."""
+        return torch.stack([aux[i] for i in _AUX_AS_EXTRA])
 
     def _apply_pending(self, optimizer):
         """Bring gradients to their unscaled, clipped values (one read-write pass), unless skipped."""
@@ -478,7 +554,7 @@ class GradScaler:
         with torch.no_grad():
             self._apply_pending(optimizer)  # clipped twice: make the first one real
             cache = self._grads(optimizer)
-            if not cache.devices:
+            if not cache.devices and not cache.reduce_over:
                 optimizer_state["found_inf_per_device"] = {}
                 optimizer_state["stage"] = OptState.UNSCALED
                 return torch.zeros((), dtype=torch.float32, device=self._scale.device)
