@@ -4,13 +4,15 @@
     results = run_ranks(body, 2, args=(arg,))     # [what body returned on rank 0, on rank 1]
 
 Gloo on the CPU (what CI runs); backend="nccl" with one GPU per rank for the gpu-marked tests.
-A rank that raises fails the test with its traceback; a rank that hangs (a collective another
-rank never joined) fails it after `timeout` seconds, every process killed, instead of hanging CI.
+A rank that raises fails the test with its traceback, one that dies says so; a rank that hangs (a
+collective another rank never joined) fails it after `timeout` seconds, every process killed,
+instead of hanging CI.
 """
 import multiprocessing
 import os
 import queue
 import socket
+import time
 import traceback
 
 
@@ -60,22 +62,30 @@ def run_ranks(body, world_size=2, *, args=(), backend="gloo", timeout=120):
     for p in procs:
         p.start()
     got, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(got) < world_size and not errors:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=1)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(got) - {e[0] for e in errors})
-                raise AssertionError(f"ranks {missing} gave no result in {timeout} s (a collective left "
-                                     f"waiting?){''.join(f'; rank {r} raised:{chr(10)}{tb}' for r, tb in errors)}")
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead:  # a crash (a segfault, os._exit) or a result that could not be pickled
+                    raise AssertionError(f"rank {dead[0][0]} exited with code {dead[0][1]} and no result")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(got))
+                    raise AssertionError(f"ranks {missing} gave no result in {timeout} s (a collective left waiting?)")
+                continue
             if status == "ok":
                 got[rank] = value
             else:
-                errors.append((rank, value))
-                break  # the others may wait forever in a collective the failed rank left
+                errors.append((rank, value))  # the others may wait forever in a collective the failed rank left
         if errors:
             rank, tb = errors[0]
-            raise AssertionError(f"rank {rank} raised:\n{tb}")
+            for p in procs:  # a rank that died first caused the others' errors: name it
+                p.join(1)
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            first = f"rank {dead[0][0]} exited with code {dead[0][1]} and no result; then " if dead else ""
+            raise AssertionError(f"{first}rank {rank} raised:\n{tb}")
         for p in procs:
             p.join(timeout)
         return [got[r] for r in range(world_size)]
