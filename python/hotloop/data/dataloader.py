@@ -20,18 +20,19 @@ order for the same generator), workers seeded as torch seeds them. What changes 
   float16/bfloat16/float32 NCHW or channels_last in one kernel, on the copy stream.
 
 Extras: `stats` (batches, samples, seconds waited in `__next__`, stall fraction, host-to-device bytes
-and seconds, worker busy seconds, ring bytes), `state_dict()`/`load_state_dict()` for mid-epoch
+and seconds, worker busy seconds, ring bytes; `stats.gather()` brings every rank's to rank 0 under
+torch.distributed), `state_dict()`/`load_state_dict()` for mid-epoch
 resume (the same batches from then on, random transforms in workers included), and a worker that
 dies is replaced and its batches redone (`max_worker_restarts`), for an IterableDataset too.
 """
 import collections
 import contextlib
-import dataclasses
 import functools
 import itertools
 import threading
 import time
 import typing
+import warnings
 import weakref
 
 import torch
@@ -54,48 +55,13 @@ from .gpu_decode import ImagePipeline
 from .image_source import MARKER
 from .image_stage import ImageStage, is_encoded_batch
 from .normalize import Normalize
+from .stats import LoaderStats
 
 __all__ = ["DataLoader", "LoaderStats"]
 
 _T_co = typing.TypeVar("_T_co", covariant=True)  # what a batch is, as in torch's Generic DataLoader
 
 PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
-
-
-@dataclasses.dataclass
-class LoaderStats:
-    """What one DataLoader did since it was made (all epochs)."""
-
-    batches: int = 0
-    samples: int = 0
-    wait_seconds: float = 0.0  # time the consumer spent inside __next__
-    elapsed_seconds: float = 0.0  # from the first __next__ of an epoch to the last return, summed
-    h2d_bytes: int = 0
-    h2d_seconds: float = 0.0  # CUDA-event time of the host-to-device copies
-    worker_busy_seconds: float = 0.0  # time workers spent producing batches
-    ring_bytes: int = 0
-    view_batches: int = 0  # CPU batches handed out as views of their ring slot (no copy out of the ring)
-    register_seconds: float = 0.0  # main-process time spent page-locking ring slots (once per slot)
-    worker_restarts: int = 0
-    decoder: str = None  # gpu_decode: what decodes the images (None: gpu_decode off or not started)
-    images_gpu_decoded: int = 0  # images nvjpeg decoded
-    images_cpu_decoded: int = 0  # images the workers decoded (CPU backend; PNG, CMYK, progressive, truncated files)
-    images_refused: int = 0  # images nvjpeg refused, decoded by PIL in the main process instead
-    images_cpu_pipeline: int = 0  # images the dataset's own transform made (a CenterCrop larger than the image)
-
-    @property
-    def stall_fraction(self) -> float:
-        return self.wait_seconds / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
-
-    @property
-    def h2d_gbps(self) -> float:
-        return self.h2d_bytes / self.h2d_seconds / 1e9 if self.h2d_seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["stall_fraction"] = self.stall_fraction
-        d["h2d_gbps"] = self.h2d_gbps
-        return d
 
 
 def _cuda_device(device):
@@ -109,14 +75,16 @@ def _cuda_device(device):
     reason = _C.cuda_unavailable_reason()
     if reason is not None or not torch.cuda.is_available():
         raise RuntimeError(f"DataLoader: device={device} needs CUDA: {reason or 'torch cannot see a CUDA device'}")
-    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    return device  # "cuda" without an index: the current device, settled by the first epoch (DataLoader.device)
 
 
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """torch.utils.data.DataLoader with the same arguments, defaults, attributes and batches, fed by
     a shared ring. Extra keyword arguments:
 
-    device: a CUDA device: batches arrive there as tensors usable on the current stream.
+    device: a CUDA device: batches arrive there as tensors usable on the current stream. "cuda"
+        without an index is the current device when the first epoch starts (each rank's own under
+        torch.distributed, once it called torch.cuda.set_device), as .to("cuda") would pick.
     prefetch_batches: batches copied to the device ahead of the one being consumed (default 2); with
         num_workers=0, batches made and queued ahead of the one returned (0: one at a time).
     gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
@@ -157,7 +125,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                          drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
-        self.device = _cuda_device(device)
+        self._hl_device = _cuda_device(device)
         self.prefetch_batches = prefetch_batches
         self.gpu_transform = gpu_transform
         self.max_worker_restarts = max_worker_restarts
@@ -173,10 +141,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
         kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
         images = ImagePipeline.make(gpu_decode, dataset, collate_fn, self.batch_size, kind)
-        self.gpu_decode = ImageStage(images, self.device, self._hl_stats) if images is not None else None
+        self.gpu_decode = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
+        self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
+
+    @property
+    def device(self):
+        """Where batches go: None (they stay on the CPU) or a torch.device("cuda", index). device="cuda"
+        without an index means the current CUDA device (torch.cuda.current_device()), as .to("cuda")
+        does, read when the first epoch starts (iter()) and kept from then on, as the ring is
+        page-locked and the copy stream made for it: under torch.distributed, each rank's own
+        device once it called torch.cuda.set_device(local_rank), whether before or after making
+        the loader."""
+        device = self._hl_device
+        if device is not None and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    @device.setter
+    def device(self, device):
+        self._hl_device = device
 
     @property
     def stats(self) -> LoaderStats:
+        """What this loader did (LoaderStats); `stats.gather()` brings every rank's to rank 0."""
         return self._hl_stats
 
     def _get_iterator(self):
@@ -189,7 +176,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return it
 
     def __iter__(self):
+        if self._hl_device is not None and self._hl_device.index is None:
+            self._hl_device = self.device  # "cuda": the current device from now on
+            if self.gpu_decode is not None:
+                self.gpu_decode.device = self._hl_device
         resume = self._hl_resume
+        if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
+            _resume_sampler_epoch(self, resume["sampler_epoch"])
         if resume is not None and resume.get("epoch_done") and \
                 not resume.get("persistent", self.persistent_workers and self.num_workers):
             # the saved epoch had ended: the next one starts from the generator as it was then, and
@@ -241,13 +234,19 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         not a function of its seed. num_workers=0: transforms draw from the main process's RNGs, which
         are the caller's to save and restore (this loader does not touch them beyond the generator).
         A state from a loader with another num_workers still resumes at the same batch, without the
-        RNG states (a warning says so)."""
+        RNG states (a warning says so).
+
+        torch.distributed: each rank saves and loads its own state. A sampler with set_epoch (a
+        DistributedSampler, whose order comes from its seed and epoch) has its epoch in the state
+        (sampler_epoch); a state taken mid-epoch sets it back when the resumed epoch starts (a
+        warning if set_epoch said otherwise), so each rank goes on with its own shard of that
+        epoch. After a finished epoch, the next one's epoch is the caller's set_epoch as usual."""
         n = self.num_workers
         state = {"version": 2, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
                  "iterable": self._dataset_kind == _DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
                  "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
-                 "worker_stopped": None, "worker_ahead": None}
+                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl_sampler_epoch}
         if self._hl_epoch is None:
             return state
         it = self._hl_iter() if self._hl_iter is not None else None
@@ -301,6 +300,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if resume["version"] >= 2 and self.num_workers > 0:
                 self._hl_plan = Plan.of(resume, self.num_workers, it._dataset_kind == _DatasetKind.Iterable)
         self._hl_epoch = (gen.get_state(), it._base_seed)
+        sampler = _epoch_sampler(self)
+        self._hl_sampler_epoch = sampler.epoch if sampler is not None else None
         self._hl_epoch_done = False
         self._hl_yielded = skip
         return skip
@@ -312,6 +313,31 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         ring = getattr(self, "_hl_local_ring", None)
         if ring is not None:
             ring.close()
+
+
+def _epoch_sampler(loader):
+    """The sampler whose set_epoch(e) orders each epoch, DistributedSampler's way (its own, a batch
+    sampler's, or the batch sampler itself), or None."""
+    batch_sampler = loader.batch_sampler
+    for sampler in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
+        epoch = getattr(sampler, "epoch", None)
+        if callable(getattr(sampler, "set_epoch", None)) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            return sampler
+    return None
+
+
+def _resume_sampler_epoch(loader, epoch):
+    """A state taken mid-epoch resumes that epoch's order: its sampler is set back to the epoch it
+    had (a DistributedSampler draws its permutation from seed + epoch), whatever set_epoch said since."""
+    sampler = _epoch_sampler(loader)
+    if sampler is None:
+        warnings.warn(f"DataLoader: the state was taken with a sampler at epoch {epoch} (set_epoch), this "
+                      "loader's sampler has no set_epoch: the resumed epoch may draw another order", stacklevel=3)
+        return
+    if sampler.epoch != epoch:
+        warnings.warn(f"DataLoader: the state was taken in the sampler's epoch {epoch}, the sampler is at epoch "
+                      f"{sampler.epoch}: the resumed epoch runs as epoch {epoch} (set_epoch({epoch}))", stacklevel=3)
+        sampler.set_epoch(epoch)
 
 
 def _record(loader, t0, samples):
