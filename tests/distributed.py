@@ -57,7 +57,9 @@ def run_ranks(body, world_size=2, *, args=(), backend="gloo", timeout=120):
     ctx = multiprocessing.get_context("spawn")  # no fork: the parent's threads and CUDA state stay home
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(body, r, world_size, backend, port, args, results), daemon=True)
+    # not daemonic: a rank may start DataLoader workers (children of a daemon are refused); they are
+    # killed at the end below, or with this process (_die_with_parent)
+    procs = [ctx.Process(target=_rank_main, args=(body, r, world_size, backend, port, args, results))
              for r in range(world_size)]
     for p in procs:
         p.start()

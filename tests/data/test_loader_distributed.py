@@ -4,7 +4,6 @@ device="cuda" as each rank's current device."""
 import dataclasses
 import gc
 import io
-import multiprocessing
 import os
 import random
 import time
@@ -50,12 +49,6 @@ class Draws(Dataset):
         return self.base[i] + torch.rand(3), torch.from_numpy(np.random.rand(2)), i, random.random()
 
 
-def allow_workers():
-    """run_ranks starts its ranks as daemonic processes, which multiprocessing forbids to have
-    children (torch's DataLoader workers, and ours); a rank that makes loaders with workers lifts that."""
-    multiprocessing.current_process().daemon = False
-
-
 def seed_all(seed):
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -97,7 +90,6 @@ def make(cls, ds, sampler, nw, **kwargs):
 def _same_batches_as_torch(rank, world_size, seed, configs, epochs):
     """Each config's epochs on this rank, from torch's loader and ours (set_epoch(e) before epoch e,
     the same global seeds); the sample ids ours yielded per epoch, and the rings each config had open."""
-    allow_workers()
     ids, rings = [], []
     for n, nw, shuffle, drop_last, sampler_drop_last, persistent in configs:
         ds = Draws(n, seed)
@@ -186,7 +178,6 @@ def _resume_on_every_rank(rank, world_size, seed, configs):
     """Per config: epoch 1 cut after 2 + rank batches (a different point on each rank), resumed by a
     new loader and sampler in each way of `hows`: the rest of epoch 1, and epoch 2, equal torch's.
     Returns the sample ids of each config's resumed rest."""
-    allow_workers()
     ds = Draws(37, seed)
     cut = 2 + rank
     rests = []
@@ -367,7 +358,6 @@ def _on_each_gpu(rank, world_size, seed, nw):
     """The loader is made while device 0 is current, then the rank sets its own (as a script that
     builds its data before torch.cuda.set_device(local_rank)): batches land on the rank's GPU, equal
     to torch's; the stats gather over NCCL."""
-    allow_workers()
     ds = Draws(41, seed)
     runs = []
     for cls, device in ((TorchDataLoader, None), (hotloop.DataLoader, "cuda")):
