@@ -40,13 +40,8 @@ POLL_S = 0.2  # how often the parent looks at its ranks while none speaks
 GRACE_S = 1.0  # after a rank fails, how long the parent listens to the others before ending them
 START_S = 120.0  # the least a rank's start (a fresh interpreter importing torch) may take: no collective in it
 
-# name -> (builder(torch) -> (model, source), kind, sample shape, classes, batch size per rank), as workloads.MODELS
-MODELS = {
-    # GPT-2 small: 12 layers, 768 wide, 12 heads, 1024 positions, GPT-2's vocabulary (~124 M parameters)
-    "gpt2-small": (lambda torch: (workloads._gpt(torch, 50257, 1024, 12, 768, 12), "built-in GPT-2 small"),
-                   "text", (1024,), 50257, 8),
-    "tiny-gpt": workloads.MODELS["tiny-gpt"],
-}
+# workloads.MODELS' entries this bench runs; their batch size is per rank
+MODELS = {name: workloads.MODELS[name] for name in ("gpt2-small", "tiny-gpt")}
 
 
 @dataclasses.dataclass(frozen=True)

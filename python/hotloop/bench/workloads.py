@@ -105,6 +105,9 @@ MODELS = {
     "resnet18": (lambda torch: _torchvision("resnet18"), "image", (3, 224, 224), 1000, 1),
     "vit_b_16": (lambda torch: _torchvision("vit_b_16"), "image", (3, 224, 224), 1000, 128),
     "gpt2-medium": (_gpt2_medium, "text", (1024,), 50257, 16),
+    # GPT-2 small (12 layers, 768 wide, 12 heads, ~124 M parameters), built in: bench distributed's model
+    "gpt2-small": (lambda torch: (_gpt(torch, 50257, 1024, 12, 768, 12), "built-in GPT-2 small"), "text", (1024,),
+                   50257, 8),
     "tiny-cnn": (lambda torch: (_tiny_cnn(torch, 10), "built-in"), "image", (3, 32, 32), 10, 32),
     "tiny-gpt": (lambda torch: (_gpt(torch, 512, 64, 2, 64, 4), "built-in"), "text", (64,), 512, 8),
 }

@@ -128,7 +128,7 @@ def _train(args, device):
     args.model = args.model or ("resnet50" if device.type == "cuda" else "tiny-cnn")
     if args.model not in workloads.MODELS or args.model == "resnet18":
         raise workloads.BenchError(f"--model: unknown model {args.model!r} (choose from resnet50, vit_b_16, "
-                                   f"gpt2-medium, tiny-cnn, tiny-gpt)")
+                                   f"gpt2-medium, gpt2-small, tiny-cnn, tiny-gpt)")
     args.precisions = (workloads.parse_list(args.precision, "precision") if args.precision
                        else workloads.default_precisions(device))
     args.batch_sizes = workloads.parse_batch_sizes(args.batch_size) if args.batch_size else None
