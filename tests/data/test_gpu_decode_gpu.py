@@ -16,7 +16,7 @@ from torchvision.datasets import ImageFolder
 
 import hotloop
 
-from .test_gpu_decode import LEVEL, STD, TRAIN_V1, EVAL_V2, _batches, _compare, make_folder
+from .test_gpu_decode import STD, TRAIN_V1, EVAL_V2, _batches, _compare, make_folder
 
 pytestmark = pytest.mark.gpu
 
@@ -30,23 +30,29 @@ def _levels(x, tx):
     return (x.float() - tx.to(x.device).float()).abs() * std * 255
 
 
+def _both_ways(ds, batch, backend):
+    """(hotloop's loader, its batches, torch's batches): the same shuffled epoch from a fresh seed,
+    hotloop decoding with `backend` (skips where the GPU has no hardware JPEG decoder)."""
+    seed = random.randrange(2**31)
+    theirs = _batches(TorchDataLoader(ds, batch_size=batch, shuffle=True, num_workers=2,
+                                      generator=torch.Generator().manual_seed(seed)))
+    try:
+        loader = hotloop.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, device="cuda",
+                                    generator=torch.Generator().manual_seed(seed),
+                                    gpu_decode=hotloop.GpuDecode(backend=backend))
+        return loader, _batches(loader), theirs
+    except RuntimeError as exc:
+        if backend == "hardware" and "hardware" in str(exc):
+            pytest.skip(f"no hardware JPEG decoder here: {exc}")
+        raise
+
+
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 @pytest.mark.parametrize("make", [TRAIN_V1, EVAL_V2])
 def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     root = make_folder(str(tmp_path), n=40, sizes=(60, 400))
     ds = ImageFolder(root, transform=make(64))
-    seed = random.randrange(2**31)
-    theirs = _batches(TorchDataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
-                                      generator=torch.Generator().manual_seed(seed)))
-    try:
-        loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, device="cuda",
-                                    generator=torch.Generator().manual_seed(seed),
-                                    gpu_decode=hotloop.GpuDecode(backend=backend))
-        ours = _batches(loader)
-    except RuntimeError as exc:
-        if backend == "hardware" and "hardware" in str(exc):
-            pytest.skip(f"no hardware JPEG decoder here: {exc}")
-        raise
+    loader, ours, theirs = _both_ways(ds, 8, backend)
     worst = 0.0
     for (x, y), (tx, ty) in zip(ours, theirs):
         assert x.is_cuda and torch.equal(y.cpu(), ty)
@@ -79,18 +85,7 @@ def test_batches_larger_than_one_ring_registration(tmp_path, backend):
     batch = 40
     sizes = sorted(os.path.getsize(path) for path, _ in ds.samples)
     assert sum(sizes[:batch]) > 8 << 20, "the premise: even the smallest files of a batch fill more than 8 MiB"
-    seed = random.randrange(2**31)
-    theirs = _batches(TorchDataLoader(ds, batch_size=batch, shuffle=True, num_workers=2,
-                                      generator=torch.Generator().manual_seed(seed)))
-    try:
-        loader = hotloop.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, device="cuda",
-                                    generator=torch.Generator().manual_seed(seed),
-                                    gpu_decode=hotloop.GpuDecode(backend=backend))
-        ours = _batches(loader)
-    except RuntimeError as exc:
-        if backend == "hardware" and "hardware" in str(exc):
-            pytest.skip(f"no hardware JPEG decoder here: {exc}")
-        raise
+    loader, ours, theirs = _both_ways(ds, batch, backend)
     if backend == "cpu":
         _compare([(x.cpu(), y.cpu()) for x, y in ours], theirs)
     else:
