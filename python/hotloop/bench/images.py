@@ -7,7 +7,8 @@ torch's way is its DataLoader running the torchvision transform in 15 workers (p
 .to(device) and a cast); hotloop's is the same dataset and transform with gpu_decode in 4 workers.
 Figures: the kernel alone (image_kernel.py), the loader alone (img/s), feeding a ResNet-50 AMP step (% of the speed with the batch
 already on the GPU, steady state and first 25 steps), CPU seconds per image of all processes,
-the step's own slowdown with the decoder working beside it, and each backend forced in turn.
+the step's own slowdown with the decoder working beside it (flat out, and paced as training takes
+batches), and each backend forced in turn.
 """
 import multiprocessing
 import os
@@ -155,6 +156,31 @@ def _step_ms(step, x, y, reps):
     return statistics.median(times)
 
 
+def _step_beside_decoder(step, x, y, make_loader, period):
+    """The step's median ms while a loader from make_loader() runs in another thread, taking one
+    batch per `period` seconds (0: as fast as it makes them)."""
+    stop = threading.Event()
+
+    def decode_beside():
+        loader = make_loader()
+        while not stop.is_set():
+            t0, n = time.perf_counter(), 0
+            for _ in loader:
+                n += 1
+                if stop.is_set():
+                    break
+                time.sleep(max(0.0, t0 + n * period - time.perf_counter()))
+
+    thread = threading.Thread(target=decode_beside, daemon=True)
+    thread.start()
+    time.sleep(3)  # the decoder started and at its pace
+    try:
+        return _step_ms(step, x, y, 40)
+    finally:
+        stop.set()
+        thread.join()
+
+
 def rows(ctx):
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     device = ctx.device
@@ -230,22 +256,11 @@ def rows(ctx):
                   100 * t_first_res / res["torch"][0], "%", note="from iter() to step 25 done, worker start-up included")
 
         alone = _step_ms(step, x0, y0, 40)
-        stop = threading.Event()
-
-        def decode_beside():
-            loader = hotloop_way(ds, batch, ours_workers, device)
-            while not stop.is_set():
-                for _ in loader:
-                    if stop.is_set():
-                        break
-
-        thread = threading.Thread(target=decode_beside, daemon=True)
-        thread.start()
-        time.sleep(3)  # the decoder at full speed
-        beside = _step_ms(step, x0, y0, 40)
-        stop.set()
-        thread.join()
-        yield Row("images", "ResNet-50 step with the decoder working beside it", beside, alone, "ms",
-                  note="hotloop: the loader decoding flat out in another thread of the process; torch: the step alone")
+        make = lambda: hotloop_way(ds, batch, ours_workers, device)  # noqa: E731
+        for label, period in (("flat out", 0.0), ("paced at one batch per step", alone / 1e3)):
+            beside = _step_beside_decoder(step, x0, y0, make, period)
+            yield Row("images", f"ResNet-50 step with the decoder working beside it, {label}", beside, alone, "ms",
+                      note=f"hotloop: the loader {label} in another thread of the process (paced: as training "
+                      "takes batches); torch: the step alone")
     finally:
         shutil.rmtree(root, ignore_errors=True)
