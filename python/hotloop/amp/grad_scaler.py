@@ -421,7 +421,7 @@ class GradScaler:
             extra = device_grads.measure(params, dg, inv, write, mode, p) if dg.others else None
             local.append(self._check(cache, dg, write, mode, p, max_norm if alone else -1.0, scale, True, extra,
                                      report=not combine))
-        if not combine and not cache.reduce_over:
+        if alone:
             found = {dg.device: aux[_C.AMP_AUX_FOUND] for dg, aux in zip(cache.devices, local)}
             return found, local, local[0] if local else None
         if cache.devices:

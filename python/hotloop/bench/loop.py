@@ -59,7 +59,7 @@ def _timers(torch, device):
 
 
 def _batch_size(case, device):
-    name, gpu_batch, cpu_batch, _, _ = CASES[case]
+    _, gpu_batch, cpu_batch, _, _ = CASES[case]
     return gpu_batch if device.type == "cuda" else cpu_batch
 
 
