@@ -59,6 +59,16 @@ def rel_err(ours, ref):
     return worst
 
 
+def step_and_record(scaler, ours, opt, row, group, before):
+    """step and update, recording what the step found (between them) and, for ours, the collectives
+    the group ran since `before`."""
+    scaler.step(opt)
+    row["found" if ours else "found_ref"] = found_of(scaler, opt)
+    scaler.update()
+    if ours:
+        row["collectives"] = seq(group) - before
+
+
 def seq(group):
     """The group's collective count so far."""
     return group._get_sequence_number_for_group()
@@ -118,11 +128,7 @@ def fsdp2_body(rank, world_size):
             if scaler is sc_ours and plan != "step":
                 # what step() takes (a skipped step leaves our gradients as they were: compared, not asserted)
                 row["grad_err"] = rel_err(local_grads(ours), local_grads(ref))
-            scaler.step(opt)
-            row["found" if scaler is sc_ours else "found_ref"] = found_of(scaler, opt)
-            scaler.update()
-            if scaler is sc_ours:
-                row["collectives"] = seq(group) - before
+            step_and_record(scaler, scaler is sc_ours, opt, row, group, before)
         row["scale"], row["scale_ref"] = sc_ours.get_scale(), sc_ref.get_scale()
         if step == 2:
             report = sc_ours.overflow_report()
@@ -362,11 +368,7 @@ def ddp_body(rank, world_size):
                 row["norm_ref"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
             else:
                 row["norm"] = scaler.clip_grad_norm_(opt, 0.05).item()
-            scaler.step(opt)
-            row["found" if scaler is sc_ours else "found_ref"] = found_of(scaler, opt)
-            scaler.update()
-            if scaler is sc_ours:
-                row["collectives"] = seq(group) - before
+            step_and_record(scaler, scaler is sc_ours, opt, row, group, before)
         row["scale"], row["scale_ref"] = sc_ours.get_scale(), sc_ref.get_scale()
         rows.append(row)
     return {"rows": rows, "param_err": rel_err(list(ours.parameters()), list(ref.parameters()))}
