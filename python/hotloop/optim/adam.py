@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from .. import _C
-from . import _fused
+from . import param_table
 
 _logger = logging.getLogger(__name__)
 
@@ -81,14 +81,14 @@ class Adam(torch.optim.Optimizer):
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            _fused.check_param(self._name, (gi, pi), p)
+            param_table.check_param(self._name, (gi, pi), p)
             state = self.state.get(p)
             if state:
                 keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
                 for key in keys:
                     if key not in state:
                         raise ValueError(f"{self._name}: param_groups[{gi}]['params'][{pi}]: state has no '{key}'")
-                    _fused.check_state(self._name, p, state[key], key)
+                    param_table.check_state(self._name, p, state[key], key)
             found.append(p)
         return found
 
@@ -129,25 +129,25 @@ class Adam(torch.optim.Optimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            hyper = (_fused.host_scalar(group["lr"], "lr"), _fused.host_scalar(beta1, "betas[0]"),
-                     _fused.host_scalar(beta2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
+            hyper = (param_table.host_scalar(group["lr"], "lr"), param_table.host_scalar(beta1, "betas[0]"),
+                     param_table.host_scalar(beta2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
                      bool(group["decoupled_weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
             by_device = defaultdict(list)
             for p in params:
                 by_device[p.device].append(p)
             for device, ps in by_device.items():
-                work.append((device, ps, hyper, _fused.scaler_tensor(grad_scale, "grad_scale", device),
-                             _fused.scaler_tensor(found_inf, "found_inf", device)))
+                work.append((device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
+                             param_table.scaler_tensor(found_inf, "found_inf", device)))
 
         for device, ps, hyper, scale, found in work:
             amsgrad = hyper[6]
             states = [self._state_of(p, amsgrad) for p in ps]
-            scratch, stream = _fused.launch_args(device, len(ps))
+            scratch, stream = param_table.launch_args(device, len(ps))
             _C.optim_adam(
-                _fused.pack(ps), _fused.pack([p.grad for p in ps]),
-                _fused.pack([s["exp_avg"] for s in states]), _fused.pack([s["exp_avg_sq"] for s in states]),
-                _fused.pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
-                _fused.pack([s["step"] for s in states]),
+                param_table.pack(ps), param_table.pack([p.grad for p in ps]),
+                param_table.pack([s["exp_avg"] for s in states]), param_table.pack([s["exp_avg_sq"] for s in states]),
+                param_table.pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                param_table.pack([s["step"] for s in states]),
                 *hyper, scale, found, scratch, stream)
         return loss
 

@@ -1,5 +1,5 @@
-"""What hotloop.optim's optimizers share: checks of parameters, gradients and the scaler's tensors,
-grouping by device, and the packed tables the C call reads."""
+"""The parameter table of hotloop.optim's kernels: checks of parameters, gradients, state and the scaler's
+tensors, grouping by device, and the packed tables the C call reads."""
 import torch
 
 from .. import _C
