@@ -19,6 +19,11 @@ extern "C" {
 cudaError_t hl_launch_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks, const hl_adam_hyper *hyper,
                            const float *grad_scale, const float *found_inf, int device, cudaStream_t stream);
 
+/* One SGD step (momentum, dampening, nesterov, weight decay, maximize) over every tensor of `table`,
+   with grad_scale and found_inf as hl_launch_adam takes them. One kernel on `stream`. */
+cudaError_t hl_launch_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, const hl_sgd_hyper *hyper,
+                          const float *grad_scale, const float *found_inf, int device, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -111,4 +111,41 @@ HL_OPT_FN void hl_adam_element(const hl_adam_scalars *s, float g, float grad_sca
     *v = v1;
 }
 
+/* One parameter tensor as the SGD kernel walks it; momentum_buffer is 0 without momentum. */
+typedef struct {
+    uint64_t param;           /* float32, updated in place */
+    uint64_t grad;            /* float32, float16 or bfloat16 (grad_dtype), only read */
+    uint64_t momentum_buffer; /* float32, or 0 */
+    int64_t numel;
+    int64_t first_chunk;
+    int32_t grad_dtype; /* enum hl_dtype */
+    int32_t reserved;
+} hl_sgd_entry;
+
+/* The hyperparameters of one SGD call, as floats (the update is one float32 step per element). */
+typedef struct {
+    float lr, momentum, one_minus_dampening, weight_decay;
+    int nesterov, maximize;
+    int first_step; /* the momentum buffers hold nothing yet: they take the gradient as it is */
+} hl_sgd_hyper;
+
+/* One element of torch's SGD (the algorithm in torch.optim.SGD's documentation, with maximize
+   negating the gradient first), the gradient divided by `grad_scale` on the way in and never
+   stored. `buf` is NULL without momentum. */
+HL_OPT_FN void hl_sgd_element(const hl_sgd_hyper *h, float g, float grad_scale, int has_scale, float *p, float *buf) {
+    if (has_scale)
+        g = HL_DIV(g, grad_scale);
+    if (h->maximize)
+        g = -g;
+    const float param = *p;
+    if (h->weight_decay != 0.0f)
+        g = HL_ADD(g, HL_MUL(h->weight_decay, param));
+    if (buf != NULL) {
+        const float b = h->first_step ? g : HL_ADD(HL_MUL(h->momentum, *buf), HL_MUL(h->one_minus_dampening, g));
+        *buf = b;
+        g = h->nesterov ? HL_ADD(g, HL_MUL(h->momentum, b)) : b;
+    }
+    *p = HL_SUB(param, HL_MUL(h->lr, g));
+}
+
 #endif

@@ -8,8 +8,6 @@ the gradients are divided by ``grad_scale`` inside the update and never written 
 ``found_inf`` leaves parameters, moments and step counts as they were; both are decided on the device.
 """
 import logging
-from collections import defaultdict
-
 import torch
 
 from .. import _C
@@ -40,13 +38,7 @@ class Adam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
-            t = p[1] if isinstance(p, tuple) else p  # named parameters come as (name, tensor)
-            if isinstance(t, torch.Tensor) and t.dtype is not torch.float32:
-                raise TypeError(f"{self._name}: params[{i}]: expected a float32 parameter, got {t.dtype} "
-                                f"(bfloat16/float16/float64 parameters are not supported yet)")
+        param_table.check_group_dtypes(self._name, param_group)
         super().add_param_group(param_group)
 
     def _check_hyper(self, lr, betas, eps, weight_decay):
@@ -132,17 +124,14 @@ class Adam(torch.optim.Optimizer):
             hyper = (param_table.host_scalar(group["lr"], "lr"), param_table.host_scalar(beta1, "betas[0]"),
                      param_table.host_scalar(beta2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
                      bool(group["decoupled_weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
-            by_device = defaultdict(list)
-            for p in params:
-                by_device[p.device].append(p)
-            for device, ps in by_device.items():
+            for device, ps in param_table.by_device(params).items():
                 work.append((device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
                              param_table.scaler_tensor(found_inf, "found_inf", device)))
 
         for device, ps, hyper, scale, found in work:
             amsgrad = hyper[6]
             states = [self._state_of(p, amsgrad) for p in ps]
-            scratch, stream = param_table.launch_args(device, len(ps))
+            scratch, stream = param_table.launch_args(device, len(ps), _C.OPTIM_ADAM_ENTRY_BYTES)
             _C.optim_adam(
                 param_table.pack(ps), param_table.pack([p.grad for p in ps]),
                 param_table.pack([s["exp_avg"] for s in states]), param_table.pack([s["exp_avg_sq"] for s in states]),

@@ -13,6 +13,18 @@ def _layout(t):
     return tuple(stride for stride, size in zip(t.stride(), t.shape) if size != 1)
 
 
+def check_group_dtypes(name, param_group):
+    """TypeError for a parameter of a new param group that the kernels cannot update: anything but float32."""
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    for i, p in enumerate(params):
+        t = p[1] if isinstance(p, tuple) else p  # named parameters come as (name, tensor)
+        if isinstance(t, torch.Tensor) and t.dtype is not torch.float32:
+            raise TypeError(f"{name}: params[{i}]: expected a float32 parameter, got {t.dtype} "
+                            f"(bfloat16/float16/float64 parameters are not supported yet)")
+    return params
+
+
 def check_param(name, index, p):
     """TypeError/ValueError for a parameter the kernel cannot update; nothing is changed."""
     where = f"{name}: param_groups[{index[0]}]['params'][{index[1]}]"
@@ -76,9 +88,17 @@ def pack(tensors):
     return tensor_table.packed_bytes(tensors)
 
 
-def launch_args(device, count):
-    """(table_scratch, stream) for one C call on `device`"""
+def by_device(params):
+    """{device: [parameters there]}, in the order they came"""
+    out = {}
+    for p in params:
+        out.setdefault(p.device, []).append(p)
+    return out
+
+
+def launch_args(device, count, entry_bytes):
+    """(table_scratch, stream) for one C call on `device` over `count` entries of `entry_bytes`"""
     if device.type != "cuda":
         return None, 0
-    scratch = torch.empty(count * _C.OPTIM_ADAM_ENTRY_BYTES, dtype=torch.uint8, device=device)
+    scratch = torch.empty(count * entry_bytes, dtype=torch.uint8, device=device)
     return scratch, torch.cuda.current_stream(device).cuda_stream
