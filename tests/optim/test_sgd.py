@@ -49,7 +49,10 @@ def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
         so, sr = ours.state.get(p, {}), ref.state.get(q, {})
         assert set(so) == set(sr)
         if "momentum_buffer" in so:
-            torch.testing.assert_close(so["momentum_buffer"], sr["momentum_buffer"], rtol=1e-5, atol=1e-6)
+            # each step rounds a sum of terms up to about 8 (gradients of 5 sigma and more) once, at
+            # 2**-23 * 8, and the buffer carries that with weight 1 / (1 - momentum); seen: 1.25e-6 at 0.9
+            atol = 2.0**-23 * 8 / (1 - ours.param_groups[0]["momentum"])
+            torch.testing.assert_close(so["momentum_buffer"], sr["momentum_buffer"], rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("device", DEVICES)
