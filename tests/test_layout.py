@@ -62,8 +62,8 @@ def test_no_module_uses_another_modules_underscore_names():
 
 def test_a_folder_per_component():
     top = {p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
-    assert {"data", "amp", "memory", "cli", "bench"} <= top
+    assert {"data", "amp", "memory", "optim", "cli", "bench"} <= top
     # the top level holds the package's entry points and what components publish to each other or share
     # (argument checks), no component
-    assert top - {"data", "amp", "memory", "cli", "bench"} == {"__init__.py", "__main__.py", "_version.py",
+    assert top - {"data", "amp", "memory", "optim", "cli", "bench"} == {"__init__.py", "__main__.py", "_version.py",
                                                               "input_wait.py", "_arguments.py"}

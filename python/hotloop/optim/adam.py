@@ -1,0 +1,153 @@
+"""hotloop.optim.Adam and AdamW: drop-ins for torch.optim.Adam/AdamW(fused=True).
+
+Same arguments and defaults, the same param_groups and the same state per parameter (``step`` a
+float32 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with
+amsgrad), so checkpoints load both ways. One C call per device updates every parameter (the C
+reference on CPU tensors, two kernel launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
+the gradients are divided by ``grad_scale`` inside the update and never written back, and a non-zero
+``found_inf`` leaves parameters, moments and step counts as they were; both are decided on the device.
+"""
+import logging
+import torch
+
+from .. import _C
+from . import param_table
+
+_logger = logging.getLogger(__name__)
+
+
+class Adam(torch.optim.Optimizer):
+    """torch.optim.Adam(fused=True), updated by hotloop's kernel. ``foreach``, ``fused`` and
+    ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is refused."""
+
+    _step_supports_amp_scaling = True
+    _name = "Adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False):
+        self._check_hyper(lr, betas, eps, weight_decay)
+        if differentiable:
+            raise ValueError(f"{self._name}: differentiable=True is not supported by hotloop's fused kernel")
+        if foreach:
+            raise ValueError(f"{self._name}: foreach and fused cannot both be True (hotloop's is fused)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=None, capturable=capturable, differentiable=False, fused=True,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
+        param_table.check_group_dtypes(self._name, param_group)
+        super().add_param_group(param_group)
+
+    def _check_hyper(self, lr, betas, eps, weight_decay):
+        # torch's messages, so that code catching them keeps working
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", True)
+            group.setdefault("decoupled_weight_decay", self._name == "AdamW")
+
+    def _collect(self, gi, group):
+        """The parameters of one group that have gradients, checked; raises before anything changes."""
+        found = []
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            param_table.check_param(self._name, (gi, pi), p)
+            state = self.state.get(p)
+            if state:
+                keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+                for key in keys:
+                    if key not in state:
+                        raise ValueError(f"{self._name}: param_groups[{gi}]['params'][{pi}]: state has no '{key}'")
+                    param_table.check_state(self._name, p, state[key], key)
+            found.append(p)
+        return found
+
+    def _state_of(self, p, amsgrad):
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step = state["step"]
+        if not isinstance(step, torch.Tensor):  # a checkpoint of old torch: a number
+            state["step"] = step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        elif step.dtype is not torch.float32 or step.device != p.device:  # torch's non-fused layout: on the CPU
+            state["step"] = step = step.to(device=p.device, dtype=torch.float32)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        """One optimizer step. ``grad_scale`` (one float32 on the parameters' device) divides every
+        gradient inside the update; with a non-zero ``found_inf`` nothing changes. Without the keyword
+        arguments the ones a GradScaler set on the optimizer (``self.grad_scale``, ``self.found_inf``, torch's
+        protocol) are used. No host sync."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+
+        # every check first: a bad parameter or argument raises before any state or parameter changes
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            params = self._collect(gi, group)
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            hyper = (param_table.host_scalar(group["lr"], "lr"), param_table.host_scalar(beta1, "betas[0]"),
+                     param_table.host_scalar(beta2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
+                     bool(group["decoupled_weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
+            for device, ps in param_table.by_device(params).items():
+                work.append((device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
+                             param_table.scaler_tensor(found_inf, "found_inf", device)))
+
+        for device, ps, hyper, scale, found in work:
+            amsgrad = hyper[6]
+            states = [self._state_of(p, amsgrad) for p in ps]
+            scratch, stream = param_table.launch_args(device, len(ps), _C.OPTIM_ADAM_ENTRY_BYTES)
+            _C.optim_adam(
+                param_table.pack(ps), param_table.pack([p.grad for p in ps]),
+                param_table.pack([s["exp_avg"] for s in states]), param_table.pack([s["exp_avg_sq"] for s in states]),
+                param_table.pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                param_table.pack([s["step"] for s in states]),
+                *hyper, scale, found, scratch, stream)
+        return loss
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW(fused=True), updated by hotloop's kernel: Adam with decoupled weight decay."""
+
+    _name = "AdamW"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True)

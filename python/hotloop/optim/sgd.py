@@ -1,0 +1,103 @@
+"""hotloop.optim.SGD: a drop-in for torch.optim.SGD(fused=True) (momentum, dampening, nesterov, weight decay,
+maximize).
+
+Same arguments, defaults, param_groups and state (``momentum_buffer`` per parameter with momentum, none
+without), one C call per device, and the GradScaler's ``grad_scale`` / ``found_inf`` taken inside the
+update as hotloop.optim.Adam takes them. The buffers of a first step take the gradient as it is, as
+torch's; they are zero-filled when made, so a first step that found_inf skips leaves zeros (torch's are
+uninitialised then), and the next step is not a first step.
+"""
+import torch
+
+from .. import _C
+from . import param_table
+
+
+class SGD(torch.optim.Optimizer):
+    """torch.optim.SGD(fused=True), updated by hotloop's kernel; ``differentiable=True`` is refused."""
+
+    _step_supports_amp_scaling = True
+    _name = "SGD"
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
+                 foreach=None, differentiable=False, fused=None):
+        # torch's messages, so that code catching them keeps working
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        if differentiable:
+            raise ValueError("SGD: differentiable=True is not supported by hotloop's fused kernel")
+        if foreach:
+            raise ValueError("SGD: foreach and fused cannot both be True (hotloop's is fused)")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize, foreach=None, differentiable=False, fused=True)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
+        param_table.check_group_dtypes(self._name, param_group)
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", True)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        """One optimizer step; ``grad_scale`` and ``found_inf`` (or the ones a GradScaler set on the
+        optimizer) as hotloop.optim.Adam.step takes them. No host sync."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+
+        work = []  # every check first: nothing changes when one fails
+        for gi, group in enumerate(self.param_groups):
+            params = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                param_table.check_param(self._name, (gi, pi), p)
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if group["momentum"] != 0 and buf is not None:
+                    param_table.check_state(self._name, p, buf, "momentum_buffer")
+                params.append(p)
+            if not params:
+                continue
+            hyper = (param_table.host_scalar(group["lr"], "lr"), float(group["momentum"]), float(group["dampening"]),
+                     param_table.host_scalar(group["weight_decay"], "weight_decay"), bool(group["nesterov"]),
+                     bool(group["maximize"]))
+            for device, ps in param_table.by_device(params).items():
+                work.append((device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
+                             param_table.scaler_tensor(found_inf, "found_inf", device)))
+
+        for device, ps, hyper, scale, found in work:
+            momentum = hyper[1]
+            bufs, first_step = None, False
+            if momentum != 0:
+                # torch's rule: a first step when no parameter of the call has a buffer yet
+                first_step = all(self.state[p].get("momentum_buffer") is None for p in ps)
+                for p in ps:
+                    if self.state[p].get("momentum_buffer") is None:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                bufs = param_table.pack([self.state[p]["momentum_buffer"] for p in ps])
+            scratch, stream = param_table.launch_args(device, len(ps), _C.OPTIM_SGD_ENTRY_BYTES)
+            _C.optim_sgd(param_table.pack(ps), param_table.pack([p.grad for p in ps]), bufs, *hyper, first_step,
+                         scale, found, scratch, stream)
+        return loss

@@ -1,0 +1,176 @@
+"""hotloop.optim.SGD against torch's fused SGD: 200 steps under each one's GradScaler with inf/NaN injected,
+state dicts both ways, the C reference over float16/bfloat16 gradients, and bad input."""
+import copy
+
+import pytest
+import torch
+
+import hotloop.optim
+from hotloop import _C
+from hotloop.amp import GradScaler
+from hotloop.amp import tensor_table
+
+from .test_adam import DEVICES, INJECT, SHAPES, STEPS, assert_same_tensors
+
+CASES = [
+    dict(lr=1e-2),
+    dict(lr=1e-2, momentum=0.9),
+    dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    dict(lr=1e-2, momentum=0.8, nesterov=True, weight_decay=1e-2, maximize=True),
+]
+
+
+def param_bound(steps, lr, ref):
+    """Per element |ours - torch's| after `steps` steps: the gradients are the same, and each step may
+    round the parameter, the decayed gradient and the buffer differently by an ulp or so; the buffer's
+    rounding is carried by later steps with weight momentum / (1 - momentum) <= 10 here."""
+    return steps * 2.0**-22 * (ref.abs() + 16 * lr * 10)
+
+
+def make_pair(kwargs, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    ours_params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    ref_params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    return hotloop.optim.SGD(ours_params, **kwargs), torch.optim.SGD(ref_params, fused=True, **kwargs), \
+        ours_params, ref_params
+
+
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params] + \
+        [t.clone() for p in params for t in opt.state[p].values() if t is not None]
+
+
+def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
+    for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+        bound = param_bound(steps, lr, q.detach())
+        err = (p.detach() - q.detach()).abs()
+        assert bool((err <= bound).all()), f"param {i}: worst {float((err / bound).max())} of the bound"
+        so, sr = ours.state.get(p, {}), ref.state.get(q, {})
+        assert set(so) == set(sr)
+        if "momentum_buffer" in so:
+            # each step rounds a sum of terms up to about 8 (gradients of 5 sigma and more) once, at
+            # 2**-23 * 8, and the buffer carries that with weight 1 / (1 - momentum); seen: 1.25e-6 at 0.9
+            atol = 2.0**-23 * 8 / (1 - ours.param_groups[0]["momentum"])
+            torch.testing.assert_close(so["momentum_buffer"], sr["momentum_buffer"], rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kwargs", CASES)
+def test_matches_torch_under_grad_scaler(kwargs, device):
+    seed = torch.seed() % 2**31
+    ours, ref, ours_params, ref_params = make_pair(kwargs, device, seed)
+    ours_scaler = GradScaler(device, init_scale=2.0**12, growth_interval=25)
+    ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step in range(STEPS):
+        sources = [torch.randn(s, generator=gen).to(device) for s in SHAPES]
+        if step in INJECT:
+            t, e, value = INJECT[step]
+            flat = sources[t].view(-1)
+            flat[flat.numel() // 2 if e == "mid" else e] = value
+        before = snapshot(ours, ours_params), snapshot(ref, ref_params)
+        for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
+            opt.zero_grad()
+            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources))).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert ours_scaler.get_scale() == ref_scaler.get_scale(), f"step {step}"
+        if step in INJECT:
+            assert_same_tensors(snapshot(ours, ours_params), before[0])
+            assert_same_tensors(snapshot(ref, ref_params), before[1])
+    assert_close_to_torch(ours, ref, ours_params, ref_params, STEPS, kwargs["lr"])
+
+
+def test_state_dict_loads_both_ways():
+    kwargs = CASES[2]
+    ours, ref, ours_params, ref_params = make_pair(kwargs, "cpu", torch.seed() % 2**31)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in ours_params]
+        for params, opt in ((ours_params, ours), (ref_params, ref)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    saved, ref_saved = ours.state_dict(), ref.state_dict()
+    assert saved["param_groups"] == ref_saved["param_groups"]
+    assert all(set(saved["state"][k]) == set(ref_saved["state"][k]) for k in ref_saved["state"])
+    for torch_kwargs in (dict(fused=True), dict(foreach=True)):
+        params_t = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+        params_o = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+        their = torch.optim.SGD(params_t, **kwargs, **torch_kwargs)
+        their.load_state_dict(copy.deepcopy(saved))
+        back = hotloop.optim.SGD(params_o, **kwargs)
+        back.load_state_dict(copy.deepcopy(their.state_dict()))
+        grads = [torch.randn_like(p) for p in ours_params]
+        for params, opt in ((params_t, their), (params_o, back)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        assert_close_to_torch(back, their, params_o, params_t, 4, kwargs["lr"])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_c_reference_half_gradients_and_skip(grad_dtype):
+    pack = tensor_table.packed_bytes
+    params = [torch.randn(s) for s in SHAPES[:5]]
+    grads = [(torch.randn(s) * 64).to(grad_dtype) for s in SHAPES[:5]]
+    bufs = [torch.rand_like(p) for p in params]
+    params2, bufs2 = [p.clone() for p in params], [b.clone() for b in bufs]
+    args = (0.1, 0.9, 0.0, 1e-2, True, False, False)
+    scale = torch.tensor(64.0)
+    _C.optim_sgd(pack(params), pack(grads), pack(bufs), *args, scale, torch.tensor(1.0), None, 0)
+    assert_same_tensors(params + bufs, params2 + bufs2)  # skipped
+    _C.optim_sgd(pack(params), pack(grads), pack(bufs), *args, scale, torch.tensor(0.0), None, 0)
+    unscaled = [g.float() / 64 for g in grads]  # kept alive: the table holds only their addresses
+    _C.optim_sgd(pack(params2), pack(unscaled), pack(bufs2), *args, None, None, None, 0)
+    assert_same_tensors(params + bufs, params2 + bufs2)
+    assert not any(torch.equal(b, b0) for b, b0 in zip(bufs, [torch.zeros_like(b) for b in bufs]))
+
+
+def test_bad_input_raises_before_any_work():
+    with pytest.raises(TypeError, match="float32 parameter"):
+        hotloop.optim.SGD([torch.ones(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="Nesterov"):
+        hotloop.optim.SGD([torch.nn.Parameter(torch.ones(3))], momentum=0.9, dampening=0.1, nesterov=True)
+    good = torch.nn.Parameter(torch.randn(10))
+    good.grad = torch.randn(10)
+    bad = torch.nn.Parameter(torch.randn(5, 3))
+    bad.grad = torch.randn(5, 3).to_sparse()
+    opt = hotloop.optim.SGD([{"params": [good]}, {"params": [bad]}], lr=0.1, momentum=0.9)
+    before = good.detach().clone()
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+    bad.grad = torch.randn(5, 3)
+    with pytest.raises(TypeError, match="grad_scale: expected a float32"):
+        opt.step(grad_scale=torch.tensor(2.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="found_inf: expected a tensor on cpu"):
+        opt.step(found_inf=torch.zeros((), device="meta"))
+    assert torch.equal(good.detach(), before) and len(opt.state) == 0
+
+
+def test_arguments_and_defaults_match_torch():
+    import inspect
+    ours = inspect.signature(hotloop.optim.SGD.__init__).parameters
+    ref = inspect.signature(torch.optim.SGD.__init__).parameters
+    assert list(ours) == list(ref)
+    assert [v.default for v in ours.values()] == [v.default for v in ref.values()]
+    assert hotloop.optim.SGD._step_supports_amp_scaling
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first_step", [False, True])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_matches_c_reference(grad_dtype, first_step):
+    """The CUDA kernel against the C reference on CPU copies: the same float operations, bit for bit."""
+    pack = tensor_table.packed_bytes
+    params = [torch.randn(s) for s in SHAPES]
+    grads = [(torch.randn(s) * 256).to(grad_dtype) for s in SHAPES]
+    bufs = [torch.rand_like(p) for p in params]
+    d_params, d_grads, d_bufs = [p.cuda() for p in params], [g.cuda() for g in grads], [b.cuda() for b in bufs]
+    args = (0.1, 0.9, 0.0, 1e-2, True, False, first_step)
+    _C.optim_sgd(pack(params), pack(grads), pack(bufs), *args, torch.tensor(256.0), torch.tensor(0.0), None, 0)
+    scratch = torch.empty(len(params) * _C.OPTIM_SGD_ENTRY_BYTES, dtype=torch.uint8, device="cuda")
+    _C.optim_sgd(pack(d_params), pack(d_grads), pack(d_bufs), *args, torch.tensor(256.0, device="cuda"),
+                 torch.tensor(0.0, device="cuda"), scratch, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert_same_tensors([t.cpu() for t in d_params + d_bufs], params + bufs)
