@@ -22,15 +22,16 @@ static float load_grad(int dtype, uint64_t grad, int64_t i) {
 
 /* C reference of kernels/optim.cu: the same per-element maths (kernels/optim_math.h), tensor by
    tensor, then the step counts. Reads the skip flag and the factor as the kernel does. */
-static void cpu_adam(const hl_adam_entry *table, int64_t count, const hl_adam_hyper *hyper, const float *grad_scale,
-                     const float *found_inf) {
+static void cpu_adam(const hl_adam_entry *table, int64_t count, const hl_adam_hyper *hyper, const float *lr_ptr,
+                     const float *grad_scale, const float *found_inf) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
     const int has_scale = grad_scale != NULL;
     const float scale = has_scale ? *grad_scale : 1.0f;
+    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr;
     for (int64_t t = 0; t < count; t++) {
         const hl_adam_entry *e = &table[t];
-        const hl_adam_scalars s = hl_adam_scalars_for(hyper, *(const float *)(uintptr_t)e->step);
+        const hl_adam_scalars s = hl_adam_scalars_for(hyper, lr, *(const float *)(uintptr_t)e->step);
         float *p = (float *)(uintptr_t)e->param, *m = (float *)(uintptr_t)e->exp_avg;
         float *v = (float *)(uintptr_t)e->exp_avg_sq, *vmax = (float *)(uintptr_t)e->max_exp_avg_sq;
         for (int64_t i = 0; i < e->numel; i++)
@@ -44,17 +45,18 @@ static void cpu_adam(const hl_adam_entry *table, int64_t count, const hl_adam_hy
 }
 
 /* C reference of the SGD kernel */
-static void cpu_sgd(const hl_sgd_entry *table, int64_t count, const hl_sgd_hyper *hyper, const float *grad_scale,
-                    const float *found_inf) {
+static void cpu_sgd(const hl_sgd_entry *table, int64_t count, const hl_sgd_hyper *hyper, const float *lr_ptr,
+                    const float *grad_scale, const float *found_inf) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
     const int has_scale = grad_scale != NULL;
     const float scale = has_scale ? *grad_scale : 1.0f;
+    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr;
     for (int64_t t = 0; t < count; t++) {
         const hl_sgd_entry *e = &table[t];
         float *p = (float *)(uintptr_t)e->param, *buf = (float *)(uintptr_t)e->momentum_buffer;
         for (int64_t i = 0; i < e->numel; i++)
-            hl_sgd_element(hyper, load_grad(e->grad_dtype, e->grad, i), scale, has_scale, p + i,
+            hl_sgd_element(hyper, lr, load_grad(e->grad_dtype, e->grad, i), scale, has_scale, p + i,
                            buf != NULL ? buf + i : NULL);
     }
 }
@@ -87,7 +89,7 @@ static int check_matches(const hl_table *params, const hl_table *other, const ch
     return 0;
 }
 
-/* grad_scale / found_inf: None, or one float32 element on the parameters' device */
+/* lr / grad_scale / found_inf: None, or one float32 element on the parameters' device */
 static int take_scalar(PyObject *obj, const char *argname, int device, hl_tensor *out, const float **ptr) {
     *ptr = NULL;
     if (obj == Py_None)
@@ -102,59 +104,61 @@ static int take_scalar(PyObject *obj, const char *argname, int device, hl_tensor
     return 0;
 }
 
-#ifdef HOTLOOP_WITH_CUDA
-typedef struct {
-    const hl_adam_entry *host;
-    void *device_table;
-    int64_t count, total_chunks;
-    const hl_adam_hyper *hyper;
-    const float *grad_scale, *found_inf;
-    int device;
-    unsigned long long stream;
-} adam_launch;
-
-static cudaError_t launch_adam(void *ctx) {
-    const adam_launch *a = ctx;
-    /* from pageable memory the runtime stages the bytes before it returns, so `host` may go after */
-    cudaError_t err = cudaMemcpyAsync(a->device_table, a->host, (size_t)a->count * sizeof(hl_adam_entry),
-                                      cudaMemcpyHostToDevice, hl_stream(a->stream));
-    if (err != cudaSuccess)
-        return err;
-    return hl_launch_adam((const hl_adam_entry *)a->device_table, a->count, a->total_chunks, a->hyper, a->grad_scale,
-                          a->found_inf, a->device, hl_stream(a->stream));
+/* `dst`: a writable host uint8 tensor of at least `need` bytes, for the entries of a table */
+static int take_dst(PyObject *obj, int64_t need, int64_t count, hl_tensor *out) {
+    if (hl_tensor_from_object(obj, "dst", HL_DTYPE_BIT(HL_UINT8), -1, 1, out) < 0)
+        return -1;
+    if (out->numel < need) {
+        PyErr_Format(PyExc_ValueError, "dst: expected at least %lld bytes for %lld tensors, got %lld", (long long)need,
+                     (long long)count, (long long)out->numel);
+        return -1;
+    }
+    return 0;
 }
-#endif
 
-PyDoc_STRVAR(optim_adam_doc,
-             "optim_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps,\n"
-             "           weight_decay, decoupled, amsgrad, maximize, grad_scale, found_inf, table_scratch, stream)\n\n"
-             "One Adam (decoupled=False) or AdamW (decoupled=True) step over packed tensor tables, one entry per\n"
-             "parameter: params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (None without amsgrad) float32; grads\n"
-             "float32, float16 or bfloat16 (read, never written); steps one float32 each (steps taken so far).\n"
-             "grad_scale (None or one float32 on the parameters' device) divides every gradient; when found_inf\n"
-             "(None or one float32) is non-zero nothing changes. CUDA: the table goes to table_scratch (uint8,\n"
-             "OPTIM_ADAM_ENTRY_BYTES per parameter) and the kernels run on `stream`; nothing waits for them.\n"
-             "CPU tensors take the C reference (table_scratch may be None). Internal to hotloop.optim.");
+/* `table`: a uint8 tensor on `device` holding at least `need` bytes of entries */
+static int take_table(PyObject *obj, int device, int64_t need, hl_tensor *out) {
+    if (hl_tensor_from_object(obj, "table", HL_DTYPE_BIT(HL_UINT8), device, 0, out) < 0)
+        return -1;
+    if (out->numel < need) {
+        PyErr_Format(PyExc_ValueError, "table: expected at least %lld bytes, got %lld", (long long)need,
+                     (long long)out->numel);
+        return -1;
+    }
+    return 0;
+}
 
-static PyObject *optim_adam(PyObject *module, PyObject *args) {
-    PyObject *params_obj, *grads_obj, *m_obj, *v_obj, *vmax_obj, *steps_obj, *scale_obj, *found_obj, *scratch_obj;
-    double lr, beta1, beta2;
-    float eps, weight_decay;
-    int decoupled, amsgrad, maximize;
-    unsigned long long stream = 0;
+/* a host copy of the entries in `table` (its bytes may sit at any alignment), or NULL with MemoryError */
+static void *host_entries(const hl_tensor *table, size_t nbytes) {
+    void *entries = malloc(nbytes > 0 ? nbytes : 1);
+    if (entries == NULL)
+        PyErr_NoMemory();
+    else
+        memcpy(entries, table->data, nbytes);
+    return entries;
+}
+
+PyDoc_STRVAR(optim_adam_table_doc,
+             "optim_adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, dst)\n"
+             "    -> (count, total_chunks, device)\n\n"
+             "Check packed tensor tables, one entry per parameter (params, exp_avgs, exp_avg_sqs,\n"
+             "max_exp_avg_sqs (None without amsgrad) float32; grads float32, float16 or bfloat16; steps one\n"
+             "float32 each, the steps taken so far), all on one device, and write the Adam kernel's entries into\n"
+             "`dst`, a host uint8 tensor of at least OPTIM_ADAM_ENTRY_BYTES per parameter (pinned when the\n"
+             "caller copies it to a GPU). The entries hold addresses: they are valid while those tensors are.\n"
+             "`device` is the tensors' CUDA device, -1 for the CPU. Internal to hotloop.optim.");
+
+static PyObject *optim_adam_table(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *params_obj, *grads_obj, *m_obj, *v_obj, *vmax_obj, *steps_obj, *dst_obj;
     hl_table params = {0}, grads = {0}, m = {0}, v = {0}, vmax = {0}, steps = {0};
-    hl_tensor scale = {0}, found = {0}, scratch = {0};
-    hl_adam_entry *entries = NULL;
+    hl_tensor dst = {0};
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTuple(args, "OOOOOOdddffpppOOOK:optim_adam", &params_obj, &grads_obj, &m_obj, &v_obj, &vmax_obj,
-                          &steps_obj, &lr, &beta1, &beta2, &eps, &weight_decay, &decoupled, &amsgrad, &maximize,
-                          &scale_obj, &found_obj, &scratch_obj, &stream))
+    if (!PyArg_ParseTuple(args, "OOOOOOO:optim_adam_table", &params_obj, &grads_obj, &m_obj, &v_obj, &vmax_obj,
+                          &steps_obj, &dst_obj))
         return NULL;
-    if (amsgrad != (vmax_obj != Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "max_exp_avg_sqs: expected a table with amsgrad and None without it");
-        return NULL;
-    }
+    const int amsgrad = vmax_obj != Py_None;
     if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
         return NULL;
     if (hl_table_parse(grads_obj, "grads", HL_FLOATING_MASK, &grads) < 0 || check_matches(&params, &grads, "grads", 0) < 0)
@@ -171,64 +175,24 @@ static PyObject *optim_adam(PyObject *module, PyObject *args) {
     if (hl_table_parse(steps_obj, "steps", HL_DTYPE_BIT(HL_FLOAT32), &steps) < 0 ||
         check_matches(&params, &steps, "steps", 1) < 0)
         goto error;
-    const int device = params.device;
-    if (device >= 0 && hl_cuda_require(module, device) < 0)
+    if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_adam_entry), params.count, &dst) < 0)
         goto error;
-    const float *scale_ptr, *found_ptr;
-    if (take_scalar(scale_obj, "grad_scale", device, &scale, &scale_ptr) < 0 ||
-        take_scalar(found_obj, "found_inf", device, &found, &found_ptr) < 0)
-        goto error;
-    if (device >= 0) {
-        if (hl_tensor_from_object(scratch_obj, "table_scratch", HL_DTYPE_BIT(HL_UINT8), device, 1, &scratch) < 0)
-            goto error;
-        const int64_t need = params.count * (int64_t)sizeof(hl_adam_entry);
-        if (scratch.numel < need) {
-            PyErr_Format(PyExc_ValueError, "table_scratch: expected at least %lld bytes for %lld tensors, got %lld",
-                         (long long)need, (long long)params.count, (long long)scratch.numel);
-            goto error;
-        }
-    }
-
-    entries = malloc((size_t)params.count * sizeof(hl_adam_entry));
-    if (entries == NULL) {
-        PyErr_NoMemory();
-        goto error;
-    }
     for (int64_t i = 0; i < params.count; i++) {
-        hl_adam_entry *e = &entries[i];
-        e->param = params.entries[i].data;
-        e->grad = grads.entries[i].data;
-        e->exp_avg = m.entries[i].data;
-        e->exp_avg_sq = v.entries[i].data;
-        e->max_exp_avg_sq = amsgrad ? vmax.entries[i].data : 0;
-        e->step = steps.entries[i].data;
-        e->numel = params.entries[i].numel;
-        e->first_chunk = params.entries[i].first_chunk;
-        e->grad_dtype = grads.entries[i].dtype;
-        e->reserved = 0;
+        hl_adam_entry e = {0};
+        e.param = params.entries[i].data;
+        e.grad = grads.entries[i].data;
+        e.exp_avg = m.entries[i].data;
+        e.exp_avg_sq = v.entries[i].data;
+        e.max_exp_avg_sq = amsgrad ? vmax.entries[i].data : 0;
+        e.step = steps.entries[i].data;
+        e.numel = params.entries[i].numel;
+        e.first_chunk = params.entries[i].first_chunk;
+        e.grad_dtype = grads.entries[i].dtype;
+        memcpy(dst.data + i * (int64_t)sizeof(e), &e, sizeof(e));
     }
-    const hl_adam_hyper hyper = {lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize};
-
-    if (device < 0) {
-        Py_BEGIN_ALLOW_THREADS
-        cpu_adam(entries, params.count, &hyper, scale_ptr, found_ptr);
-        Py_END_ALLOW_THREADS
-    } else {
-#ifdef HOTLOOP_WITH_CUDA
-        adam_launch launch = {entries, scratch.data, params.count, params.total_chunks, &hyper,
-                              scale_ptr, found_ptr, device, stream};
-        if (hl_cuda_run(module, device, launch_adam, &launch) < 0)
-            goto error;
-#else
-        (void)stream;
-#endif
-    }
-    result = Py_NewRef(Py_None);
+    result = Py_BuildValue("(LLi)", (long long)params.count, (long long)params.total_chunks, params.device);
 error:
-    free(entries);
-    hl_tensor_release(&scratch);
-    hl_tensor_release(&found);
-    hl_tensor_release(&scale);
+    hl_tensor_release(&dst);
     hl_table_free(&steps);
     hl_table_free(&vmax);
     hl_table_free(&v);
@@ -240,120 +204,213 @@ error:
 
 #ifdef HOTLOOP_WITH_CUDA
 typedef struct {
-    const hl_sgd_entry *host;
-    void *device_table;
+    const void *table;
     int64_t count, total_chunks;
-    const hl_sgd_hyper *hyper;
-    const float *grad_scale, *found_inf;
+    const void *hyper;
+    const float *lr, *grad_scale, *found_inf;
     int device;
     unsigned long long stream;
-} sgd_launch;
+} optim_launch;
+
+static cudaError_t launch_adam(void *ctx) {
+    const optim_launch *a = ctx;
+    return hl_launch_adam(a->table, a->count, a->total_chunks, a->hyper, a->lr, a->grad_scale, a->found_inf,
+                          a->device, hl_stream(a->stream));
+}
 
 static cudaError_t launch_sgd(void *ctx) {
-    const sgd_launch *a = ctx;
-    cudaError_t err = cudaMemcpyAsync(a->device_table, a->host, (size_t)a->count * sizeof(hl_sgd_entry),
-                                      cudaMemcpyHostToDevice, hl_stream(a->stream));
-    if (err != cudaSuccess)
-        return err;
-    return hl_launch_sgd((const hl_sgd_entry *)a->device_table, a->count, a->total_chunks, a->hyper, a->grad_scale,
-                         a->found_inf, a->device, hl_stream(a->stream));
+    const optim_launch *a = ctx;
+    return hl_launch_sgd(a->table, a->count, a->total_chunks, a->hyper, a->lr, a->grad_scale, a->found_inf,
+                         a->device, hl_stream(a->stream));
 }
 #endif
 
-PyDoc_STRVAR(optim_sgd_doc,
-             "optim_sgd(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov, maximize,\n"
-             "          first_step, grad_scale, found_inf, table_scratch, stream)\n\n"
-             "One SGD step over packed tensor tables, one entry per parameter: params float32; grads float32,\n"
-             "float16 or bfloat16 (never written); momentum_buffers float32 (None without momentum), which take\n"
-             "the gradient as it is when first_step. grad_scale, found_inf, table_scratch (OPTIM_SGD_ENTRY_BYTES\n"
-             "per parameter) and stream as optim_adam takes them. Internal to hotloop.optim.");
+/* the scalars of one step, checked against the table's device: lr_tensor, grad_scale, found_inf */
+typedef struct {
+    hl_tensor lr, scale, found;
+    const float *lr_ptr, *scale_ptr, *found_ptr;
+} step_scalars;
 
-static PyObject *optim_sgd(PyObject *module, PyObject *args) {
-    PyObject *params_obj, *grads_obj, *buf_obj, *scale_obj, *found_obj, *scratch_obj;
-    float lr, momentum, dampening, weight_decay;
-    int nesterov, maximize, first_step;
+static int take_step_scalars(PyObject *lr_obj, PyObject *scale_obj, PyObject *found_obj, int device,
+                             step_scalars *out) {
+    return take_scalar(lr_obj, "lr", device, &out->lr, &out->lr_ptr) < 0 ||
+                   take_scalar(scale_obj, "grad_scale", device, &out->scale, &out->scale_ptr) < 0 ||
+                   take_scalar(found_obj, "found_inf", device, &out->found, &out->found_ptr) < 0
+               ? -1
+               : 0;
+}
+
+static void release_step_scalars(step_scalars *s) {
+    hl_tensor_release(&s->found);
+    hl_tensor_release(&s->scale);
+    hl_tensor_release(&s->lr);
+}
+
+/* run the C reference (device < 0) or the kernels on `stream` over the entries in `table` */
+static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64_t count, int64_t total_chunks,
+                    const void *hyper, const step_scalars *s, int device, unsigned long long stream) {
+    const size_t nbytes = (size_t)count * (is_adam ? sizeof(hl_adam_entry) : sizeof(hl_sgd_entry));
+    if (device < 0) {
+        void *entries = host_entries(table, nbytes);
+        if (entries == NULL)
+            return -1;
+        Py_BEGIN_ALLOW_THREADS
+        if (is_adam)
+            cpu_adam(entries, count, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr);
+        else
+            cpu_sgd(entries, count, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr);
+        Py_END_ALLOW_THREADS
+        free(entries);
+        return 0;
+    }
+#ifdef HOTLOOP_WITH_CUDA
+    if (hl_cuda_require(module, device) < 0)
+        return -1;
+    optim_launch launch = {table->data, count, total_chunks, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr, device,
+                           stream};
+    return hl_cuda_run(module, device, is_adam ? launch_adam : launch_sgd, &launch);
+#else
+    (void)module;
+    (void)total_chunks;
+    (void)stream;
+    PyErr_SetString(PyExc_RuntimeError, "hotloop was built without CUDA");
+    return -1;
+#endif
+}
+
+PyDoc_STRVAR(optim_adam_doc,
+             "optim_adam(table, count, total_chunks, device, lr, lr_tensor, beta1, beta2, eps, weight_decay,\n"
+             "           decoupled, maximize, grad_scale, found_inf, stream)\n\n"
+             "One Adam (decoupled=False) or AdamW (decoupled=True) step over the `count` entries that\n"
+             "optim_adam_table wrote, now in `table` (uint8, on `device`: a GPU's memory, or the host for -1);\n"
+             "amsgrad where the entries have max_exp_avg_sqs. The learning rate is lr_tensor (None or one float32\n"
+             "on `device`, read when the kernel runs) or else `lr`. grad_scale (None or one float32 on `device`)\n"
+             "divides every gradient, read once and never written; when found_inf (None or one float32) is\n"
+             "non-zero nothing changes. CUDA: two kernels on `stream`, nothing waits for them and nothing is\n"
+             "copied from the host, so a graph can capture the call. Internal to hotloop.optim.");
+
+static PyObject *optim_adam(PyObject *module, PyObject *args) {
+    PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
+    long long count, total_chunks;
+    int device, decoupled, maximize;
+    hl_adam_hyper hyper = {0};
     unsigned long long stream = 0;
-    hl_table params = {0}, grads = {0}, bufs = {0};
-    hl_tensor scale = {0}, found = {0}, scratch = {0};
-    hl_sgd_entry *entries = NULL;
+    hl_tensor table = {0};
+    step_scalars s = {0};
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTuple(args, "OOOffffpppOOOK:optim_sgd", &params_obj, &grads_obj, &buf_obj, &lr, &momentum,
-                          &dampening, &weight_decay, &nesterov, &maximize, &first_step, &scale_obj, &found_obj,
-                          &scratch_obj, &stream))
+    if (!PyArg_ParseTuple(args, "OLLidOddddppOOK:optim_adam", &table_obj, &count, &total_chunks, &device, &hyper.lr,
+                          &lr_obj, &hyper.beta1, &hyper.beta2, &hyper.eps, &hyper.weight_decay, &decoupled, &maximize,
+                          &scale_obj, &found_obj, &stream))
         return NULL;
-    if ((momentum != 0.0f) != (buf_obj != Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "momentum_buffers: expected a table with momentum and None without it");
+    hyper.decoupled = decoupled;
+    hyper.maximize = maximize;
+    if (count < 0 || total_chunks < 0) {
+        PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
         return NULL;
     }
+    if (take_table(table_obj, device, count * (int64_t)sizeof(hl_adam_entry), &table) < 0 ||
+        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
+        goto error;
+    if (run_step(module, 1, &table, count, total_chunks, &hyper, &s, device, stream) < 0)
+        goto error;
+    result = Py_NewRef(Py_None);
+error:
+    release_step_scalars(&s);
+    hl_tensor_release(&table);
+    return result;
+}
+
+PyDoc_STRVAR(optim_sgd_table_doc,
+             "optim_sgd_table(params, grads, momentum_buffers, dst) -> (count, total_chunks, device)\n\n"
+             "Check packed tensor tables, one entry per parameter (params float32; grads float32, float16 or\n"
+             "bfloat16; momentum_buffers float32, None without momentum) on one device and write the SGD\n"
+             "kernel's entries into `dst` (OPTIM_SGD_ENTRY_BYTES per parameter), as optim_adam_table does.");
+
+static PyObject *optim_sgd_table(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *params_obj, *grads_obj, *buf_obj, *dst_obj;
+    hl_table params = {0}, grads = {0}, bufs = {0};
+    hl_tensor dst = {0};
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOOO:optim_sgd_table", &params_obj, &grads_obj, &buf_obj, &dst_obj))
+        return NULL;
+    const int has_bufs = buf_obj != Py_None;
     if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
         return NULL;
     if (hl_table_parse(grads_obj, "grads", HL_FLOATING_MASK, &grads) < 0 || check_matches(&params, &grads, "grads", 0) < 0)
         goto error;
-    if (buf_obj != Py_None && (hl_table_parse(buf_obj, "momentum_buffers", HL_DTYPE_BIT(HL_FLOAT32), &bufs) < 0 ||
-                               check_matches(&params, &bufs, "momentum_buffers", 0) < 0))
+    if (has_bufs && (hl_table_parse(buf_obj, "momentum_buffers", HL_DTYPE_BIT(HL_FLOAT32), &bufs) < 0 ||
+                     check_matches(&params, &bufs, "momentum_buffers", 0) < 0))
         goto error;
-    const int device = params.device;
-    if (device >= 0 && hl_cuda_require(module, device) < 0)
+    if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_sgd_entry), params.count, &dst) < 0)
         goto error;
-    const float *scale_ptr, *found_ptr;
-    if (take_scalar(scale_obj, "grad_scale", device, &scale, &scale_ptr) < 0 ||
-        take_scalar(found_obj, "found_inf", device, &found, &found_ptr) < 0)
-        goto error;
-    if (device >= 0) {
-        if (hl_tensor_from_object(scratch_obj, "table_scratch", HL_DTYPE_BIT(HL_UINT8), device, 1, &scratch) < 0)
-            goto error;
-        const int64_t need = params.count * (int64_t)sizeof(hl_sgd_entry);
-        if (scratch.numel < need) {
-            PyErr_Format(PyExc_ValueError, "table_scratch: expected at least %lld bytes for %lld tensors, got %lld",
-                         (long long)need, (long long)params.count, (long long)scratch.numel);
-            goto error;
-        }
-    }
-    entries = malloc((size_t)params.count * sizeof(hl_sgd_entry));
-    if (entries == NULL) {
-        PyErr_NoMemory();
-        goto error;
-    }
     for (int64_t i = 0; i < params.count; i++) {
-        hl_sgd_entry *e = &entries[i];
-        e->param = params.entries[i].data;
-        e->grad = grads.entries[i].data;
-        e->momentum_buffer = buf_obj != Py_None ? bufs.entries[i].data : 0;
-        e->numel = params.entries[i].numel;
-        e->first_chunk = params.entries[i].first_chunk;
-        e->grad_dtype = grads.entries[i].dtype;
-        e->reserved = 0;
+        hl_sgd_entry e = {0};
+        e.param = params.entries[i].data;
+        e.grad = grads.entries[i].data;
+        e.momentum_buffer = has_bufs ? bufs.entries[i].data : 0;
+        e.numel = params.entries[i].numel;
+        e.first_chunk = params.entries[i].first_chunk;
+        e.grad_dtype = grads.entries[i].dtype;
+        memcpy(dst.data + i * (int64_t)sizeof(e), &e, sizeof(e));
     }
-    const hl_sgd_hyper hyper = {lr, momentum, 1.0f - dampening, weight_decay, nesterov, maximize, first_step};
-    if (device < 0) {
-        Py_BEGIN_ALLOW_THREADS
-        cpu_sgd(entries, params.count, &hyper, scale_ptr, found_ptr);
-        Py_END_ALLOW_THREADS
-    } else {
-#ifdef HOTLOOP_WITH_CUDA
-        sgd_launch launch = {entries, scratch.data, params.count, params.total_chunks, &hyper,
-                             scale_ptr, found_ptr, device, stream};
-        if (hl_cuda_run(module, device, launch_sgd, &launch) < 0)
-            goto error;
-#else
-        (void)stream;
-#endif
-    }
-    result = Py_NewRef(Py_None);
+    result = Py_BuildValue("(LLi)", (long long)params.count, (long long)params.total_chunks, params.device);
 error:
-    free(entries);
-    hl_tensor_release(&scratch);
-    hl_tensor_release(&found);
-    hl_tensor_release(&scale);
+    hl_tensor_release(&dst);
     hl_table_free(&bufs);
     hl_table_free(&grads);
     hl_table_free(&params);
     return result;
 }
 
+PyDoc_STRVAR(optim_sgd_doc,
+             "optim_sgd(table, count, total_chunks, device, lr, lr_tensor, momentum, dampening, weight_decay,\n"
+             "          nesterov, maximize, first_step, grad_scale, found_inf, stream)\n\n"
+             "One SGD step over the entries optim_sgd_table wrote, now in `table`; momentum where the entries\n"
+             "have buffers, which take the gradient as it is when first_step. lr, lr_tensor, grad_scale,\n"
+             "found_inf and stream as optim_adam takes them; one kernel. Internal to hotloop.optim.");
+
+static PyObject *optim_sgd(PyObject *module, PyObject *args) {
+    PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
+    long long count, total_chunks;
+    int device, nesterov, maximize, first_step;
+    double dampening;
+    hl_sgd_hyper hyper = {0};
+    unsigned long long stream = 0;
+    hl_tensor table = {0};
+    step_scalars s = {0};
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OLLidOdddpppOOK:optim_sgd", &table_obj, &count, &total_chunks, &device, &hyper.lr,
+                          &lr_obj, &hyper.momentum, &dampening, &hyper.weight_decay, &nesterov, &maximize, &first_step,
+                          &scale_obj, &found_obj, &stream))
+        return NULL;
+    hyper.one_minus_dampening = 1.0 - dampening; /* in double, as torch's (1 - dampening) */
+    hyper.nesterov = nesterov;
+    hyper.maximize = maximize;
+    hyper.first_step = first_step;
+    if (count < 0 || total_chunks < 0) {
+        PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
+        return NULL;
+    }
+    if (take_table(table_obj, device, count * (int64_t)sizeof(hl_sgd_entry), &table) < 0 ||
+        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
+        goto error;
+    if (run_step(module, 0, &table, count, total_chunks, &hyper, &s, device, stream) < 0)
+        goto error;
+    result = Py_NewRef(Py_None);
+error:
+    release_step_scalars(&s);
+    hl_tensor_release(&table);
+    return result;
+}
+
 static PyMethodDef optim_methods[] = {
+    {"optim_adam_table", optim_adam_table, METH_VARARGS, optim_adam_table_doc},
     {"optim_adam", optim_adam, METH_VARARGS, optim_adam_doc},
+    {"optim_sgd_table", optim_sgd_table, METH_VARARGS, optim_sgd_table_doc},
     {"optim_sgd", optim_sgd, METH_VARARGS, optim_sgd_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -39,12 +39,13 @@ template <typename Entry> __device__ inline int64_t entry_of_chunk(const Entry *
 
 __global__ void __launch_bounds__(OPTIM_THREADS)
     adam_kernel(const hl_adam_entry *table, int64_t count, int64_t total_chunks, hl_adam_hyper hyper,
-                const float *grad_scale, const float *found_inf) {
+                const float *lr_ptr, const float *grad_scale, const float *found_inf) {
     /* a skipped step reads no gradient and writes nothing: every block leaves at once */
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
     const int has_scale = grad_scale != NULL;
     const float scale = has_scale ? *grad_scale : 1.0f;
+    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper.lr; /* read at run time: a graph replays it */
     /* this block's contiguous range of chunks [b*C/G, (b+1)*C/G) */
     const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
     const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
@@ -58,7 +59,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
             t++;
         const hl_adam_entry e = table[t];
         if (scalars_of != t) { /* the bias corrections once per tensor per block (double pow) */
-            s = hl_adam_scalars_for(&hyper, *(const float *)e.step);
+            s = hl_adam_scalars_for(&hyper, lr, *(const float *)e.step);
             scalars_of = t;
         }
         const int64_t begin = (chunk - e.first_chunk) * (int64_t)HL_CHUNK_ELEMS;
@@ -72,11 +73,12 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
 
 __global__ void __launch_bounds__(OPTIM_THREADS)
     sgd_kernel(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, hl_sgd_hyper hyper,
-               const float *grad_scale, const float *found_inf) {
+               const float *lr_ptr, const float *grad_scale, const float *found_inf) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return; /* a skipped step reads no gradient and writes nothing */
     const int has_scale = grad_scale != NULL;
     const float scale = has_scale ? *grad_scale : 1.0f;
+    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper.lr;
     const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
     const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
     if (first >= last)
@@ -90,17 +92,17 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
         const int64_t end = min(begin + (int64_t)HL_CHUNK_ELEMS, e.numel);
         float *p = (float *)e.param, *buf = (float *)e.momentum_buffer;
         for (int64_t i = begin + threadIdx.x; i < end; i += OPTIM_THREADS)
-            hl_sgd_element(&hyper, grad_at(e.grad_dtype, e.grad, i), scale, has_scale, p + i, buf != NULL ? buf + i : NULL);
+            hl_sgd_element(&hyper, lr, grad_at(e.grad_dtype, e.grad, i), scale, has_scale, p + i, buf != NULL ? buf + i : NULL);
     }
 }
 
 extern "C" cudaError_t hl_launch_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks,
-                                     const hl_sgd_hyper *hyper, const float *grad_scale, const float *found_inf,
-                                     int device, cudaStream_t stream) {
+                                     const hl_sgd_hyper *hyper, const float *lr, const float *grad_scale,
+                                     const float *found_inf, int device, cudaStream_t stream) {
     if (count == 0 || total_chunks == 0)
         return cudaSuccess;
     int grid = hl_grid_for_chunks(total_chunks, device, 2);
-    sgd_kernel<<<grid, OPTIM_THREADS, 0, stream>>>(table, count, total_chunks, *hyper, grad_scale, found_inf);
+    sgd_kernel<<<grid, OPTIM_THREADS, 0, stream>>>(table, count, total_chunks, *hyper, lr, grad_scale, found_inf);
     return cudaGetLastError();
 }
 
@@ -115,13 +117,13 @@ __global__ void adam_count_kernel(const hl_adam_entry *table, int64_t count, con
 }
 
 extern "C" cudaError_t hl_launch_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks,
-                                      const hl_adam_hyper *hyper, const float *grad_scale, const float *found_inf,
-                                      int device, cudaStream_t stream) {
+                                      const hl_adam_hyper *hyper, const float *lr, const float *grad_scale,
+                                      const float *found_inf, int device, cudaStream_t stream) {
     if (count == 0)
         return cudaSuccess;
     if (total_chunks > 0) {
         int grid = hl_grid_for_chunks(total_chunks, device, 2);
-        adam_kernel<<<grid, OPTIM_THREADS, 0, stream>>>(table, count, total_chunks, *hyper, grad_scale, found_inf);
+        adam_kernel<<<grid, OPTIM_THREADS, 0, stream>>>(table, count, total_chunks, *hyper, lr, grad_scale, found_inf);
         cudaError_t err = cudaGetLastError();
         if (err != cudaSuccess)
             return err;

@@ -6,12 +6,19 @@ amsgrad), so checkpoints load both ways. One C call per device updates every par
 reference on CPU tensors, two kernel launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
 the gradients are divided by ``grad_scale`` inside the update and never written back, and a non-zero
 ``found_inf`` leaves parameters, moments and step counts as they were; both are decided on the device.
+
+The step can be captured in a CUDA graph whatever ``capturable`` says (the step counts, bias corrections,
+grad_scale, found_inf and a tensor ``lr`` are read on the device): take one step outside the capture first,
+so that the state exists and the kernels' table is uploaded (step_table.py says what a capture refuses).
+A float ``lr`` is a constant of the graph, as in torch; pass a float32 tensor on the GPU to change it
+between replays.
 """
 import logging
 import torch
 
 from .. import _C
 from . import param_table
+from .step_table import StepTables, capturing, refuse_in_capture
 
 _logger = logging.getLogger(__name__)
 
@@ -35,6 +42,7 @@ class Adam(torch.optim.Optimizer):
                         foreach=None, capturable=capturable, differentiable=False, fused=True,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
+        self._tables = StepTables(self._name)
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
@@ -58,6 +66,7 @@ class Adam(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._tables = StepTables(self._name)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -83,6 +92,11 @@ class Adam(torch.optim.Optimizer):
                     param_table.check_state(self._name, p, state[key], key)
             found.append(p)
         return found
+
+    def _ready(self, p):
+        """the state exists as the kernel reads it: nothing to make or move"""
+        step = self.state.get(p, {}).get("step")
+        return isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.device == p.device
 
     def _state_of(self, p, amsgrad):
         state = self.state[p]
@@ -121,23 +135,31 @@ class Adam(torch.optim.Optimizer):
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            hyper = (param_table.host_scalar(group["lr"], "lr"), param_table.host_scalar(beta1, "betas[0]"),
-                     param_table.host_scalar(beta2, "betas[1]"), float(group["eps"]), float(group["weight_decay"]),
-                     bool(group["decoupled_weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
             for device, ps in param_table.by_device(params).items():
-                work.append((device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
+                capture = capturing(device)
+                if capture and not all(self._ready(p) for p in ps):
+                    refuse_in_capture(self._name, "a parameter's state is not made yet (or its step count is not a "
+                                      "float32 tensor on its device), and making it would be replayed")
+                lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
+                hyper = (lr, lr_tensor, param_table.host_scalar(beta1, "betas[0]", capture),
+                         param_table.host_scalar(beta2, "betas[1]", capture), float(group["eps"]),
+                         float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
+                work.append((gi, device, ps, bool(group["amsgrad"]), hyper,
+                             param_table.scaler_tensor(grad_scale, "grad_scale", device),
                              param_table.scaler_tensor(found_inf, "found_inf", device)))
 
-        for device, ps, hyper, scale, found in work:
-            amsgrad = hyper[6]
+        for gi, device, ps, amsgrad, hyper, scale, found in work:
             states = [self._state_of(p, amsgrad) for p in ps]
-            scratch, stream = param_table.launch_args(device, len(ps), _C.OPTIM_ADAM_ENTRY_BYTES)
-            _C.optim_adam(
-                param_table.pack(ps), param_table.pack([p.grad for p in ps]),
-                param_table.pack([s["exp_avg"] for s in states]), param_table.pack([s["exp_avg_sq"] for s in states]),
-                param_table.pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
-                param_table.pack([s["step"] for s in states]),
-                *hyper, scale, found, scratch, stream)
+            packed = (param_table.pack(ps), param_table.pack([p.grad for p in ps]),
+                      param_table.pack([s["exp_avg"] for s in states]),
+                      param_table.pack([s["exp_avg_sq"] for s in states]),
+                      param_table.pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                      param_table.pack([s["step"] for s in states]))
+            table, count, chunks = self._tables.get((gi, device), packed, device,
+                                                    len(ps) * _C.OPTIM_ADAM_ENTRY_BYTES,
+                                                    lambda dst: _C.optim_adam_table(*packed, dst))
+            _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
+                          param_table.stream_of(device))
         return loss
 
 

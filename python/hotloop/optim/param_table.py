@@ -75,13 +75,42 @@ def scaler_tensor(value, argname, device):
     return value.detach().reshape(())
 
 
-def host_scalar(value, argname):
-    """A float hyperparameter; a CPU tensor is read (no device sync), a device tensor is not supported yet."""
+def host_scalar(value, argname, capture=False):
+    """A float hyperparameter. A CPU tensor is read on the host (no device sync), except during a graph
+    capture, where its value would be frozen into the graph (RuntimeError); a device tensor is not
+    supported (NotImplementedError)."""
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
-            raise NotImplementedError(f"{argname}: a device tensor is not supported yet (pass a float or a CPU tensor)")
-        return float(value)
+            raise NotImplementedError(f"{argname}: a device tensor is not supported (pass a float or a CPU tensor)")
+        if capture:
+            raise RuntimeError(f"{argname}: a CPU tensor is read on the host, so a CUDA graph would replay the "
+                               f"value it had at capture; pass a float (a constant of the graph)")
     return float(value)
+
+
+def lr_args(value, device, capture=False):
+    """(lr as a float, lr tensor or None) for the parameters on `device`. A one-element float32 tensor on
+    `device` (or copied there from another GPU, no host sync) is read by the kernel when it runs, so a
+    graph replays its current value; a CPU tensor is read now (torch's lr.item()), which a capture of a
+    CUDA step refuses; numbers are constants."""
+    if not isinstance(value, torch.Tensor):
+        return float(value), None
+    if value.numel() != 1:
+        raise ValueError(f"lr: expected a tensor of one element, got {value.numel()}")
+    if value.device.type == "cpu" and (device.type != "cpu" or value.dtype is not torch.float32):
+        if capture:
+            raise RuntimeError("lr: a CPU tensor is read on the host, so a CUDA graph would replay the value it "
+                               "had at capture; pass a one-element float32 tensor on the parameters' GPU, which "
+                               "the kernel reads at every replay")
+        return float(value), None
+    if value.dtype is not torch.float32:
+        raise TypeError(f"lr: expected a float32 tensor on {device}, got {value.dtype}")
+    if value.device.type != device.type:
+        raise ValueError(f"lr: expected a float or a tensor on the CPU or {device} (the parameters' device), "
+                         f"got one on {value.device}")
+    if value.device != device:
+        value = value.to(device, non_blocking=True)
+    return 1.0, value.detach().reshape(())
 
 
 def pack(tensors):
@@ -96,9 +125,6 @@ def by_device(params):
     return out
 
 
-def launch_args(device, count, entry_bytes):
-    """(table_scratch, stream) for one C call on `device` over `count` entries of `entry_bytes`"""
-    if device.type != "cuda":
-        return None, 0
-    scratch = torch.empty(count * entry_bytes, dtype=torch.uint8, device=device)
-    return scratch, torch.cuda.current_stream(device).cuda_stream
+def stream_of(device):
+    """the current CUDA stream of `device` as an int for C (0 for the CPU)"""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

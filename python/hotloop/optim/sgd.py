@@ -6,11 +6,15 @@ without), one C call per device, and the GradScaler's ``grad_scale`` / ``found_i
 update as hotloop.optim.Adam takes them. The buffers of a first step take the gradient as it is, as
 torch's; they are zero-filled when made, so a first step that found_inf skips leaves zeros (torch's are
 uninitialised then), and the next step is not a first step.
+
+The step can be captured in a CUDA graph after one step outside it (the buffers then exist; a first step
+in a capture is refused), with ``lr`` a number (a constant of the graph) or a float32 tensor on the GPU.
 """
 import torch
 
 from .. import _C
 from . import param_table
+from .step_table import StepTables, capturing, refuse_in_capture
 
 
 class SGD(torch.optim.Optimizer):
@@ -39,6 +43,7 @@ class SGD(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, foreach=None, differentiable=False, fused=True)
         super().__init__(params, defaults)
+        self._tables = StepTables(self._name)
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
@@ -47,6 +52,7 @@ class SGD(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._tables = StepTables(self._name)
         for group in self.param_groups:
             group.setdefault("nesterov", False)
             group.setdefault("maximize", False)
@@ -80,24 +86,31 @@ class SGD(torch.optim.Optimizer):
                 params.append(p)
             if not params:
                 continue
-            hyper = (param_table.host_scalar(group["lr"], "lr"), float(group["momentum"]), float(group["dampening"]),
-                     param_table.host_scalar(group["weight_decay"], "weight_decay"), bool(group["nesterov"]),
-                     bool(group["maximize"]))
             for device, ps in param_table.by_device(params).items():
-                work.append((device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
+                capture = capturing(device)
+                lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
+                hyper = (lr, lr_tensor, float(group["momentum"]), float(group["dampening"]),
+                         param_table.host_scalar(group["weight_decay"], "weight_decay", capture),
+                         bool(group["nesterov"]), bool(group["maximize"]))
+                if capture and group["momentum"] != 0 and \
+                        any(self.state.get(p, {}).get("momentum_buffer") is None for p in ps):
+                    refuse_in_capture(self._name, "the momentum buffers are made at the first step, and making "
+                                      "them (and taking the gradient as the buffer) would be replayed")
+                work.append((gi, device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
                              param_table.scaler_tensor(found_inf, "found_inf", device)))
 
-        for device, ps, hyper, scale, found in work:
-            momentum = hyper[1]
+        for gi, device, ps, hyper, scale, found in work:
             bufs, first_step = None, False
-            if momentum != 0:
+            if hyper[2] != 0:
                 # torch's rule: a first step when no parameter of the call has a buffer yet
                 first_step = all(self.state[p].get("momentum_buffer") is None for p in ps)
                 for p in ps:
                     if self.state[p].get("momentum_buffer") is None:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 bufs = param_table.pack([self.state[p]["momentum_buffer"] for p in ps])
-            scratch, stream = param_table.launch_args(device, len(ps), _C.OPTIM_SGD_ENTRY_BYTES)
-            _C.optim_sgd(param_table.pack(ps), param_table.pack([p.grad for p in ps]), bufs, *hyper, first_step,
-                         scale, found, scratch, stream)
+            packed = (param_table.pack(ps), param_table.pack([p.grad for p in ps]), bufs)
+            table, count, chunks = self._tables.get((gi, device), packed, device, len(ps) * _C.OPTIM_SGD_ENTRY_BYTES,
+                                                    lambda dst: _C.optim_sgd_table(*packed, dst))
+            _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, first_step,
+                         scale, found, param_table.stream_of(device))
         return loss
