@@ -387,7 +387,7 @@ static PyObject *optim_sgd(PyObject *module, PyObject *args) {
                           &lr_obj, &hyper.momentum, &dampening, &hyper.weight_decay, &nesterov, &maximize, &first_step,
                           &scale_obj, &found_obj, &stream))
         return NULL;
-    hyper.one_minus_dampening = 1.0 - dampening; /* in double, as torch's (1 - dampening) */
+    hyper.one_minus_dampening = (double)(1.0f - (float)dampening); /* in float, as torch's (1 - dampening) */
     hyper.nesterov = nesterov;
     hyper.maximize = maximize;
     hyper.first_step = first_step;

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
         while (t + 1 < count && table[t + 1].first_chunk <= chunk)
             t++;
         const hl_adam_entry e = table[t];
-        if (scalars_of != t) { /* the bias corrections once per tensor per block (double pow) */
+        if (scalars_of != t) { /* the bias corrections once per tensor per block (powf) */
             s = hl_adam_scalars_for(&hyper, lr, *(const float *)e.step);
             scalars_of = t;
         }

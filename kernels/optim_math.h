@@ -12,48 +12,37 @@
 #endif
 
 /* Every operation is named and rounded once: on the device the _rn intrinsics, which nvcc never
-   contracts into an fma, and on the host plain C (the C part builds with -std=c11, so no contraction
-   either; x86-64 doubles are SSE2, no extended precision). The C reference and the kernel then do the
-   same arithmetic, step for step. */
+   contracts into an fma (so the 4-wide walk of kernels/optim.cu and the one-element tail do the same
+   arithmetic however they are inlined and scheduled), and on the host plain C (the C part builds with
+   -std=c11, so no contraction either; x86-64 floats are SSE, no extended precision) and C99's fmaf,
+   which rounds once as the device's fma does. The C reference and the kernel then do the same
+   arithmetic, step for step; only powf (the bias corrections) may differ in its last bit between
+   CUDA's and glibc's. */
 #ifdef __CUDA_ARCH__
 #define HL_ADD(a, b) __fadd_rn((a), (b))
 #define HL_SUB(a, b) __fsub_rn((a), (b))
 #define HL_MUL(a, b) __fmul_rn((a), (b))
 #define HL_DIV(a, b) __fdiv_rn((a), (b))
 #define HL_SQRT(a) __fsqrt_rn(a)
-#define HL_DADD(a, b) __dadd_rn((a), (b))
-#define HL_DSUB(a, b) __dadd_rn((a), -(b))
-#define HL_DMUL(a, b) __dmul_rn((a), (b))
+#define HL_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 #else
 #define HL_ADD(a, b) ((a) + (b))
 #define HL_SUB(a, b) ((a) - (b))
 #define HL_MUL(a, b) ((a) * (b))
 #define HL_DIV(a, b) ((a) / (b))
 #define HL_SQRT(a) sqrtf(a)
-#define HL_DADD(a, b) ((double)(a) + (double)(b))
-#define HL_DSUB(a, b) ((double)(a) - (double)(b))
-#define HL_DMUL(a, b) ((double)(a) * (double)(b))
+#define HL_FMA(a, b, c) fmaf((a), (b), (c))
 #endif
 
-/* Where the arithmetic is float and where double follows torch's CUDA fused kernels
-   (aten/src/ATen/native/cuda/fused_adam_utils.cuh and FusedSgdKernel.cu): they take lr, the betas,
-   weight_decay, eps, momentum and dampening as double, so every expression that mixes one of them with
-   a float element is evaluated in double and rounded to float once (the moments, the decay, the SGD
-   update), while the expressions among floats stay float (the unscale, sqrt, the division by the bias
-   correction and the final update of Adam). Doing the same makes the kernel agree with torch's bit for
-   bit but for where nvcc contracted torch's double a*b + c into an fma: then the two double results
-   differ in their last bit, and the float they round to differs only when a float rounding boundary
-   lies between them (about 2**-29 per operation).
-   The unscale g / grad_scale is a float division here, where torch divides in double and rounds to
-   float: the double quotient of two floats rounds to the same float (53 >= 2 * 24 + 2 bits, so the
-   double rounding is innocuous), so the two agree exactly.
-   Cost: Adam does 11 double operations and 8 float<->double conversions per element, SGD up to 7 and
-   6. An H200 issues 64 double operations and 16 conversions a cycle per SM: ~0.7 SM-cycles an element,
-   ~390 G elements/s over 132 SMs, against the ~170 G elements/s its memory feeds at 28 bytes an
-   element: still memory-bound, with about 2x to spare. A GPU with 1/64-rate FP64 (RTX 4090: 2 double
-   operations and 2 conversions a cycle per SM) needs ~9.5 SM-cycles an element, ~34 G elements/s over
-   128 SMs, about what its 1 TB/s feeds (36 G): there Adam is at the FP64 limit, as torch's own kernel,
-   which does the same double arithmetic. */
+/* The arithmetic is torch 2.11's CUDA fused kernels' (aten/src/ATen/native/cuda/fused_adam_utils.cuh
+   and FusedSgdKernel.cu): they take lr, the betas, weight_decay, eps, momentum and dampening as double
+   but cast them to float (the opmath type of float32 parameters) before any element is touched, a
+   tensor lr is read as its float, and every operation is float. Where torch writes a*b + c, or a - b*c,
+   nvcc (default -fmad=true) makes one fma of it; those are HL_FMA here, each noted. The moments are
+   torch's explicit fmas: m' = fma(b1, m, fma(-b1, g, g)), v' = fma(b2, v, fma(-b2, g*g, g*g)).
+   (Found on the H200: the earlier double-mixed arithmetic, torch's before it moved to float, put
+   exp_avg_sq up to 1.3x beyond the derived bound with beta2 = 0.999, as a float32 beta2 does.)
+   Cost: about 12 float operations an element, far under what the memory feeds. */
 
 /* One parameter tensor as the Adam kernel walks it: the addresses of everything it reads and writes.
    max_exp_avg_sq is 0 without amsgrad (that is the switch). Chunks are tensor_table.h's
@@ -79,31 +68,30 @@ typedef struct {
     int maximize;
 } hl_adam_hyper;
 
-/* What one tensor's update needs from its step count and the learning rate. */
+/* What one tensor's update needs from its step count and the learning rate, all float as torch's. */
 typedef struct {
-    double beta1, one_minus_beta1, beta2, one_minus_beta2;
-    double lr_decay; /* lr * weight_decay (decoupled decay) */
-    double eps, weight_decay;
-    float step_size; /* lr / (1 - beta1^t), the correction rounded to float first, as torch */
+    float lr, beta1, beta2, eps, weight_decay;
+    float lr_decay;  /* lr * weight_decay, rounded (AdamW's decay) */
+    float step_size; /* lr / (1 - beta1^t) */
     float bc2_sqrt;  /* sqrt(1 - beta2^t) */
     int decoupled, maximize;
 } hl_adam_scalars;
 
-/* `lr` is the learning rate of this call (the hyper's, or the lr tensor's float as double); the bias
-   corrections are taken in double from the step being taken (`steps_before` + 1). */
+/* `lr` is the learning rate of this call (the hyper's, or the lr tensor's float); the bias corrections
+   are taken in float from the step being taken (`steps_before` + 1, exact below 2**24), with powf as
+   torch's pow_ of two floats. */
 HL_OPT_FN hl_adam_scalars hl_adam_scalars_for(const hl_adam_hyper *h, double lr, float steps_before) {
     hl_adam_scalars s;
-    const double t = (double)steps_before + 1.0;
-    s.beta1 = h->beta1;
-    s.one_minus_beta1 = 1.0 - h->beta1;
-    s.beta2 = h->beta2;
-    s.one_minus_beta2 = 1.0 - h->beta2;
-    const float bc1 = (float)(1.0 - pow(h->beta1, t));
-    s.step_size = (float)(lr / (double)bc1);
-    s.bc2_sqrt = (float)sqrt(1.0 - pow(h->beta2, t));
-    s.lr_decay = lr * h->weight_decay;
-    s.eps = h->eps;
-    s.weight_decay = h->weight_decay;
+    const float t = HL_ADD(steps_before, 1.0f);
+    s.lr = (float)lr;
+    s.beta1 = (float)h->beta1;
+    s.beta2 = (float)h->beta2;
+    s.eps = (float)h->eps;
+    s.weight_decay = (float)h->weight_decay;
+    const float bc1 = HL_SUB(1.0f, powf(s.beta1, t));
+    s.step_size = HL_DIV(s.lr, bc1);
+    s.bc2_sqrt = HL_SQRT(HL_SUB(1.0f, powf(s.beta2, t)));
+    s.lr_decay = HL_MUL(s.lr, s.weight_decay);
     s.decoupled = h->decoupled;
     s.maximize = h->maximize;
     return s;
@@ -119,23 +107,23 @@ HL_OPT_FN void hl_adam_element(const hl_adam_scalars *s, float g, float grad_sca
     if (s->maximize)
         g = -g;
     float param = *p;
-    if (s->weight_decay != 0.0) {
+    if (s->weight_decay != 0.0f) {
         if (s->decoupled)
-            param = (float)HL_DSUB((double)param, HL_DMUL(s->lr_decay, (double)param));
+            param = HL_FMA(-s->lr_decay, param, param); /* torch: param -= lr * weight_decay * param */
         else
-            g = (float)HL_DADD((double)g, HL_DMUL((double)param, s->weight_decay));
+            g = HL_FMA(param, s->weight_decay, g); /* torch: grad += param * weight_decay */
     }
-    const double gd = (double)g;
-    const float m1 = (float)HL_DADD(HL_DMUL(s->beta1, (double)*m), HL_DMUL(s->one_minus_beta1, gd));
-    const float v1 = (float)HL_DADD(HL_DMUL(s->beta2, (double)*v), HL_DMUL(HL_DMUL(s->one_minus_beta2, gd), gd));
+    const float m1 = HL_FMA(s->beta1, *m, HL_FMA(-s->beta1, g, g));
+    const float gg = HL_MUL(g, g);
+    const float v1 = HL_FMA(s->beta2, *v, HL_FMA(-s->beta2, gg, gg));
     float second = v1;
     if (vmax != NULL) {
-        /* torch.maximum: a NaN wins */
+        /* std::max(old, new): the old one unless the new one is larger (a NaN never is) */
         const float old = *vmax;
-        second = (v1 > old || v1 != v1) ? v1 : old;
+        second = old < v1 ? v1 : old;
         *vmax = second;
     }
-    const float denom = (float)HL_DADD((double)HL_DIV(HL_SQRT(second), s->bc2_sqrt), s->eps);
+    const float denom = HL_ADD(HL_DIV(HL_SQRT(second), s->bc2_sqrt), s->eps);
     *p = HL_SUB(param, HL_DIV(HL_MUL(s->step_size, m1), denom));
     *m = m1;
     *v = v1;
@@ -152,7 +140,8 @@ typedef struct {
     int32_t reserved;
 } hl_sgd_entry;
 
-/* The hyperparameters of one SGD call, as torch's CUDA kernel takes them (double); `lr` is used when
+/* The hyperparameters of one SGD call, as torch's CUDA kernel takes them (double; it rounds them to
+   float, as hl_sgd_element does; one_minus_dampening is already float 1 - dampening); `lr` is used when
    the call has no lr tensor. */
 typedef struct {
     double lr, momentum, one_minus_dampening, weight_decay;
@@ -161,9 +150,12 @@ typedef struct {
 } hl_sgd_hyper;
 
 /* One element of torch's SGD (the algorithm in torch.optim.SGD's documentation, with maximize
-   negating the gradient first), the gradient divided by `grad_scale` on the way in and never
-   stored. `buf` is NULL without momentum. As torch's CUDA kernel, the new buffer stays double for
-   nesterov's g + momentum * buf (only its stored copy is rounded). */
+   negating the gradient first), the gradient divided by `grad_scale` on the way in and never stored;
+   `buf` is NULL without momentum. All float, as torch's kernel: lr, momentum, weight_decay and
+   (1 - dampening) rounded to float. Which of torch's a*b + c nvcc fuses: g + wd * p, g + momentum * buf
+   (nesterov) and p - lr * g become fmas; momentum * buf + (1 - dampening) * g stays a multiply, a
+   multiply and an add, as a transcription of ATen's kernel measured against torch's binary found
+   (hypothesis until the H200 run: tests/optim/test_sgd.py's bit-identical check decides). */
 HL_OPT_FN void hl_sgd_element(const hl_sgd_hyper *h, double lr, float g, float grad_scale, int has_scale, float *p,
                               float *buf) {
     if (has_scale)
@@ -171,15 +163,16 @@ HL_OPT_FN void hl_sgd_element(const hl_sgd_hyper *h, double lr, float g, float g
     if (h->maximize)
         g = -g;
     const float param = *p;
-    if (h->weight_decay != 0.0)
-        g = (float)HL_DADD((double)g, HL_DMUL(h->weight_decay, (double)param));
+    const float wd = (float)h->weight_decay, momentum = (float)h->momentum;
+    if (wd != 0.0f)
+        g = HL_FMA(wd, param, g);
     if (buf != NULL) {
-        const double b = h->first_step ? (double)g
-                                       : HL_DADD(HL_DMUL(h->momentum, (double)*buf), HL_DMUL(h->one_minus_dampening, (double)g));
-        *buf = (float)b;
-        g = h->nesterov ? (float)HL_DADD((double)g, HL_DMUL(h->momentum, b)) : (float)b;
+        const float b = h->first_step ? g
+                                      : HL_ADD(HL_MUL(momentum, *buf), HL_MUL((float)h->one_minus_dampening, g));
+        *buf = b;
+        g = h->nesterov ? HL_FMA(momentum, b, g) : b;
     }
-    *p = (float)HL_DSUB((double)param, HL_DMUL(lr, (double)g));
+    *p = HL_FMA(-(float)lr, g, param);
 }
 
 #endif

@@ -12,15 +12,20 @@ errors e_m, e_v, e_p (zero at first) grow, to first order in u, as
          + min(step_size (e_m den + |m'| e_den) / (den (den - e_den)),     (the update's moment error,
                2 lr R)                                                      or two updates' worth)
          + 16 u |update| + 2u |p'|                                          (the update's own roundings)
+(against torch's CPU kernel the update also moves by bc_err = t beta1^(t-1) |f32(beta1) - beta1| / (1 - beta1^t)
++ t beta2^(t-1) |f32(beta2) - beta2| / (2 (1 - beta2^t)) of itself: ours' bias corrections use float32 betas)
 with den = sqrt(v')/bc2_sqrt + eps, e_den = e_v / (sqrt(v') + sqrt(max(v' - e_v, 0))) / bc2_sqrt (the
 exact |sqrt(a) - sqrt(b)| = |a - b| / (sqrt(a) + sqrt(b))), amsgrad taking max_exp_avg_sq with
 e_vmax <- max(e_vmax, e_v) (max moves by at most what moves its arguments). Rounding counts per step,
-ours + torch's: ours rounds each double-mixed value once. torch's CUDA kernel does the same (k_m = k_v = 2,
-and the same double betas: r = 0). torch's CPU kernel is float: the moment lerp m + (1 - beta1)(g - m)
-rounds twice and v * beta2 + (1 - beta2) * g * g four times (k_m = 3, k_v = 5), and it uses float32's
-1 - beta1, beta2, 1 - beta2 and 1 - lr wd, off from the double values by r1, r2 v / beta2 ... : r1 =
-|f32(1 - beta1) - (1 - beta1)|, r2 = |f32(beta2) - beta2|, r2c = |f32(1 - beta2) - (1 - beta2)|, rd =
-|f32(1 - lr wd) - (1 - lr wd)|. The update's 16 u: each side rounds step_size, bc2_sqrt, sqrt, the division
+ours + torch's: ours is torch 2.11's CUDA arithmetic (kernels/optim_math.h): m' = fma(b1, m, fma(-b1, g, g))
+rounds twice, v' = fma(b2, v, fma(-b2, g*g, g*g)) three times, with float32 betas. Against torch's CUDA
+kernel (the same arithmetic and the same float32 betas: r = 0) k_m = 2 + 2, k_v = 3 + 3 (the two sides
+agree bit for bit but where nvcc contracted differently). torch's CPU kernel is float: the moment lerp
+m + (1 - beta1)(g - m) rounds twice and v * beta2 + (1 - beta2) * g * g four times (k_m = 2 + 3,
+k_v = 3 + 5), and it uses float32's 1 - beta1, beta2, 1 - beta2 and 1 - lr wd; ours uses float32 beta1,
+beta2 and lr * wd: the two sides' coefficients are off from the double values by r1 = |f32(1 - beta1) -
+(1 - beta1)| + |f32(beta1) - beta1|, r2 = 2 |f32(beta2) - beta2|, r2c = |f32(1 - beta2) - (1 - beta2)| +
+|f32(beta2) - beta2|, rd = |f32(1 - lr wd) - (1 - lr wd)| + |f32(f32(lr) f32(wd)) - lr wd|. The update's 16 u: each side rounds step_size, bc2_sqrt, sqrt, the division
 by bc2_sqrt, + eps, the product with m and the quotient (7), plus slack; 2u |p'|: each side's final
 subtraction. With coupled decay dg = wd e_p + 3u |g| (ours rounds g + wd p once, torch up to twice).
 Where den - e_den <= 0 (coupled decay: g + wd p cancels to near 0, so the two sides' rounding of it may
@@ -41,17 +46,23 @@ def _f32_error(x):
 
 class AdamBound:
     def __init__(self, params, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, torch_on_cuda, rel_g=0.0):
-        """`torch_on_cuda`: the reference is torch's CUDA kernel (double betas, one rounding each);
+        """`torch_on_cuda`: the reference is torch's CUDA kernel (the same float arithmetic as ours);
         `rel_g`: a relative difference of the two sides' gradients (clipping), 0 when they are the same."""
         self.lr, self.b1, self.b2, self.eps, self.wd = lr, beta1, beta2, eps, weight_decay
         self.decoupled, self.amsgrad, self.rel_g = decoupled, amsgrad, rel_g
         self.max_update = max(1.0, (1 - beta1) / ((1 - beta2) * (1 - beta1**2 / beta2)) ** 0.5)
-        if torch_on_cuda:
-            self.k_m, self.k_v, self.r1, self.r2, self.r2c, self.rd = 2, 2, 0.0, 0.0, 0.0, 0.0
+        if torch_on_cuda:  # the same float betas, lr and weight_decay on both sides
+            self.k_m, self.k_v, self.r1, self.r2, self.r2c, self.rd = 4, 6, 0.0, 0.0, 0.0, 0.0
         else:
-            self.k_m, self.k_v = 3, 5
-            self.r1, self.r2, self.r2c = _f32_error(1 - beta1), _f32_error(beta2), _f32_error(1 - beta2)
-            self.rd = _f32_error(1 - lr * weight_decay)
+            # ours: float32 beta1/beta2 (its 1 - beta is exact inside the fma, so off by beta's own error),
+            # lr * weight_decay rounded from float32 lr and weight_decay; torch's CPU kernel: float32
+            # 1 - beta1, beta2, 1 - beta2, 1 - lr wd
+            b1, b2 = _f32_error(beta1), _f32_error(beta2)
+            lr_wd = float(np.float32(np.float32(lr) * np.float32(weight_decay)))
+            self.k_m, self.k_v = 5, 8
+            self.r1, self.r2, self.r2c = _f32_error(1 - beta1) + b1, _f32_error(beta2) + b2, _f32_error(1 - beta2) + b2
+            self.rd = _f32_error(1 - lr * weight_decay) + abs(lr_wd - lr * weight_decay)
+        self.d1, self.d2 = (0.0, 0.0) if torch_on_cuda else (_f32_error(beta1), _f32_error(beta2))
         z = [torch.zeros_like(p, dtype=torch.float64) for p in params]
         self.e_p, self.e_m, self.e_v, self.e_vmax = list(z), list(z), list(z), list(z)
 
@@ -61,6 +72,9 @@ class AdamBound:
         b1, b2, lr, wd = self.b1, self.b2, self.lr, self.wd
         bc1, bc2s = 1 - b1**t, (1 - b2**t) ** 0.5
         step_size = lr / bc1
+        # ours takes the bias corrections from float32 betas, torch's CPU kernel from double ones: the update
+        # moves by t beta^(t-1) |dbeta| / (1 - beta^t) of itself (half that through bc2's square root)
+        bc_err = t * b1 ** (t - 1) * self.d1 / (1 - b1**t) + t * b2 ** (t - 1) * self.d2 / (2 * (1 - b2**t))
         for i, (g, (p, m, v, _), (p1, m1, v1, vmax1)) in enumerate(zip(grads, before, after)):
             g, p, m, v = g.double().abs(), p.double().abs(), m.double().abs(), v.double()
             p1, m1, v1 = p1.double(), m1.double().abs(), v1.double()
@@ -85,7 +99,7 @@ class AdamBound:
             two_updates = 2 * lr * self.max_update
             moved = step_size * (self.e_m[i] * den + m1 * e_den) / (den * (den - e_den))
             moved = torch.where(den > e_den, moved.clamp(max=two_updates), two_updates)
-            e_p = e_p + moved + 16 * U * update + 2 * U * p1.abs()
+            e_p = e_p + moved + (16 * U + bc_err) * update + 2 * U * p1.abs()
             self.e_p[i] = e_p
 
     def check(self, ours, ref, ours_params, ref_params):
