@@ -194,3 +194,33 @@ def test_kernel_matches_c_reference(grad_dtype, first_step):
                 found_inf=torch.tensor(0.0, device="cuda"), **lr)
     torch.cuda.synchronize()
     assert_same_tensors([t.cpu() for t in d_params + d_bufs], params + bufs)
+
+
+@pytest.mark.gpu
+def test_momentum_buffer_rounds_as_torchs():
+    """Which of torch's CUDA momentum buffer momentum * buf + (1 - dampening) * g nvcc compiled: ours
+    (kernels/optim_math.h) takes two float products and their sum, unfused. Against torch's fused SGD on
+    2**20 elements, one step from a known buffer: every element as that, and the message says how many
+    match each way nvcc could have compiled it (fma over either product), in case it is not. The fmas are
+    emulated in long double (the float product is exact there; a double rounding is rare, hence 1e-4)."""
+    import numpy as np
+    n = 2**20
+    p, g, buf = torch.randn(n), torch.randn(n), torch.randn(n)
+    q = torch.nn.Parameter(p.cuda())
+    opt = torch.optim.SGD([q], lr=0.1, momentum=0.9, dampening=0.25, fused=True)
+    q.grad = torch.zeros_like(q)
+    opt.step()  # makes the buffer (the first step takes the gradient as it is)
+    opt.state[q]["momentum_buffer"].copy_(buf)
+    q.grad = g.cuda()
+    opt.step()
+    got = opt.state[q]["momentum_buffer"].cpu().numpy()
+    m, d = np.float32(0.9), np.float32(1) - np.float32(0.25)
+    b, x = buf.numpy(), g.numpy()
+    L = np.longdouble
+    variants = {
+        "unfused": ((m * b).astype(np.float32) + (d * x).astype(np.float32)).astype(np.float32),
+        "fma(momentum, buf, (1 - dampening) * g)": (L(m) * b.astype(L) + (d * x).astype(np.float32).astype(L)).astype(np.float32),
+        "fma(1 - dampening, g, momentum * buf)": (L(d) * x.astype(L) + (m * b).astype(np.float32).astype(L)).astype(np.float32),
+    }
+    counts = {k: int((v == got).sum()) for k, v in variants.items()}
+    assert n - counts["unfused"] <= 1e-4 * n, f"elements of {n} equal to torch's: {counts}"
