@@ -21,6 +21,21 @@ template <typename G> struct alignas(4 * sizeof(G)) grad4 {
     G v[4];
 };
 
+/* vector k of a gradient, a streaming load (each byte is read once: .cs keeps it from evicting the
+   rest of L2), as kernels/amp.cu's passes load */
+__device__ __forceinline__ grad4<float> load_grad4(const float *g, int k) {
+    const float4 q = __ldcs(reinterpret_cast<const float4 *>(g) + k);
+    return grad4<float>{{q.x, q.y, q.z, q.w}};
+}
+
+template <typename H> __device__ __forceinline__ grad4<H> load_grad4(const H *g, int k) {
+    static_assert(sizeof(H) == 2, "half-width gradients");
+    const uint2 q = __ldcs(reinterpret_cast<const uint2 *>(g) + k);
+    grad4<H> out;
+    memcpy(&out, &q, sizeof(out));
+    return out;
+}
+
 /* The walk over one chunk [begin, end) of one tensor, shared by both optimizers: where every array
    of the tensor starts on a 16-byte boundary (torch's allocations do; a view may not), each thread
    takes 4 elements at a time with one vector load per array, so every load of an iteration is in
@@ -35,7 +50,7 @@ __device__ __forceinline__ void walk_chunk(const G *__restrict__ grad, bool floa
     const bool aligned = floats_aligned && ((uintptr_t)g % (4 * sizeof(G))) == 0;
     const int nvec = aligned ? n / 4 : 0;
     for (int k = threadIdx.x; k < nvec; k += OPTIM_THREADS) {
-        const grad4<G> raw = reinterpret_cast<const grad4<G> *>(g)[k];
+        const grad4<G> raw = load_grad4(g, k);
         float gv[4];
 #pragma unroll
         for (int j = 0; j < 4; j++)
@@ -53,18 +68,18 @@ __device__ inline bool aligned16(const void *a) { return ((uintptr_t)a & 15) == 
 /* elements [i, i + count) of a float array into/out of registers: one 16-byte access for 4 */
 __device__ __forceinline__ void load_floats(const float *a, int64_t i, int count, float out[4]) {
     if (count == 4) {
-        const float4 q = *reinterpret_cast<const float4 *>(a + i);
+        const float4 q = __ldcs(reinterpret_cast<const float4 *>(a + i));
         out[0] = q.x, out[1] = q.y, out[2] = q.z, out[3] = q.w;
     } else {
-        out[0] = a[i];
+        out[0] = __ldcs(a + i);
     }
 }
 
 __device__ __forceinline__ void store_floats(float *a, int64_t i, int count, const float in[4]) {
     if (count == 4)
-        *reinterpret_cast<float4 *>(a + i) = make_float4(in[0], in[1], in[2], in[3]);
+        __stcs(reinterpret_cast<float4 *>(a + i), make_float4(in[0], in[1], in[2], in[3]));
     else
-        a[i] = in[0];
+        __stcs(a + i, in[0]);
 }
 
 /* f(zero of the gradient's dtype) */
