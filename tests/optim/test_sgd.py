@@ -199,7 +199,8 @@ def test_kernel_matches_c_reference(grad_dtype, first_step):
 @pytest.mark.gpu
 def test_momentum_buffer_rounds_as_torchs():
     """Which of torch's CUDA momentum buffer momentum * buf + (1 - dampening) * g nvcc compiled: ours
-    (kernels/optim_math.h) takes two float products and their sum, unfused. Against torch's fused SGD on
+    (kernels/optim_math.h) is fma(1 - dampening, g, momentum * buf), which matched every element on the
+    H200 (torch 2.11; the unfused form 77 %, the other fma 63 %). Against torch's fused SGD on
     2**20 elements, one step from a known buffer: every element as that, and the message says how many
     match each way nvcc could have compiled it (fma over either product), in case it is not. The fmas are
     emulated in long double (the float product is exact there; a double rounding is rare, hence 1e-4)."""
@@ -223,4 +224,4 @@ def test_momentum_buffer_rounds_as_torchs():
         "fma(1 - dampening, g, momentum * buf)": (L(d) * x.astype(L) + (m * b).astype(np.float32).astype(L)).astype(np.float32),
     }
     counts = {k: int((v == got).sum()) for k, v in variants.items()}
-    assert n - counts["unfused"] <= 1e-4 * n, f"elements of {n} equal to torch's: {counts}"
+    assert n - counts["fma(1 - dampening, g, momentum * buf)"] <= 1e-4 * n, f"elements of {n} equal to torch's: {counts}"
