@@ -43,6 +43,7 @@ class Adam(torch.optim.Optimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
         self._tables = StepTables(self._name)
+        self._checked_state = param_table.CheckedState()
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
@@ -67,6 +68,7 @@ class Adam(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._tables = StepTables(self._name)
+        self._checked_state = param_table.CheckedState()
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -79,17 +81,16 @@ class Adam(torch.optim.Optimizer):
     def _collect(self, gi, group):
         """The parameters of one group that have gradients, checked; raises before anything changes."""
         found = []
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
         for pi, p in enumerate(group["params"]):
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
-            param_table.check_param(self._name, (gi, pi), p)
+            if not param_table.param_and_grad_plain(p, g):
+                param_table.check_param(self._name, (gi, pi), p)
             state = self.state.get(p)
             if state:
-                keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-                for key in keys:
-                    if key not in state:
-                        raise ValueError(f"{self._name}: param_groups[{gi}]['params'][{pi}]: state has no '{key}'")
-                    param_table.check_state(self._name, p, state[key], key)
+                self._checked_state.check(self._name, p, state, keys, f"param_groups[{gi}]['params'][{pi}]")
             found.append(p)
         return found
 

@@ -25,6 +25,38 @@ def check_group_dtypes(name, param_group):
     return params
 
 
+_GRAD_DTYPE_SET = frozenset(GRAD_DTYPES)
+
+
+def param_and_grad_plain(p, g) -> bool:
+    """True for the common case that check_param would accept, found in a few attribute reads (a step
+    over 2,000 parameters reads this for each): a contiguous float32 parameter and a gradient of a
+    kernel dtype with its shape, strides and device. False says nothing: check_param decides."""
+    return (p.dtype is torch.float32 and g.dtype in _GRAD_DTYPE_SET and g.layout is torch.strided
+            and p.layout is torch.strided and g.device == p.device and g.shape == p.shape
+            and g.stride() == p.stride() and p.is_contiguous())
+
+
+class CheckedState:
+    """The state tensors check_state accepted, per parameter, as (id, data_ptr) pairs: a step re-checks a
+    parameter's state only when one of its tensors was replaced (load_state_dict, a user's assignment).
+    What the kernel's safety rests on is not this cache but the C table writer, which compares every
+    state tensor's size with its parameter's whenever an address or size changes."""
+
+    def __init__(self):
+        self._seen = {}
+
+    def check(self, name, p, state, keys, where):
+        seen = tuple((id(state.get(k)), state[k].data_ptr() if k in state else 0) for k in keys)
+        if self._seen.get(p) == seen:
+            return
+        for key in keys:
+            if key not in state:
+                raise ValueError(f"{name}: {where}: state has no '{key}'")
+            check_state(name, p, state[key], key)
+        self._seen[p] = seen
+
+
 def check_param(name, index, p):
     """TypeError/ValueError for a parameter the kernel cannot update; nothing is changed."""
     where = f"{name}: param_groups[{index[0]}]['params'][{index[1]}]"

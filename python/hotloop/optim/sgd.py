@@ -44,6 +44,7 @@ class SGD(torch.optim.Optimizer):
                         maximize=maximize, foreach=None, differentiable=False, fused=True)
         super().__init__(params, defaults)
         self._tables = StepTables(self._name)
+        self._checked_state = param_table.CheckedState()
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
@@ -53,6 +54,7 @@ class SGD(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._tables = StepTables(self._name)
+        self._checked_state = param_table.CheckedState()
         for group in self.param_groups:
             group.setdefault("nesterov", False)
             group.setdefault("maximize", False)
@@ -77,12 +79,15 @@ class SGD(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             params = []
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                param_table.check_param(self._name, (gi, pi), p)
-                buf = self.state.get(p, {}).get("momentum_buffer")
-                if group["momentum"] != 0 and buf is not None:
-                    param_table.check_state(self._name, p, buf, "momentum_buffer")
+                if not param_table.param_and_grad_plain(p, g):
+                    param_table.check_param(self._name, (gi, pi), p)
+                state = self.state.get(p)
+                if group["momentum"] != 0 and state and state.get("momentum_buffer") is not None:
+                    self._checked_state.check(self._name, p, state, ("momentum_buffer",),
+                                              f"param_groups[{gi}]['params'][{pi}]")
                 params.append(p)
             if not params:
                 continue
