@@ -23,6 +23,10 @@ from .step_table import StepTables, capturing, refuse_in_capture
 _logger = logging.getLogger(__name__)
 
 
+# the state tensors of a parameter the kernel reads, by amsgrad; the step count last (its checks are _state_of's)
+_STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
+
+
 class Adam(torch.optim.Optimizer):
     """torch.optim.Adam(fused=True), updated by hotloop's kernel. ``foreach``, ``fused`` and
     ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is refused."""
@@ -43,7 +47,6 @@ class Adam(torch.optim.Optimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
         self._tables = StepTables(self._name)
-        self._checked_state = param_table.CheckedState()
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
@@ -68,7 +71,6 @@ class Adam(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._tables = StepTables(self._name)
-        self._checked_state = param_table.CheckedState()
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -81,18 +83,27 @@ class Adam(torch.optim.Optimizer):
     def _collect(self, gi, group):
         """The parameters of one group that have gradients, checked; raises before anything changes."""
         found = []
-        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
         for pi, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
                 continue
             if not param_table.param_and_grad_plain(p, g):
                 param_table.check_param(self._name, (gi, pi), p)
-            state = self.state.get(p)
-            if state:
-                self._checked_state.check(self._name, p, state, keys, f"param_groups[{gi}]['params'][{pi}]")
             found.append(p)
         return found
+
+    def _write_table(self, ps, states, amsgrad, dst):
+        """The kernel's entries into `dst`, after checking the state tensors (only when step_key changed:
+        a new table). A bad one raises here, before any parameter changes (states the step made for
+        parameters that had none stay, as torch's would)."""
+        for p, state in zip(ps, states):
+            for key in _STATE_KEYS[amsgrad][:-1]:
+                param_table.check_state(self._name, p, state[key], key)
+        pack = param_table.pack
+        return _C.optim_adam_table(pack(ps), pack([p.grad for p in ps]), pack([s["exp_avg"] for s in states]),
+                                   pack([s["exp_avg_sq"] for s in states]),
+                                   pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                                   pack([s["step"] for s in states]), dst)
 
     def _ready(self, p):
         """the state exists as the kernel reads it: nothing to make or move"""
@@ -151,14 +162,10 @@ class Adam(torch.optim.Optimizer):
 
         for gi, device, ps, amsgrad, hyper, scale, found in work:
             states = [self._state_of(p, amsgrad) for p in ps]
-            packed = (param_table.pack(ps), param_table.pack([p.grad for p in ps]),
-                      param_table.pack([s["exp_avg"] for s in states]),
-                      param_table.pack([s["exp_avg_sq"] for s in states]),
-                      param_table.pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
-                      param_table.pack([s["step"] for s in states]))
-            table, count, chunks = self._tables.get((gi, device), packed, device,
+            keys = _STATE_KEYS[amsgrad]
+            table, count, chunks = self._tables.get((gi, device), param_table.step_key(ps, states, keys), device,
                                                     len(ps) * _C.OPTIM_ADAM_ENTRY_BYTES,
-                                                    lambda dst: _C.optim_adam_table(*packed, dst))
+                                                    lambda dst: self._write_table(ps, states, amsgrad, dst))
             _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
                           param_table.stream_of(device))
         return loss

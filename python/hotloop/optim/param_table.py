@@ -2,7 +2,6 @@
 tensors, grouping by device, and the packed tables the C call reads."""
 import torch
 
-from .. import _C
 from ..amp import tensor_table
 
 GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,24 +36,20 @@ def param_and_grad_plain(p, g) -> bool:
             and g.stride() == p.stride() and p.is_contiguous())
 
 
-class CheckedState:
-    """The state tensors check_state accepted, per parameter, as (id, data_ptr) pairs: a step re-checks a
-    parameter's state only when one of its tensors was replaced (load_state_dict, a user's assignment).
-    What the kernel's safety rests on is not this cache but the C table writer, which compares every
-    state tensor's size with its parameter's whenever an address or size changes."""
-
-    def __init__(self):
-        self._seen = {}
-
-    def check(self, name, p, state, keys, where):
-        seen = tuple((id(state.get(k)), state[k].data_ptr() if k in state else 0) for k in keys)
-        if self._seen.get(p) == seen:
-            return
+def step_key(params, states, keys):
+    """What one step's table is written from, read cheaply every step: each parameter's address and size,
+    its gradient's address and dtype, and the identity and address of each of its state tensors named in
+    `keys`. While the key holds, the cached table and the checks made when it was written (check_state)
+    stand: a tensor that moved, was resized or replaced, or a gradient of another dtype, changes it. A
+    gradient's size and layout are checked every step anyway (param_and_grad_plain or check_param)."""
+    out = []
+    for p, state in zip(params, states):
+        g = p.grad
+        out += (p.data_ptr(), p.numel(), g.data_ptr(), g.dtype)
         for key in keys:
-            if key not in state:
-                raise ValueError(f"{name}: {where}: state has no '{key}'")
-            check_state(name, p, state[key], key)
-        self._seen[p] = seen
+            t = state[key]
+            out += (id(t), t.data_ptr())
+    return tuple(out)
 
 
 def check_param(name, index, p):

@@ -44,7 +44,6 @@ class SGD(torch.optim.Optimizer):
                         maximize=maximize, foreach=None, differentiable=False, fused=True)
         super().__init__(params, defaults)
         self._tables = StepTables(self._name)
-        self._checked_state = param_table.CheckedState()
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
@@ -54,13 +53,23 @@ class SGD(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._tables = StepTables(self._name)
-        self._checked_state = param_table.CheckedState()
         for group in self.param_groups:
             group.setdefault("nesterov", False)
             group.setdefault("maximize", False)
             group.setdefault("foreach", None)
             group.setdefault("differentiable", False)
             group.setdefault("fused", True)
+
+    def _write_table(self, ps, momentum, dst):
+        """The kernel's entries into `dst`, after checking the momentum buffers (only when step_key changed:
+        a new table); a bad one raises before any parameter changes."""
+        bufs = None
+        if momentum:
+            bufs = [self.state[p]["momentum_buffer"] for p in ps]
+            for p, buf in zip(ps, bufs):
+                param_table.check_state(self._name, p, buf, "momentum_buffer")
+            bufs = param_table.pack(bufs)
+        return _C.optim_sgd_table(param_table.pack(ps), param_table.pack([p.grad for p in ps]), bufs, dst)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
@@ -84,10 +93,6 @@ class SGD(torch.optim.Optimizer):
                     continue
                 if not param_table.param_and_grad_plain(p, g):
                     param_table.check_param(self._name, (gi, pi), p)
-                state = self.state.get(p)
-                if group["momentum"] != 0 and state and state.get("momentum_buffer") is not None:
-                    self._checked_state.check(self._name, p, state, ("momentum_buffer",),
-                                              f"param_groups[{gi}]['params'][{pi}]")
                 params.append(p)
             if not params:
                 continue
@@ -105,17 +110,17 @@ class SGD(torch.optim.Optimizer):
                              param_table.scaler_tensor(found_inf, "found_inf", device)))
 
         for gi, device, ps, hyper, scale, found in work:
-            bufs, first_step = None, False
-            if hyper[2] != 0:
+            momentum, first_step = hyper[2] != 0, False
+            if momentum:
                 # torch's rule: a first step when no parameter of the call has a buffer yet
                 first_step = all(self.state[p].get("momentum_buffer") is None for p in ps)
                 for p in ps:
                     if self.state[p].get("momentum_buffer") is None:
                         self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                bufs = param_table.pack([self.state[p]["momentum_buffer"] for p in ps])
-            packed = (param_table.pack(ps), param_table.pack([p.grad for p in ps]), bufs)
-            table, count, chunks = self._tables.get((gi, device), packed, device, len(ps) * _C.OPTIM_SGD_ENTRY_BYTES,
-                                                    lambda dst: _C.optim_sgd_table(*packed, dst))
+            states = [self.state[p] for p in ps] if momentum else [None] * len(ps)
+            key = param_table.step_key(ps, states, ("momentum_buffer",) if momentum else ())
+            table, count, chunks = self._tables.get((gi, device), key, device, len(ps) * _C.OPTIM_SGD_ENTRY_BYTES,
+                                                    lambda dst: self._write_table(ps, momentum, dst))
             _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, first_step,
                          scale, found, param_table.stream_of(device))
         return loss

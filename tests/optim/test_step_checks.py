@@ -1,5 +1,6 @@
-"""The per-step checks' shortcuts (optim/param_table.py): state tensors are re-checked whenever one is
-replaced, and a gradient the shortcut does not recognise still gets check_param's verdict."""
+"""The per-step checks' shortcuts (optim/param_table.py): state tensors are checked again whenever one
+is replaced (step_key changes, so the table is written again), and a gradient the shortcut does not
+recognise still gets check_param's verdict."""
 import pytest
 import torch
 
@@ -13,13 +14,14 @@ CASES = [("AdamW", {}, "exp_avg_sq"), ("Adam", {"amsgrad": True}, "max_exp_avg_s
 def test_a_replaced_state_tensor_is_checked_again(name, kwargs, key):
     p = torch.nn.Parameter(torch.randn(6, 5))
     opt = getattr(hotloop.optim, name)([p], lr=0.1, **kwargs)
-    for _ in range(2):  # the state is made, then checked and remembered
-        p.grad = torch.randn(6, 5)
+    p.grad = torch.empty(6, 5)
+    for _ in range(2):  # the state is made, then its table cached (the gradient stays where it is, as
+        p.grad.normal_()  # with zero_grad(set_to_none=False): only the state tells the steps apart)
         opt.step()
     before = {k: v.clone() for k, v in opt.state[p].items()}
     param = p.detach().clone()
     opt.state[p][key] = torch.zeros(5, 6)  # another tensor: its shape is wrong
-    p.grad = torch.randn(6, 5)
+    p.grad.normal_()
     with pytest.raises(ValueError, match=f"state '{key}' must be a float32 tensor laid out as its parameter"):
         opt.step()
     assert torch.equal(p.detach(), param)
