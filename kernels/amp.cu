@@ -1,6 +1,7 @@
 /* Mixed-precision kernels over a tensor table: the non-finite check and the GradScaler's check, epilogue, apply and update. */
 #include "amp.h"
 #include "amp_math.h"
+#include "dtype.cuh"
 #include "table.cuh"
 
 #include <cuda_bf16.h>
@@ -20,10 +21,6 @@
 #define AMP_UNROLL 8 /* 16-byte loads in flight per thread */
 #define EPILOGUE_THREADS 1024
 
-__device__ inline float to_float(float x) { return x; }
-__device__ inline float to_float(__half x) { return __half2float(x); }
-__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
 template <typename T> __device__ inline T from_float(float v);
 template <> __device__ inline float from_float<float>(float v) { return v; }
 template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
@@ -36,21 +33,6 @@ template <typename T> __device__ inline float round_to(float v) { return to_floa
 template <typename T> struct alignas(16) vec16 {
     T v[16 / sizeof(T)];
 };
-
-/* f(dtype-tagged zero) for the gradient dtype of an entry */
-template <typename F> __device__ __forceinline__ void with_dtype(int dtype, F f) {
-    switch (dtype) {
-    case HL_FLOAT32:
-        f(float());
-        break;
-    case HL_FLOAT16:
-        f(__half());
-        break;
-    default:
-        f(__nv_bfloat16());
-        break;
-    }
-}
 
 /* x = f(x) for this thread's share of chunk [begin, end) of one tensor: 16-byte vectors with
    AMP_UNROLL loads in flight, and single elements before the first 16-byte boundary (a view at an

@@ -1,5 +1,6 @@
 /* Fused optimizer kernels over a table of parameter tensors: Adam, AdamW and SGD with the unscale x clip factor and the skip folded in. */
 #include "optim.h"
+#include "dtype.cuh"
 #include "table.cuh"
 
 #include <cuda_bf16.h>
@@ -10,11 +11,6 @@
    two do the same float operations. */
 
 #define OPTIM_THREADS 512
-
-/* element i of a gradient as float */
-__device__ inline float to_float(float x) { return x; }
-__device__ inline float to_float(__half x) { return __half2float(x); }
-__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 /* four gradient elements from 4 * sizeof(G) aligned bytes: one 16-, 8- load */
 template <typename G> struct alignas(4 * sizeof(G)) grad4 {
@@ -82,35 +78,6 @@ __device__ __forceinline__ void store_floats(float *a, int64_t i, int count, con
         __stcs(a + i, in[0]);
 }
 
-/* f(zero of the gradient's dtype) */
-template <typename F> __device__ __forceinline__ void with_grad_dtype(int dtype, F f) {
-    switch (dtype) {
-    case HL_FLOAT32:
-        f(float());
-        break;
-    case HL_FLOAT16:
-        f(__half());
-        break;
-    default:
-        f(__nv_bfloat16());
-        break;
-    }
-}
-
-/* the entry that holds chunk `chunk`: the last one whose first_chunk <= chunk (empty tensors share
-   their first_chunk with the next one, so "last" skips them) */
-template <typename Entry> __device__ inline int64_t entry_of_chunk(const Entry *table, int64_t count, int64_t chunk) {
-    int64_t lo = 0, hi = count - 1;
-    while (lo < hi) {
-        int64_t mid = (lo + hi + 1) / 2;
-        if (table[mid].first_chunk <= chunk)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
-
 __global__ void __launch_bounds__(OPTIM_THREADS)
     adam_kernel(const hl_adam_entry *table, int64_t count, int64_t total_chunks, hl_adam_hyper hyper,
                 const float *lr_ptr, const float *grad_scale, const float *found_inf) {
@@ -125,7 +92,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
     const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
     if (first >= last)
         return;
-    int64_t t = entry_of_chunk(table, count, first);
+    int64_t t = hl_entry_of_chunk(table, count, first);
     int64_t scalars_of = -1;
     hl_adam_scalars s;
     for (int64_t chunk = first; chunk < last; chunk++) {
@@ -141,7 +108,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
         float *__restrict__ p = (float *)e.param, *__restrict__ m = (float *)e.exp_avg;
         float *__restrict__ v = (float *)e.exp_avg_sq, *__restrict__ vmax = (float *)e.max_exp_avg_sq;
         const bool floats_aligned = aligned16(p) && aligned16(m) && aligned16(v) && (vmax == NULL || aligned16(vmax));
-        with_grad_dtype(e.grad_dtype, [&](auto zero) {
+        with_dtype(e.grad_dtype, [&](auto zero) {
             using G = decltype(zero);
             walk_chunk((const G *)e.grad, floats_aligned, begin, end, [&](const float g[4], int64_t i, int count) {
                 float pp[4], mm[4], vv[4], xx[4];
@@ -176,7 +143,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
     const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
     if (first >= last)
         return;
-    int64_t t = entry_of_chunk(table, count, first);
+    int64_t t = hl_entry_of_chunk(table, count, first);
     for (int64_t chunk = first; chunk < last; chunk++) {
         while (t + 1 < count && table[t + 1].first_chunk <= chunk)
             t++;
@@ -185,7 +152,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
         const int64_t end = min(begin + (int64_t)HL_CHUNK_ELEMS, e.numel);
         float *__restrict__ p = (float *)e.param, *__restrict__ buf = (float *)e.momentum_buffer;
         const bool floats_aligned = aligned16(p) && (buf == NULL || aligned16(buf));
-        with_grad_dtype(e.grad_dtype, [&](auto zero) {
+        with_dtype(e.grad_dtype, [&](auto zero) {
             using G = decltype(zero);
             walk_chunk((const G *)e.grad, floats_aligned, begin, end, [&](const float g[4], int64_t i, int count) {
                 float pp[4], bb[4];

@@ -7,8 +7,9 @@
 #include "tensor_table.h"
 
 /* the entry that holds chunk `chunk`: the last one whose first_chunk <= chunk (empty tensors
-   share their first_chunk with the next tensor, so "last" skips them) */
-__device__ inline int64_t hl_entry_of_chunk(const hl_table_entry *table, int64_t count, int64_t chunk) {
+   share their first_chunk with the next tensor, so "last" skips them); any entry type with a
+   first_chunk (the scaler's hl_table_entry, the optimizers' entries) */
+template <typename Entry> __device__ inline int64_t hl_entry_of_chunk(const Entry *table, int64_t count, int64_t chunk) {
     int64_t lo = 0, hi = count - 1;
     while (lo < hi) {
         int64_t mid = (lo + hi + 1) / 2;
