@@ -81,32 +81,12 @@ __device__ __forceinline__ void map_chunk(const hl_table_entry &e, int64_t begin
     }
 }
 
-/* body(entry, chunk, begin, end) for every chunk of this block's contiguous range
-   [b*C/G, (b+1)*C/G); the entry is found once and then followed */
-template <typename Body>
-__device__ __forceinline__ void for_each_chunk(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                               Body body) {
-    const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
-    const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
-    if (first >= last)
-        return;
-    int64_t t = hl_entry_of_chunk(table, count, first);
-    for (int64_t chunk = first; chunk < last; chunk++) {
-        while (t + 1 < count && table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_table_entry e = table[t];
-        int64_t begin, end;
-        hl_chunk_range(e, chunk, &begin, &end);
-        body(e, chunk, begin, end);
-    }
-}
-
 /* ---- non_finite_check: one read-only pass, one racing flag ---- */
 
 __global__ void __launch_bounds__(AMP_THREADS, 2)
     non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *found) {
     bool bad = false;
-    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
         with_dtype(e.dtype, [&](auto zero) {
             using T = decltype(zero);
             map_chunk<T, false>(e, begin, end, [&](T x) {
@@ -182,7 +162,7 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
                      const float *scale, float p) {
     /* the reciprocal in FP64, as torch's unscale_ takes it */
     const float inv = scale != NULL ? (float)(1.0 / (double)*scale) : 1.0f;
-    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t chunk, int64_t begin, int64_t end) {
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t chunk, int64_t begin, int64_t end) {
         double acc = 0.0;
         bool bad = false;
         with_dtype(e.dtype, [&](auto zero) {
@@ -271,7 +251,7 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
     if (aux[HL_AUX_FOUND] != 0.0f)
         return; /* a skipped step: leave every gradient as it is */
     const float inv = aux[HL_AUX_INV_SCALE], coef = aux[HL_AUX_CLIP];
-    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
         with_dtype(e.dtype, [&](auto zero) {
             using T = decltype(zero);
             map_chunk<T, true>(e, begin, end, [&](T x) {

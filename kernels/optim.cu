@@ -87,24 +87,13 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
     const int has_scale = grad_scale != NULL;
     const float scale = has_scale ? *grad_scale : 1.0f;
     const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper.lr; /* read at run time: a graph replays it */
-    /* this block's contiguous range of chunks [b*C/G, (b+1)*C/G) */
-    const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
-    const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
-    if (first >= last)
-        return;
-    int64_t t = hl_entry_of_chunk(table, count, first);
-    int64_t scalars_of = -1;
+    int64_t scalars_of = -1; /* the first_chunk of the tensor s is for */
     hl_adam_scalars s;
-    for (int64_t chunk = first; chunk < last; chunk++) {
-        while (t + 1 < count && table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_adam_entry e = table[t];
-        if (scalars_of != t) { /* the bias corrections once per tensor per block (powf) */
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_adam_entry &e, int64_t, int64_t begin, int64_t end) {
+        if (scalars_of != e.first_chunk) { /* the bias corrections once per tensor per block (powf) */
             s = hl_adam_scalars_for(&hyper, lr, *(const float *)e.step);
-            scalars_of = t;
+            scalars_of = e.first_chunk;
         }
-        const int64_t begin = (chunk - e.first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-        const int64_t end = min(begin + (int64_t)HL_CHUNK_ELEMS, e.numel);
         float *__restrict__ p = (float *)e.param, *__restrict__ m = (float *)e.exp_avg;
         float *__restrict__ v = (float *)e.exp_avg_sq, *__restrict__ vmax = (float *)e.max_exp_avg_sq;
         const bool floats_aligned = aligned16(p) && aligned16(m) && aligned16(v) && (vmax == NULL || aligned16(vmax));
@@ -128,7 +117,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
                     store_floats(vmax, i, count, xx);
             });
         });
-    }
+    });
 }
 
 __global__ void __launch_bounds__(OPTIM_THREADS)
@@ -139,17 +128,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
     const int has_scale = grad_scale != NULL;
     const float scale = has_scale ? *grad_scale : 1.0f;
     const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper.lr;
-    const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
-    const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
-    if (first >= last)
-        return;
-    int64_t t = hl_entry_of_chunk(table, count, first);
-    for (int64_t chunk = first; chunk < last; chunk++) {
-        while (t + 1 < count && table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_sgd_entry e = table[t];
-        const int64_t begin = (chunk - e.first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-        const int64_t end = min(begin + (int64_t)HL_CHUNK_ELEMS, e.numel);
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_sgd_entry &e, int64_t, int64_t begin, int64_t end) {
         float *__restrict__ p = (float *)e.param, *__restrict__ buf = (float *)e.momentum_buffer;
         const bool floats_aligned = aligned16(p) && (buf == NULL || aligned16(buf));
         with_dtype(e.grad_dtype, [&](auto zero) {
@@ -168,7 +147,7 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
                     store_floats(buf, i, count, bb);
             });
         });
-    }
+    });
 }
 
 extern "C" cudaError_t hl_launch_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks,
