@@ -18,7 +18,8 @@ import torch
 
 from .. import _C
 from . import param_table
-from .step_table import StepTables, capturing, refuse_in_capture
+from .fused import FusedOptimizer
+from .step_table import capturing, refuse_in_capture
 
 _logger = logging.getLogger(__name__)
 
@@ -27,11 +28,10 @@ _logger = logging.getLogger(__name__)
 _STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(FusedOptimizer):
     """torch.optim.Adam(fused=True), updated by hotloop's kernel. ``foreach``, ``fused`` and
     ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is refused."""
 
-    _step_supports_amp_scaling = True
     _name = "Adam"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
@@ -46,12 +46,6 @@ class Adam(torch.optim.Optimizer):
                         foreach=None, capturable=capturable, differentiable=False, fused=True,
                         decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
-        self._tables = StepTables(self._name)
-
-    def add_param_group(self, param_group):
-        """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
-        param_table.check_group_dtypes(self._name, param_group)
-        super().add_param_group(param_group)
 
     def _check_hyper(self, lr, betas, eps, weight_decay):
         # torch's messages, so that code catching them keeps working
@@ -68,29 +62,9 @@ class Adam(torch.optim.Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._tables = StepTables(self._name)
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", True)
-            group.setdefault("decoupled_weight_decay", self._name == "AdamW")
-
-    def _collect(self, gi, group):
-        """The parameters of one group that have gradients, checked; raises before anything changes."""
-        found = []
-        for pi, p in enumerate(group["params"]):
-            g = p.grad
-            if g is None:
-                continue
-            if not param_table.param_and_grad_plain(p, g):
-                param_table.check_param(self._name, (gi, pi), p)
-            found.append(p)
-        return found
+    def _group_defaults(self):
+        return dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True,
+                    decoupled_weight_decay=self._name == "AdamW")
 
     def _write_table(self, ps, states, amsgrad, dst):
         """The kernel's entries into `dst`, after checking the state tensors (only when step_key changed:
@@ -131,14 +105,7 @@ class Adam(torch.optim.Optimizer):
         gradient inside the update; with a non-zero ``found_inf`` nothing changes. Without the keyword
         arguments the ones a GradScaler set on the optimizer (``self.grad_scale``, ``self.found_inf``, torch's
         protocol) are used. No host sync."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)
-        if found_inf is None:
-            found_inf = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = self._begin_step(closure, grad_scale, found_inf)
 
         # every check first: a bad parameter or argument raises before any state or parameter changes
         work = []

@@ -14,13 +14,13 @@ import torch
 
 from .. import _C
 from . import param_table
-from .step_table import StepTables, capturing, refuse_in_capture
+from .fused import FusedOptimizer
+from .step_table import capturing, refuse_in_capture
 
 
-class SGD(torch.optim.Optimizer):
+class SGD(FusedOptimizer):
     """torch.optim.SGD(fused=True), updated by hotloop's kernel; ``differentiable=True`` is refused."""
 
-    _step_supports_amp_scaling = True
     _name = "SGD"
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *, maximize=False,
@@ -43,22 +43,9 @@ class SGD(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, foreach=None, differentiable=False, fused=True)
         super().__init__(params, defaults)
-        self._tables = StepTables(self._name)
 
-    def add_param_group(self, param_group):
-        """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
-        param_table.check_group_dtypes(self._name, param_group)
-        super().add_param_group(param_group)
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._tables = StepTables(self._name)
-        for group in self.param_groups:
-            group.setdefault("nesterov", False)
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", True)
+    def _group_defaults(self):
+        return dict(nesterov=False, maximize=False, foreach=None, differentiable=False, fused=True)
 
     def _write_table(self, ps, momentum, dst):
         """The kernel's entries into `dst`, after checking the momentum buffers (only when step_key changed:
@@ -75,25 +62,11 @@ class SGD(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
         """One optimizer step; ``grad_scale`` and ``found_inf`` (or the ones a GradScaler set on the
         optimizer) as hotloop.optim.Adam.step takes them. No host sync."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)
-        if found_inf is None:
-            found_inf = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = self._begin_step(closure, grad_scale, found_inf)
 
         work = []  # every check first: nothing changes when one fails
         for gi, group in enumerate(self.param_groups):
-            params = []
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if not param_table.param_and_grad_plain(p, g):
-                    param_table.check_param(self._name, (gi, pi), p)
-                params.append(p)
+            params = self._collect(gi, group)
             if not params:
                 continue
             for device, ps in param_table.by_device(params).items():
