@@ -89,6 +89,15 @@ static int check_matches(const hl_table *params, const hl_table *other, const ch
     return 0;
 }
 
+/* `obj` parsed as a table of `dtypes` that matches `params` (check_matches); None is an empty table
+   where `optional`, else hl_table_parse's TypeError */
+static int take_matching(PyObject *obj, const char *argname, unsigned int dtypes, const hl_table *params, int numel1,
+                         int optional, hl_table *out) {
+    if (optional && obj == Py_None)
+        return 0;
+    return hl_table_parse(obj, argname, dtypes, out) < 0 || check_matches(params, out, argname, numel1) < 0 ? -1 : 0;
+}
+
 /* lr / grad_scale / found_inf: None, or one float32 element on the parameters' device */
 static int take_scalar(PyObject *obj, const char *argname, int device, hl_tensor *out, const float **ptr) {
     *ptr = NULL;
@@ -161,19 +170,12 @@ static PyObject *optim_adam_table(PyObject *module, PyObject *args) {
     const int amsgrad = vmax_obj != Py_None;
     if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
         return NULL;
-    if (hl_table_parse(grads_obj, "grads", HL_FLOATING_MASK, &grads) < 0 || check_matches(&params, &grads, "grads", 0) < 0)
-        goto error;
-    if (hl_table_parse(m_obj, "exp_avgs", HL_DTYPE_BIT(HL_FLOAT32), &m) < 0 ||
-        check_matches(&params, &m, "exp_avgs", 0) < 0)
-        goto error;
-    if (hl_table_parse(v_obj, "exp_avg_sqs", HL_DTYPE_BIT(HL_FLOAT32), &v) < 0 ||
-        check_matches(&params, &v, "exp_avg_sqs", 0) < 0)
-        goto error;
-    if (amsgrad && (hl_table_parse(vmax_obj, "max_exp_avg_sqs", HL_DTYPE_BIT(HL_FLOAT32), &vmax) < 0 ||
-                    check_matches(&params, &vmax, "max_exp_avg_sqs", 0) < 0))
-        goto error;
-    if (hl_table_parse(steps_obj, "steps", HL_DTYPE_BIT(HL_FLOAT32), &steps) < 0 ||
-        check_matches(&params, &steps, "steps", 1) < 0)
+    const unsigned int f32 = HL_DTYPE_BIT(HL_FLOAT32);
+    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, &grads) < 0 ||
+        take_matching(m_obj, "exp_avgs", f32, &params, 0, 0, &m) < 0 ||
+        take_matching(v_obj, "exp_avg_sqs", f32, &params, 0, 0, &v) < 0 ||
+        take_matching(vmax_obj, "max_exp_avg_sqs", f32, &params, 0, 1, &vmax) < 0 ||
+        take_matching(steps_obj, "steps", f32, &params, 1, 0, &steps) < 0)
         goto error;
     if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_adam_entry), params.count, &dst) < 0)
         goto error;
@@ -278,6 +280,30 @@ static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64
 #endif
 }
 
+/* optim_adam's and optim_sgd's common part: the table and scalars checked, then run_step */
+static PyObject *step_call(PyObject *module, int is_adam, PyObject *table_obj, long long count, long long total_chunks,
+                           int device, const void *hyper, PyObject *lr_obj, PyObject *scale_obj, PyObject *found_obj,
+                           unsigned long long stream) {
+    hl_tensor table = {0};
+    step_scalars s = {0};
+    PyObject *result = NULL;
+    if (count < 0 || total_chunks < 0) {
+        PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
+        return NULL;
+    }
+    const int64_t entry_bytes = is_adam ? (int64_t)sizeof(hl_adam_entry) : (int64_t)sizeof(hl_sgd_entry);
+    if (take_table(table_obj, device, count * entry_bytes, &table) < 0 ||
+        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
+        goto error;
+    if (run_step(module, is_adam, &table, count, total_chunks, hyper, &s, device, stream) < 0)
+        goto error;
+    result = Py_NewRef(Py_None);
+error:
+    release_step_scalars(&s);
+    hl_tensor_release(&table);
+    return result;
+}
+
 PyDoc_STRVAR(optim_adam_doc,
              "optim_adam(table, count, total_chunks, device, lr, lr_tensor, beta1, beta2, eps, weight_decay,\n"
              "           decoupled, maximize, grad_scale, found_inf, stream)\n\n"
@@ -295,9 +321,6 @@ static PyObject *optim_adam(PyObject *module, PyObject *args) {
     int device, decoupled, maximize;
     hl_adam_hyper hyper = {0};
     unsigned long long stream = 0;
-    hl_tensor table = {0};
-    step_scalars s = {0};
-    PyObject *result = NULL;
 
     if (!PyArg_ParseTuple(args, "OLLidOddddppOOK:optim_adam", &table_obj, &count, &total_chunks, &device, &hyper.lr,
                           &lr_obj, &hyper.beta1, &hyper.beta2, &hyper.eps, &hyper.weight_decay, &decoupled, &maximize,
@@ -305,20 +328,7 @@ static PyObject *optim_adam(PyObject *module, PyObject *args) {
         return NULL;
     hyper.decoupled = decoupled;
     hyper.maximize = maximize;
-    if (count < 0 || total_chunks < 0) {
-        PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
-        return NULL;
-    }
-    if (take_table(table_obj, device, count * (int64_t)sizeof(hl_adam_entry), &table) < 0 ||
-        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
-        goto error;
-    if (run_step(module, 1, &table, count, total_chunks, &hyper, &s, device, stream) < 0)
-        goto error;
-    result = Py_NewRef(Py_None);
-error:
-    release_step_scalars(&s);
-    hl_tensor_release(&table);
-    return result;
+    return step_call(module, 1, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream);
 }
 
 PyDoc_STRVAR(optim_sgd_table_doc,
@@ -339,10 +349,8 @@ static PyObject *optim_sgd_table(PyObject *module, PyObject *args) {
     const int has_bufs = buf_obj != Py_None;
     if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
         return NULL;
-    if (hl_table_parse(grads_obj, "grads", HL_FLOATING_MASK, &grads) < 0 || check_matches(&params, &grads, "grads", 0) < 0)
-        goto error;
-    if (has_bufs && (hl_table_parse(buf_obj, "momentum_buffers", HL_DTYPE_BIT(HL_FLOAT32), &bufs) < 0 ||
-                     check_matches(&params, &bufs, "momentum_buffers", 0) < 0))
+    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, &grads) < 0 ||
+        take_matching(buf_obj, "momentum_buffers", HL_DTYPE_BIT(HL_FLOAT32), &params, 0, 1, &bufs) < 0)
         goto error;
     if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_sgd_entry), params.count, &dst) < 0)
         goto error;
@@ -379,9 +387,6 @@ static PyObject *optim_sgd(PyObject *module, PyObject *args) {
     double dampening;
     hl_sgd_hyper hyper = {0};
     unsigned long long stream = 0;
-    hl_tensor table = {0};
-    step_scalars s = {0};
-    PyObject *result = NULL;
 
     if (!PyArg_ParseTuple(args, "OLLidOdddpppOOK:optim_sgd", &table_obj, &count, &total_chunks, &device, &hyper.lr,
                           &lr_obj, &hyper.momentum, &dampening, &hyper.weight_decay, &nesterov, &maximize, &first_step,
@@ -391,20 +396,7 @@ static PyObject *optim_sgd(PyObject *module, PyObject *args) {
     hyper.nesterov = nesterov;
     hyper.maximize = maximize;
     hyper.first_step = first_step;
-    if (count < 0 || total_chunks < 0) {
-        PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
-        return NULL;
-    }
-    if (take_table(table_obj, device, count * (int64_t)sizeof(hl_sgd_entry), &table) < 0 ||
-        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
-        goto error;
-    if (run_step(module, 0, &table, count, total_chunks, &hyper, &s, device, stream) < 0)
-        goto error;
-    result = Py_NewRef(Py_None);
-error:
-    release_step_scalars(&s);
-    hl_tensor_release(&table);
-    return result;
+    return step_call(module, 0, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream);
 }
 
 static PyMethodDef optim_methods[] = {
