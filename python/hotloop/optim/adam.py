@@ -13,15 +13,12 @@ so that the state exists and the kernels' table is uploaded (step_table.py says 
 A float ``lr`` is a constant of the graph, as in torch; pass a float32 tensor on the GPU to change it
 between replays.
 """
-import logging
 import torch
 
 from .. import _C
 from . import param_table
 from .fused import FusedOptimizer
-from .step_table import capturing, refuse_in_capture
-
-_logger = logging.getLogger(__name__)
+from .step_table import refuse_in_capture
 
 
 # the state tensors of a parameter the kernel reads, by amsgrad; the step count last (its checks are _state_of's)
@@ -66,23 +63,30 @@ class Adam(FusedOptimizer):
         return dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True,
                     decoupled_weight_decay=self._name == "AdamW")
 
-    def _write_table(self, ps, states, amsgrad, dst):
-        """The kernel's entries into `dst`, after checking the state tensors (only when step_key changed:
-        a new table). A bad one raises here, before any parameter changes (states the step made for
-        parameters that had none stay, as torch's would)."""
-        for p, state in zip(ps, states):
-            for key in _STATE_KEYS[amsgrad][:-1]:
-                param_table.check_state(self._name, p, state[key], key)
-        pack = param_table.pack
-        return _C.optim_adam_table(pack(ps), pack([p.grad for p in ps]), pack([s["exp_avg"] for s in states]),
-                                   pack([s["exp_avg_sq"] for s in states]),
-                                   pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
-                                   pack([s["step"] for s in states]), dst)
+    def _state_keys(self, group):
+        return _STATE_KEYS[bool(group["amsgrad"])]
+
+    def _hyper(self, group, device, capture):
+        beta1, beta2 = group["betas"]
+        lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
+        return (lr, lr_tensor, param_table.host_scalar(beta1, "betas[0]", capture),
+                param_table.host_scalar(beta2, "betas[1]", capture), float(group["eps"]),
+                float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
+
+    def _check_capture(self, group, ps):
+        if not all(self._ready(p) for p in ps):
+            refuse_in_capture(self._name, "a parameter's state is not made yet (or its step count is not a "
+                              "float32 tensor on its device), and making it would be replayed")
 
     def _ready(self, p):
         """the state exists as the kernel reads it: nothing to make or move"""
         step = self.state.get(p, {}).get("step")
         return isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.device == p.device
+
+    def _make_state(self, group, ps):
+        amsgrad = bool(group["amsgrad"])
+        for p in ps:
+            self._state_of(p, amsgrad)
 
     def _state_of(self, p, amsgrad):
         state = self.state[p]
@@ -94,48 +98,31 @@ class Adam(FusedOptimizer):
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step = state["step"]
         if not isinstance(step, torch.Tensor):  # a checkpoint of old torch: a number
-            state["step"] = step = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
         elif step.dtype is not torch.float32 or step.device != p.device:  # torch's non-fused layout: on the CPU
-            state["step"] = step = step.to(device=p.device, dtype=torch.float32)
-        return state
+            state["step"] = step.to(device=p.device, dtype=torch.float32)
 
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale=None, found_inf=None):
-        """One optimizer step. ``grad_scale`` (one float32 on the parameters' device) divides every
-        gradient inside the update; with a non-zero ``found_inf`` nothing changes. Without the keyword
-        arguments the ones a GradScaler set on the optimizer (``self.grad_scale``, ``self.found_inf``, torch's
-        protocol) are used. No host sync."""
-        loss, grad_scale, found_inf = self._begin_step(closure, grad_scale, found_inf)
+    def _write_table(self, group, ps, dst):
+        """The kernel's entries into `dst`, after checking the state tensors (only when the group's key
+        changed: a new table). A bad one raises here, before any parameter changes (states the step made
+        for parameters that had none stay, as torch's would)."""
+        amsgrad = bool(group["amsgrad"])
+        states = [self.state[p] for p in ps]
+        for p, state in zip(ps, states):
+            for key in _STATE_KEYS[amsgrad][:-1]:
+                param_table.check_state(self._name, p, state[key], key)
+        pack = param_table.pack
+        return _C.optim_adam_table(pack(ps), pack([p.grad for p in ps]), pack([s["exp_avg"] for s in states]),
+                                   pack([s["exp_avg_sq"] for s in states]),
+                                   pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                                   pack([s["step"] for s in states]), dst)
 
-        # every check first: a bad parameter or argument raises before any state or parameter changes
-        work = []
-        for gi, group in enumerate(self.param_groups):
-            params = self._collect(gi, group)
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            for device, ps in param_table.by_device(params).items():
-                capture = capturing(device)
-                if capture and not all(self._ready(p) for p in ps):
-                    refuse_in_capture(self._name, "a parameter's state is not made yet (or its step count is not a "
-                                      "float32 tensor on its device), and making it would be replayed")
-                lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
-                hyper = (lr, lr_tensor, param_table.host_scalar(beta1, "betas[0]", capture),
-                         param_table.host_scalar(beta2, "betas[1]", capture), float(group["eps"]),
-                         float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
-                work.append((gi, device, ps, bool(group["amsgrad"]), hyper,
-                             param_table.scaler_tensor(grad_scale, "grad_scale", device),
-                             param_table.scaler_tensor(found_inf, "found_inf", device)))
+    def _entry_bytes(self):
+        return _C.OPTIM_ADAM_ENTRY_BYTES
 
-        for gi, device, ps, amsgrad, hyper, scale, found in work:
-            states = [self._state_of(p, amsgrad) for p in ps]
-            keys = _STATE_KEYS[amsgrad]
-            table, count, chunks = self._tables.get((gi, device), param_table.step_key(ps, states, keys), device,
-                                                    len(ps) * _C.OPTIM_ADAM_ENTRY_BYTES,
-                                                    lambda dst: self._write_table(ps, states, amsgrad, dst))
-            _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
-                          param_table.stream_of(device))
-        return loss
+    def _launch(self, table, count, chunks, device, hyper, made, scale, found):
+        _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
+                      param_table.stream_of(device))
 
 
 class AdamW(Adam):

@@ -36,22 +36,6 @@ def param_and_grad_plain(p, g) -> bool:
             and g.stride() == p.stride() and p.is_contiguous())
 
 
-def step_key(params, states, keys):
-    """What one step's table is written from, read cheaply every step: each parameter's address and size,
-    its gradient's address and dtype, and the identity and address of each of its state tensors named in
-    `keys`. While the key holds, the cached table and the checks made when it was written (check_state)
-    stand: a tensor that moved, was resized or replaced, or a gradient of another dtype, changes it. A
-    gradient's size and layout are checked every step anyway (param_and_grad_plain or check_param)."""
-    out = []
-    for p, state in zip(params, states):
-        g = p.grad
-        out += (p.data_ptr(), p.numel(), g.data_ptr(), g.dtype)
-        for key in keys:
-            t = state[key]
-            out += (id(t), t.data_ptr())
-    return tuple(out)
-
-
 def check_param(name, index, p):
     """TypeError/ValueError for a parameter the kernel cannot update; nothing is changed."""
     where = f"{name}: param_groups[{index[0]}]['params'][{index[1]}]"

@@ -15,7 +15,7 @@ import torch
 from .. import _C
 from . import param_table
 from .fused import FusedOptimizer
-from .step_table import capturing, refuse_in_capture
+from .step_table import refuse_in_capture
 
 
 class SGD(FusedOptimizer):
@@ -47,53 +47,46 @@ class SGD(FusedOptimizer):
     def _group_defaults(self):
         return dict(nesterov=False, maximize=False, foreach=None, differentiable=False, fused=True)
 
-    def _write_table(self, ps, momentum, dst):
-        """The kernel's entries into `dst`, after checking the momentum buffers (only when step_key changed:
-        a new table); a bad one raises before any parameter changes."""
+    def _state_keys(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _hyper(self, group, device, capture):
+        lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
+        return (lr, lr_tensor, float(group["momentum"]), float(group["dampening"]),
+                param_table.host_scalar(group["weight_decay"], "weight_decay", capture),
+                bool(group["nesterov"]), bool(group["maximize"]))
+
+    def _check_capture(self, group, ps):
+        if group["momentum"] != 0 and any(self.state.get(p, {}).get("momentum_buffer") is None for p in ps):
+            refuse_in_capture(self._name, "the momentum buffers are made at the first step, and making "
+                              "them (and taking the gradient as the buffer) would be replayed")
+
+    def _make_state(self, group, ps):
+        """whether this is a first step (torch's rule: no parameter of the call has a buffer yet), after
+        making the missing buffers"""
+        if group["momentum"] == 0:
+            return False
+        first_step = all(self.state[p].get("momentum_buffer") is None for p in ps)
+        for p in ps:
+            if self.state[p].get("momentum_buffer") is None:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return first_step
+
+    def _write_table(self, group, ps, dst):
+        """The kernel's entries into `dst`, after checking the momentum buffers (only when the group's key
+        changed: a new table); a bad one raises before any parameter changes."""
         bufs = None
-        if momentum:
+        if group["momentum"] != 0:
             bufs = [self.state[p]["momentum_buffer"] for p in ps]
             for p, buf in zip(ps, bufs):
                 param_table.check_state(self._name, p, buf, "momentum_buffer")
             bufs = param_table.pack(bufs)
         return _C.optim_sgd_table(param_table.pack(ps), param_table.pack([p.grad for p in ps]), bufs, dst)
 
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale=None, found_inf=None):
-        """One optimizer step; ``grad_scale`` and ``found_inf`` (or the ones a GradScaler set on the
-        optimizer) as hotloop.optim.Adam.step takes them. No host sync."""
-        loss, grad_scale, found_inf = self._begin_step(closure, grad_scale, found_inf)
+    def _entry_bytes(self):
+        return _C.OPTIM_SGD_ENTRY_BYTES
 
-        work = []  # every check first: nothing changes when one fails
-        for gi, group in enumerate(self.param_groups):
-            params = self._collect(gi, group)
-            if not params:
-                continue
-            for device, ps in param_table.by_device(params).items():
-                capture = capturing(device)
-                lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
-                hyper = (lr, lr_tensor, float(group["momentum"]), float(group["dampening"]),
-                         param_table.host_scalar(group["weight_decay"], "weight_decay", capture),
-                         bool(group["nesterov"]), bool(group["maximize"]))
-                if capture and group["momentum"] != 0 and \
-                        any(self.state.get(p, {}).get("momentum_buffer") is None for p in ps):
-                    refuse_in_capture(self._name, "the momentum buffers are made at the first step, and making "
-                                      "them (and taking the gradient as the buffer) would be replayed")
-                work.append((gi, device, ps, hyper, param_table.scaler_tensor(grad_scale, "grad_scale", device),
-                             param_table.scaler_tensor(found_inf, "found_inf", device)))
-
-        for gi, device, ps, hyper, scale, found in work:
-            momentum, first_step = hyper[2] != 0, False
-            if momentum:
-                # torch's rule: a first step when no parameter of the call has a buffer yet
-                first_step = all(self.state[p].get("momentum_buffer") is None for p in ps)
-                for p in ps:
-                    if self.state[p].get("momentum_buffer") is None:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            states = [self.state[p] for p in ps] if momentum else [None] * len(ps)
-            key = param_table.step_key(ps, states, ("momentum_buffer",) if momentum else ())
-            table, count, chunks = self._tables.get((gi, device), key, device, len(ps) * _C.OPTIM_SGD_ENTRY_BYTES,
-                                                    lambda dst: self._write_table(ps, momentum, dst))
-            _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, first_step,
-                         scale, found, param_table.stream_of(device))
-        return loss
+    def _launch(self, table, count, chunks, device, hyper, made, scale, found):
+        # made: _make_state's first_step, None when the step reused a checked plan (the buffers existed)
+        _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, bool(made),
+                     scale, found, param_table.stream_of(device))
