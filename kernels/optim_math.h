@@ -155,7 +155,9 @@ typedef struct {
    (1 - dampening) rounded to float. Which of torch's a*b + c nvcc fuses: g + wd * p, g + momentum * buf
    (nesterov) and p - lr * g become fmas; momentum * buf + (1 - dampening) * g becomes
    fma(1 - dampening, g, momentum * buf): on the H200 (torch 2.11) that form matched torch's buffer in
-   all of 2**20 elements, the unfused one in 77 % (tests/optim/test_sgd.py decides it on every GPU run). */
+   all of 2**20 elements, the unfused one in 77 % (tests/optim/test_sgd.py decides it on every GPU run).
+   p - lr * g is an fma here as in torch's kernel, but for one path of torch's own: with a grad_scale, its
+   vectorized loop rounds the product first in three lanes of four (test_sgd.rounded_one_way_by_torch). */
 HL_OPT_FN void hl_sgd_element(const hl_sgd_hyper *h, double lr, float g, float grad_scale, int has_scale, float *p,
                               float *buf) {
     if (has_scale)

@@ -104,17 +104,20 @@ def bound_for(ref, device, rel_g=0.0):
                      torch_on_cuda=device == "cuda", rel_g=rel_g)
 
 
-def assert_mostly_identical(ours, ref, ours_params, ref_params, keys):
+def assert_mostly_identical(ours, ref, ours_params, ref_params, keys, only=None):
     """On CUDA ours does torch's arithmetic, float operation for float operation (kernels/optim_math.h):
     bit-identical but where nvcc contracted one of torch's a*b + c into an fma where ours does not, or the
     other way round (none, if optim_math.h guessed nvcc right). A wrong guess, or double arithmetic where
     torch's is float, differs in a tenth to a third of the elements. So: at most 1e-4 of the elements differ,
     counted per kind (param, each state) over all tensors of the test together: per tensor, a tensor of
     fewer than 10,000 elements would allow none (seen: one differing element of a 1-element tensor
-    failing the old per-tensor check, where the arithmetic differed everywhere)."""
+    failing the old per-tensor check, where the arithmetic differed everywhere). `only`: the indices of
+    the parameters to count (None: all)."""
     for key in ["param"] + list(keys):
         differ, total, where = 0, 0, []
         for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+            if only is not None and i not in only:
+                continue
             a, b = (p.detach(), q.detach()) if key == "param" else (ours.state[p][key], ref.state[q][key])
             n = int((a != b).sum())
             differ, total = differ + n, total + a.numel()

@@ -29,6 +29,16 @@ def param_bound(steps, lr, ref):
     return steps * 2.0**-22 * (ref.abs() + 16 * lr * 10)
 
 
+def rounded_one_way_by_torch(params, scaled):
+    """The indices of the parameters whose every element torch's fused CUDA SGD rounds the same way. Under
+    a grad_scale, its vectorized path (a chunk of a multiple of 4 elements, all tensors 16-byte aligned)
+    rounds p - lr * g per lane: one rounding (fma) in lane 3 of each 4, two (the product rounded first) in
+    lanes 0-2, where every other path takes the fma (measured on the H200, torch 2.11: each lane matched
+    one form in all 16,384 of its elements, of 65,536; nvcc's contraction of one line, which hotloop does
+    not copy). With torch's 65,536-element chunks, a tensor of numel % 4 != 0 never takes that path."""
+    return {i for i, p in enumerate(params) if not scaled or p.numel() % 4 != 0}
+
+
 def make_pair(kwargs, device, seed):
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen) for s in SHAPES]
@@ -87,7 +97,8 @@ def test_matches_torch_under_grad_scaler(kwargs, device):
         # torch's CUDA kernel does ours' arithmetic: bit-identical but where nvcc's contractions of torch's
         # source differ from ours (test_adam.assert_mostly_identical says how rare)
         keys = ["momentum_buffer"] if "momentum_buffer" in ours.state.get(ours_params[0], {}) else []
-        assert_mostly_identical(ours, ref, ours_params, ref_params, keys)
+        assert_mostly_identical(ours, ref, ours_params, ref_params, keys,
+                                only=rounded_one_way_by_torch(ref_params, scaled=True))
 
 
 def test_state_dict_loads_both_ways():
