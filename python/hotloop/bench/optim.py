@@ -100,9 +100,14 @@ def rows(ctx):
         yield Row("optim", f"hotloop's scaler: hotloop AdamW vs torch fused AdamW, {tag}", ms, mixed_ms, "ms",
                   note="torch column: hotloop.GradScaler.clip_grad_norm_ + step(torch.optim.AdamW(fused=True)), "
                        "what hotloop's optimizer replaces")
+        device_ms, device_torch_ms = _alternate(ctx, steps[:2], timer=ctx.device_time_ms)
+        yield Row("optim", f"device time of the whole step (host ahead), {tag}", device_ms, device_torch_ms, "ms",
+                  note="the same steps, each queued behind a sleep kernel: what the GPU spends when the host runs "
+                       "ahead of it, as in a loop whose backward pass is still running; the rows above add the "
+                       "host time the device waits for")
         gb = numel * FLOOR_BYTES_PER_ELEMENT / 1e9
-        rate, torch_rate = gb / (ms * 1e-3), gb / (torch_ms * 1e-3)
-        yield Row("optim", f"step bytes over time, {label} ({FLOOR_BYTES_PER_ELEMENT} B an element)", rate,
+        rate, torch_rate = gb / (device_ms * 1e-3), gb / (device_torch_ms * 1e-3)
+        yield Row("optim", f"step bytes over device time, {label} ({FLOOR_BYTES_PER_ELEMENT} B an element)", rate,
                   torch_rate, "GB/s",
                   note=f"the floor's {gb:.2f} GB both ways (AdamW reads p, g, m, v: 16 B, writes p, m, v: 12 B; "
                        f"the scaler's scan reads g: 4 B); copy rate here {copy_gbps:.0f} GB/s, so at best "
