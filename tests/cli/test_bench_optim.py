@@ -29,7 +29,8 @@ def table(stdout):
 
 def check_rows(rows, numel):
     """Every row: positive figures, the ratio and the speed-up as the table states them; the two
-    step rows share hotloop's measurement, and the bytes row is the floor's bytes over the first row's times."""
+    step rows share hotloop's measurement, and the bytes row is the floor's bytes over the device-time
+    row's times."""
     assert [r["component"] for r in rows] == ["optim"] * len(rows)
     for r in rows:
         ours, theirs = float(r["hotloop"]), float(r["torch"])
@@ -38,15 +39,16 @@ def check_rows(rows, numel):
         assert float(r["hotloop÷torch"]) == pytest.approx(ours / theirs, rel=2e-3, abs=1e-3), r
         better = theirs / ours if r["unit"] == "ms" else ours / theirs
         assert float(r["better by"][:-1]) == pytest.approx(better, rel=2e-3, abs=0.006), r
-    step, mixed, rate = rows[:3]
+    step, mixed, device, rate = rows[:4]
     assert step["figure"].startswith("unscale+clip+AdamW+update") and step["unit"] == "ms"
     assert mixed["figure"].startswith("hotloop's scaler: hotloop AdamW vs torch fused AdamW")
     assert mixed["hotloop"] == step["hotloop"]
+    assert device["figure"].startswith("device time of the whole step (host ahead)") and device["unit"] == "ms"
     assert rate["unit"] == "GB/s" and f"({FLOOR_BYTES_PER_ELEMENT} B an element)" in rate["figure"]
     gb = numel * FLOOR_BYTES_PER_ELEMENT / 1e9
     assert f"the floor's {gb:.2f} GB" in rate["note"]
     for side in ("hotloop", "torch"):  # GB/s x ms = the floor's bytes (each shown to 4 digits)
-        assert float(rate[side]) * float(step[side]) * 1e-3 == pytest.approx(gb, rel=2e-3)
+        assert float(rate[side]) * float(device[side]) * 1e-3 == pytest.approx(gb, rel=2e-3)
     copy = float(re.search(r"copy rate here (\d+) GB/s", rate["note"]).group(1))
     assert copy > 0
     shown = re.search(r"hotloop (\d+)%, torch (\d+)% of it", rate["note"])
@@ -61,10 +63,10 @@ def test_optim_component_quick_on_the_cpu():
     rows = table(bench("components", "--quick", "--only", "optim", "--device", "cpu"))
     shapes = transformer_shapes(*MODEL_TINY)
     numel = sum(math.prod(s) for s in shapes)
-    assert len(rows) == 5
+    assert len(rows) == 6
     check_rows(rows, numel)
     assert f"({len(shapes)} tensors, {numel / 1e6:.0f} M)" in rows[0]["figure"]
-    assert [r["figure"] for r in rows[3:]] == [f"host time unscale+clip+AdamW+update, tiny model ({len(shapes)} tensors)",
+    assert [r["figure"] for r in rows[4:]] == [f"host time unscale+clip+AdamW+update, tiny model ({len(shapes)} tensors)",
                                               f"host time AdamW.step() alone, tiny model ({len(shapes)} tensors)"]
     assert "host syncs" not in rows[0]["note"]  # counted on a GPU only
 
@@ -94,8 +96,8 @@ def test_optim_component_on_the_gpu():
     out = bench("components", "--only", "optim")
     print(out)
     rows = table(out)
-    assert len(rows) == 8
-    for block, (size, label) in zip((rows[0:3], rows[3:6]), ((MODEL_1_3B, "1.3 B"), (MODEL_353M, "353 M"))):
+    assert len(rows) == 10
+    for block, (size, label) in zip((rows[0:4], rows[4:8]), ((MODEL_1_3B, "1.3 B"), (MODEL_353M, "353 M"))):
         shapes = transformer_shapes(*size)
         numel = sum(math.prod(s) for s in shapes)
         copy = check_rows(block, numel)
@@ -103,5 +105,5 @@ def test_optim_component_on_the_gpu():
         assert "host syncs per step: hotloop 0," in block[0]["note"]
         # the floor's bytes at the copy rate is the least time the step can take: faster would mean a
         # step that skipped its work (a few % for timing noise)
-        assert float(block[2]["hotloop"]) < 1.05 * copy and float(block[2]["torch"]) < 1.05 * copy
-    assert "2,000-tensor model (1993 tensors)" in rows[6]["figure"]
+        assert float(block[3]["hotloop"]) < 1.05 * copy and float(block[3]["torch"]) < 1.05 * copy
+    assert "2,000-tensor model (1993 tensors)" in rows[8]["figure"]
