@@ -192,7 +192,7 @@ static int exec_module(PyObject *module) {
                       "Attributes: code, error_name, call, file, line.",
                       &state->nvjpeg_error) < 0)
         return -1;
-    if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 ||
+    if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 || hl_optim_exec(module) < 0 ||
         hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
         return -1;
     if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0)

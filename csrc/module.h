@@ -68,6 +68,7 @@ int hl_add_int_constants(PyObject *module, const hl_int_constant *constants);
 int hl_tensor_exec(PyObject *module);
 int hl_cuda_exec(PyObject *module);
 int hl_amp_exec(PyObject *module);
+int hl_optim_exec(PyObject *module); /* fused optimizers (optim.c) */
 int hl_monitor_exec(PyObject *module);
 int hl_nvml_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */

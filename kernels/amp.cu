@@ -1,6 +1,7 @@
 /* Mixed-precision kernels over a tensor table: the non-finite check and the GradScaler's check, epilogue, apply and update. */
 #include "amp.h"
 #include "amp_math.h"
+#include "dtype.cuh"
 #include "table.cuh"
 
 #include <cuda_bf16.h>
@@ -20,10 +21,6 @@
 #define AMP_UNROLL 8 /* 16-byte loads in flight per thread */
 #define EPILOGUE_THREADS 1024
 
-__device__ inline float to_float(float x) { return x; }
-__device__ inline float to_float(__half x) { return __half2float(x); }
-__device__ inline float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
 template <typename T> __device__ inline T from_float(float v);
 template <> __device__ inline float from_float<float>(float v) { return v; }
 template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
@@ -36,21 +33,6 @@ template <typename T> __device__ inline float round_to(float v) { return to_floa
 template <typename T> struct alignas(16) vec16 {
     T v[16 / sizeof(T)];
 };
-
-/* f(dtype-tagged zero) for the gradient dtype of an entry */
-template <typename F> __device__ __forceinline__ void with_dtype(int dtype, F f) {
-    switch (dtype) {
-    case HL_FLOAT32:
-        f(float());
-        break;
-    case HL_FLOAT16:
-        f(__half());
-        break;
-    default:
-        f(__nv_bfloat16());
-        break;
-    }
-}
 
 /* x = f(x) for this thread's share of chunk [begin, end) of one tensor: 16-byte vectors with
    AMP_UNROLL loads in flight, and single elements before the first 16-byte boundary (a view at an
@@ -99,32 +81,12 @@ __device__ __forceinline__ void map_chunk(const hl_table_entry &e, int64_t begin
     }
 }
 
-/* body(entry, chunk, begin, end) for every chunk of this block's contiguous range
-   [b*C/G, (b+1)*C/G); the entry is found once and then followed */
-template <typename Body>
-__device__ __forceinline__ void for_each_chunk(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                               Body body) {
-    const int64_t first = (int64_t)blockIdx.x * total_chunks / gridDim.x;
-    const int64_t last = ((int64_t)blockIdx.x + 1) * total_chunks / gridDim.x;
-    if (first >= last)
-        return;
-    int64_t t = hl_entry_of_chunk(table, count, first);
-    for (int64_t chunk = first; chunk < last; chunk++) {
-        while (t + 1 < count && table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_table_entry e = table[t];
-        int64_t begin, end;
-        hl_chunk_range(e, chunk, &begin, &end);
-        body(e, chunk, begin, end);
-    }
-}
-
 /* ---- non_finite_check: one read-only pass, one racing flag ---- */
 
 __global__ void __launch_bounds__(AMP_THREADS, 2)
     non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *found) {
     bool bad = false;
-    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
         with_dtype(e.dtype, [&](auto zero) {
             using T = decltype(zero);
             map_chunk<T, false>(e, begin, end, [&](T x) {
@@ -200,7 +162,7 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
                      const float *scale, float p) {
     /* the reciprocal in FP64, as torch's unscale_ takes it */
     const float inv = scale != NULL ? (float)(1.0 / (double)*scale) : 1.0f;
-    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t chunk, int64_t begin, int64_t end) {
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t chunk, int64_t begin, int64_t end) {
         double acc = 0.0;
         bool bad = false;
         with_dtype(e.dtype, [&](auto zero) {
@@ -289,7 +251,7 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
     if (aux[HL_AUX_FOUND] != 0.0f)
         return; /* a skipped step: leave every gradient as it is */
     const float inv = aux[HL_AUX_INV_SCALE], coef = aux[HL_AUX_CLIP];
-    for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
+    hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
         with_dtype(e.dtype, [&](auto zero) {
             using T = decltype(zero);
             map_chunk<T, true>(e, begin, end, [&](T x) {

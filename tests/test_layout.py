@@ -3,6 +3,8 @@ module needs from another is public there), and each component lives in its own 
 import ast
 import pathlib
 
+import pytest
+
 import hotloop
 
 PACKAGE = pathlib.Path(hotloop.__file__).parent
@@ -62,8 +64,19 @@ def test_no_module_uses_another_modules_underscore_names():
 
 def test_a_folder_per_component():
     top = {p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
-    assert {"data", "amp", "memory", "cli", "bench"} <= top
+    assert {"data", "amp", "memory", "optim", "cli", "bench"} <= top
     # the top level holds the package's entry points and what components publish to each other or share
     # (argument checks), no component
-    assert top - {"data", "amp", "memory", "cli", "bench"} == {"__init__.py", "__main__.py", "_version.py",
+    assert top - {"data", "amp", "memory", "optim", "cli", "bench"} == {"__init__.py", "__main__.py", "_version.py",
                                                               "input_wait.py", "_arguments.py"}
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists the packages a wheel holds: a folder missing there works in an editable install
+    and is absent from `pip install .` (hotloop.optim was, until CI's clean install said so)."""
+    tomllib = pytest.importorskip("tomllib")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    source = root / "python"
+    folders = {p.parent.relative_to(source).as_posix().replace("/", ".") for p in (source / "hotloop").rglob("__init__.py")}
+    assert listed == folders

@@ -9,7 +9,7 @@ from ._C import CudaError, NvmlError
 from ._version import __version__
 
 __all__ = ["BatchSizeResult", "CudaError", "DataLoader", "EncodedImageDataset", "GatheredStats", "GpuDecode", "GradScaler", "MemoryMonitor", "MemoryReport", "Normalize", "NvmlError",
-           "__version__", "build_info", "cuda_available", "find_max_batch_size", "memory_monitor", "ops"]
+           "__version__", "build_info", "cuda_available", "find_max_batch_size", "memory_monitor", "ops", "optim"]
 
 
 # names offered at the top level, defined in a submodule that loads on first use (the components
@@ -17,7 +17,7 @@ __all__ = ["BatchSizeResult", "CudaError", "DataLoader", "EncodedImageDataset", 
 _LAZY_ATTRIBUTES = {"DataLoader": "data", "GatheredStats": "data", "Normalize": "data", "GpuDecode": "data", "EncodedImageDataset": "data", "GradScaler": "amp", "memory_monitor": "memory",
                     "find_max_batch_size": "memory.batch_size", "BatchSizeResult": "memory.batch_size",
                     "MemoryMonitor": "memory", "MemoryReport": "memory"}
-_LAZY_MODULES = {"ops": "amp.ops"}
+_LAZY_MODULES = {"ops": "amp.ops", "optim": "optim"}
 
 
 def build_info() -> dict:

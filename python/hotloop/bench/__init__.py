@@ -5,6 +5,7 @@ run by `python -m hotloop bench components` (hotloop/cli/bench.py). They use hot
 COMPONENTS = {
     "ops": "hotloop.bench.ops",
     "scaler": "hotloop.bench.scaler",
+    "optim": "hotloop.bench.optim",
     "monitor": "hotloop.bench.monitor",
     "loader": "hotloop.bench.loader",
     "images": "hotloop.bench.images",

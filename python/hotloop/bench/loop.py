@@ -1,9 +1,10 @@
 """`python -m hotloop bench loop`: a whole training loop with hotloop's three pieces (DataLoader,
 GradScaler, MemoryMonitor) against the same loop with torch's (DataLoader with pinned memory and a
-copy, torch.amp.GradScaler, the seeds' reset/max_memory_allocated decorator): same model, data, seed
-and steps, timed from the iterator's start, with where the time went. The -jpeg cases read a folder
-of generated JPEGs through torchvision's RandomResizedCrop + flip + normalise: torch's loader runs it
-in its workers, hotloop's with gpu_decode=True (images.py has the loader-only figures)."""
+copy, torch.amp.GradScaler, the seeds' reset/max_memory_allocated decorator); in the GPT cases the
+hotloop side also steps hotloop.optim.AdamW where torch's steps torch.optim.AdamW(fused=True). Same
+model, data, seed and steps, timed from the iterator's start, with where the time went. The -jpeg cases
+read a folder of generated JPEGs through torchvision's RandomResizedCrop + flip + normalise: torch's
+loader runs it in its workers, hotloop's with gpu_decode=True (images.py has the loader-only figures)."""
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from .workloads import BenchError, build
 CASES = {"resnet50": ("resnet50", 256, 8, False, False), "resnet50-jpeg": ("resnet50", 256, 8, False, True),
          "gpt2-medium": ("gpt2-medium", 8, 2, True, False), "tiny-cnn": ("tiny-cnn", 64, 16, False, False),
          "tiny-cnn-jpeg": ("tiny-cnn", 64, 16, False, True), "tiny-gpt": ("tiny-gpt", 16, 4, True, False)}
+HOTLOOP_OPTIMIZER_MODELS = ("gpt2-medium", "tiny-gpt")  # the hotloop side steps hotloop.optim.AdamW
 JPEG_FILES = 2560  # distinct files of a -jpeg case, fewer when the loop needs fewer; the epoch repeats them
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -56,6 +58,18 @@ def _timers(torch, device):
             return event
         return mark, lambda a, b: a.elapsed_time(b) / 1e3
     return time.perf_counter, lambda a, b: b - a
+
+
+def _optimizer(name, side, params, cuda):
+    """(the side's AdamW, its name for the table): hotloop.optim.AdamW on the hotloop side of the GPT
+    cases, torch's (fused on a GPU) otherwise"""
+    import torch
+
+    import hotloop
+
+    if side == "hotloop" and name in HOTLOOP_OPTIMIZER_MODELS:
+        return hotloop.optim.AdamW(params, lr=1e-4), "hotloop.optim.AdamW"
+    return torch.optim.AdamW(params, lr=1e-4, fused=cuda), "torch.optim.AdamW" + ("(fused=True)" if cuda else "")
 
 
 def _batch_size(case, device):
@@ -98,7 +112,7 @@ def one_loop(case, side, device, steps, workers, jpeg_root=None):
     if image:
         model.to(memory_format=torch.channels_last)
     amp_dtype = torch.float16 if cuda else torch.bfloat16
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    optimizer, optimizer_name = _optimizer(name, side, model.parameters(), cuda)
     # the same warm-up for both sides: cuDNN's algorithm search and cuBLAS's set-up are not the loop's
     x, y = workload.batch(batch, device)
     for _ in range(2):
@@ -166,8 +180,8 @@ def one_loop(case, side, device, steps, workers, jpeg_root=None):
     report = monitor.stop() if monitor is not None else None
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     optimizer_s = sum(between(a, b) for a, b in optimizer_spans)
-    figures = {"case": case, "loop": side, "batch_size": batch, "steps": steps, "workers": workers,
-               "total_s": total, "samples_per_s": batch * steps / total, "data_wait_s": wait,
+    figures = {"case": case, "loop": side, "optimizer": optimizer_name, "batch_size": batch, "steps": steps,
+               "workers": workers, "total_s": total, "samples_per_s": batch * steps / total, "data_wait_s": wait,
                "optimizer_s": optimizer_s, "rest_s": max(0.0, total - wait - optimizer_s), "peak_gib": peak,
                "final_loss": float(loss.detach())}
     if side == "hotloop":
@@ -208,7 +222,7 @@ def run(args, device):
           f"{'fp16' if cuda else 'bf16'} autocast; timed from iter(loader) to the last step's end", flush=True)
     results = []
     header = (f"{'case':<13} {'loop':<8} {'batch':>5} {'total s':>8} {'samples/s':>10} {'data wait s':>11} "
-              f"{'optimizer s':>11} {'rest s':>7} {'peak GiB':>8}")
+              f"{'optimizer s':>11} {'rest s':>7} {'peak GiB':>8}  optimizer")
     print(header)
     for case in cases:
         pair = {}
@@ -219,8 +233,8 @@ def run(args, device):
                 results.append(f)
                 peak = "-" if f["peak_gib"] is None else f"{f['peak_gib']:.2f}"
                 print(f"{case:<13} {side:<8} {f['batch_size']:>5} {f['total_s']:>8.2f} {f['samples_per_s']:>10.1f} "
-                      f"{f['data_wait_s']:>11.3f} {f['optimizer_s']:>11.3f} {f['rest_s']:>7.2f} {peak:>8}",
-                      flush=True)
+                      f"{f['data_wait_s']:>11.3f} {f['optimizer_s']:>11.3f} {f['rest_s']:>7.2f} {peak:>8}  "
+                      f"{f['optimizer']}", flush=True)
                 if cuda:
                     torch.cuda.empty_cache()
         finally:

@@ -17,7 +17,8 @@ MODEL_2000 = (320, 166)  # 1 + 12 * 166 = 1,993 tensors, ~220 M elements
 MAX_NORM = 1e30
 
 
-def _grads(torch, shapes, device):
+def parameters_with_grads(torch, shapes, device):
+    """float32 parameters of these shapes, each holding a random float32 gradient (never zeros)"""
     params = []
     for shape in shapes:
         p = torch.nn.Parameter(torch.empty(shape, device=device).normal_())
@@ -26,7 +27,7 @@ def _grads(torch, shapes, device):
     return params
 
 
-def _count_syncs(ctx, fn):
+def count_syncs(ctx, fn):
     """host syncs torch reports during fn (torch.cuda.set_sync_debug_mode), or None on the CPU"""
     torch = ctx.torch
     if not ctx.is_cuda:
@@ -77,7 +78,7 @@ def _apply_pass_ms(ctx, scaler, opt, reps):
     return sum(start.elapsed_time(end) for start, end in spans)
 
 
-def _scalers(ctx, GradScaler):
+def unit_scalers(ctx, GradScaler):
     """(hotloop's, torch's) scaler at scale 1.0 that never grows, lazily initialised on the device"""
     torch = ctx.torch
     ours = GradScaler(ctx.device.type, init_scale=1.0, growth_interval=10**9)
@@ -103,7 +104,7 @@ def _clip_fns(torch, ours, theirs, opt, params):
     return hotloop_clip, torch_clip
 
 
-def _step_fns(torch, ours, theirs, opt_ours, opt_theirs, params):
+def step_fns(torch, ours, theirs, opt_ours, opt_theirs, params):
     """a whole scaler step, each way, as a training loop with clipping writes it"""
     def hotloop_step():
         ours.clip_grad_norm_(opt_ours, MAX_NORM)
@@ -132,12 +133,12 @@ def rows(ctx):
     sizes = [MODEL_1_3B, MODEL_353M] if not (ctx.quick or not ctx.is_cuda) else [MODEL_TINY]
     for size in sizes:
         (hidden, layers), label = _model(ctx, size)
-        params = _grads(torch, transformer_shapes(hidden, layers), ctx.device)
+        params = parameters_with_grads(torch, transformer_shapes(hidden, layers), ctx.device)
         grads = [p.grad for p in params]
         numel = sum(g.numel() for g in grads)
         tag = f"{label} fp32 grads ({len(params)} tensors, {numel / 1e6:.0f} M)"
         opt = torch.optim.SGD(params, lr=0.0)
-        ours, theirs = _scalers(ctx, GradScaler)
+        ours, theirs = unit_scalers(ctx, GradScaler)
         hotloop_clip, torch_clip = _clip_fns(torch, ours, theirs, opt, params)
         ms, torch_ms = ctx.compare(hotloop_clip, torch_clip)
         yield Row("scaler", f"unscale+clip, {tag}", ms, torch_ms, "ms",
@@ -185,13 +186,13 @@ def _full_step_rows(ctx, params, tag, GradScaler):
     for kind in ("fused", "foreach"):
         opt_ours = torch.optim.AdamW(params, lr=1e-12, **{kind: True})
         opt_theirs = torch.optim.AdamW(params, lr=1e-12, **{kind: True})
-        ours, theirs = _scalers(ctx, GradScaler)
-        hotloop_step, torch_step = _step_fns(torch, ours, theirs, opt_ours, opt_theirs, params)
+        ours, theirs = unit_scalers(ctx, GradScaler)
+        hotloop_step, torch_step = step_fns(torch, ours, theirs, opt_ours, opt_theirs, params)
         hotloop_step()
         torch_step()  # optimizer state allocated outside the counted step
         if kind == "fused":
             yield from _fused_alone_row(ctx, opt_ours, opt_theirs, ours, tag)
-        syncs = (_count_syncs(ctx, hotloop_step), _count_syncs(ctx, torch_step))
+        syncs = (count_syncs(ctx, hotloop_step), count_syncs(ctx, torch_step))
         ms, torch_ms = ctx.compare(hotloop_step, torch_step)
         sync_note = "n/a on CPU" if syncs[0] is None else f"host syncs per step: hotloop {syncs[0]}, torch {syncs[1]}"
         yield Row("scaler", f"unscale+clip+{kind} AdamW step+update, {tag}", ms, torch_ms, "ms", note=sync_note)
@@ -222,17 +223,17 @@ def _host_rows(ctx, GradScaler):
     """Host (CPU) time per step for many tensors: the Python and launch cost, not the GPU's."""
     torch = ctx.torch
     (hidden, layers), label = _model(ctx, MODEL_2000)
-    params = _grads(torch, transformer_shapes(hidden, layers), ctx.device)
+    params = parameters_with_grads(torch, transformer_shapes(hidden, layers), ctx.device)
     tag = f"{label} model ({len(params)} tensors)"
     opt = torch.optim.AdamW(params, lr=1e-12, fused=True)
     opt_theirs = torch.optim.AdamW(params, lr=1e-12, fused=True)
-    ours, theirs = _scalers(ctx, GradScaler)
+    ours, theirs = unit_scalers(ctx, GradScaler)
     hotloop_clip, torch_clip = _clip_fns(torch, ours, theirs, opt, params)
     ms, torch_ms = ctx.compare(hotloop_clip, torch_clip, timer=ctx.host_time_ms)
     yield Row("scaler", f"host time unscale+clip, {tag}", ms, torch_ms, "ms",
               note="CPU time per call, not waiting for the device")
 
-    hotloop_step, torch_step = _step_fns(torch, ours, theirs, opt, opt_theirs, params)
+    hotloop_step, torch_step = step_fns(torch, ours, theirs, opt, opt_theirs, params)
     ms, torch_ms = ctx.compare(hotloop_step, torch_step, timer=ctx.host_time_ms)
     alone = statistics.median(ctx.host_time_ms(opt_theirs.step) for _ in range(3 if ctx.quick else 10))
     yield Row("scaler", f"host time unscale+clip+fused AdamW+update, {tag}", ms, torch_ms, "ms",

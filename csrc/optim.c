@@ -1,0 +1,420 @@
+/* Fused optimizer entry points: argument checks, the CUDA launch, and the C reference for CPU tensors. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda.h"
+#include "half_convert.h"
+#include "optim_math.h"
+#include "tensor.h"
+#ifdef HOTLOOP_WITH_CUDA
+#include "optim.h"
+#endif
+
+/* element i of a gradient of dtype `dtype` as float, widened exactly as the kernel widens it */
+static float load_grad(int dtype, uint64_t grad, int64_t i) {
+    const void *g = (const void *)(uintptr_t)grad;
+    if (dtype == HL_FLOAT32)
+        return ((const float *)g)[i];
+    if (dtype == HL_FLOAT16)
+        return hl_half_to_float(((const uint16_t *)g)[i]);
+    return hl_bf16_to_float(((const uint16_t *)g)[i]);
+}
+
+/* C reference of kernels/optim.cu: the same per-element maths (kernels/optim_math.h), tensor by
+   tensor, then the step counts. Reads the skip flag and the factor as the kernel does. */
+static void cpu_adam(const hl_adam_entry *table, int64_t count, const hl_adam_hyper *hyper, const float *lr_ptr,
+                     const float *grad_scale, const float *found_inf) {
+    if (found_inf != NULL && *found_inf != 0.0f)
+        return;
+    const int has_scale = grad_scale != NULL;
+    const float scale = has_scale ? *grad_scale : 1.0f;
+    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr;
+    for (int64_t t = 0; t < count; t++) {
+        const hl_adam_entry *e = &table[t];
+        const hl_adam_scalars s = hl_adam_scalars_for(hyper, lr, *(const float *)(uintptr_t)e->step);
+        float *p = (float *)(uintptr_t)e->param, *m = (float *)(uintptr_t)e->exp_avg;
+        float *v = (float *)(uintptr_t)e->exp_avg_sq, *vmax = (float *)(uintptr_t)e->max_exp_avg_sq;
+        for (int64_t i = 0; i < e->numel; i++)
+            hl_adam_element(&s, load_grad(e->grad_dtype, e->grad, i), scale, has_scale, p + i, m + i, v + i,
+                            vmax != NULL ? vmax + i : NULL);
+    }
+    for (int64_t t = 0; t < count; t++) {
+        float *step = (float *)(uintptr_t)table[t].step;
+        *step = *step + 1.0f;
+    }
+}
+
+/* C reference of the SGD kernel */
+static void cpu_sgd(const hl_sgd_entry *table, int64_t count, const hl_sgd_hyper *hyper, const float *lr_ptr,
+                    const float *grad_scale, const float *found_inf) {
+    if (found_inf != NULL && *found_inf != 0.0f)
+        return;
+    const int has_scale = grad_scale != NULL;
+    const float scale = has_scale ? *grad_scale : 1.0f;
+    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr;
+    for (int64_t t = 0; t < count; t++) {
+        const hl_sgd_entry *e = &table[t];
+        float *p = (float *)(uintptr_t)e->param, *buf = (float *)(uintptr_t)e->momentum_buffer;
+        for (int64_t i = 0; i < e->numel; i++)
+            hl_sgd_element(hyper, lr, load_grad(e->grad_dtype, e->grad, i), scale, has_scale, p + i,
+                           buf != NULL ? buf + i : NULL);
+    }
+}
+
+/* `tables[k]` must match the parameters entry for entry: same count, device and element counts
+   (`numel1`: one element each, for the step counts). */
+static int check_matches(const hl_table *params, const hl_table *other, const char *argname, int numel1) {
+    if (other->count != params->count) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %lld tensors (one per parameter), got %lld", argname,
+                     (long long)params->count, (long long)other->count);
+        return -1;
+    }
+    if (other->device != params->device) {
+        PyObject *want = hl_device_name(params->device), *got = hl_device_name(other->device);
+        if (want != NULL && got != NULL)
+            PyErr_Format(PyExc_ValueError, "%s: expected tensors on the parameters' device %U, got %U", argname, want,
+                         got);
+        Py_XDECREF(want);
+        Py_XDECREF(got);
+        return -1;
+    }
+    for (int64_t i = 0; i < params->count; i++) {
+        const int64_t want = numel1 ? 1 : params->entries[i].numel;
+        if (other->entries[i].numel != want) {
+            PyErr_Format(PyExc_ValueError, "%s: tensor %lld: expected %lld elements, got %lld", argname, (long long)i,
+                         (long long)want, (long long)other->entries[i].numel);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* `obj` parsed as a table of `dtypes` that matches `params` (check_matches); None is an empty table
+   where `optional`, else hl_table_parse's TypeError */
+static int take_matching(PyObject *obj, const char *argname, unsigned int dtypes, const hl_table *params, int numel1,
+                         int optional, hl_table *out) {
+    if (optional && obj == Py_None)
+        return 0;
+    return hl_table_parse(obj, argname, dtypes, out) < 0 || check_matches(params, out, argname, numel1) < 0 ? -1 : 0;
+}
+
+/* lr / grad_scale / found_inf: None, or one float32 element on the parameters' device */
+static int take_scalar(PyObject *obj, const char *argname, int device, hl_tensor *out, const float **ptr) {
+    *ptr = NULL;
+    if (obj == Py_None)
+        return 0;
+    if (hl_tensor_from_object(obj, argname, HL_DTYPE_BIT(HL_FLOAT32), device, 0, out) < 0)
+        return -1;
+    if (out->numel != 1) {
+        PyErr_Format(PyExc_ValueError, "%s: expected one element, got %lld", argname, (long long)out->numel);
+        return -1;
+    }
+    *ptr = (const float *)out->data;
+    return 0;
+}
+
+/* `dst`: a writable host uint8 tensor of at least `need` bytes, for the entries of a table */
+static int take_dst(PyObject *obj, int64_t need, int64_t count, hl_tensor *out) {
+    if (hl_tensor_from_object(obj, "dst", HL_DTYPE_BIT(HL_UINT8), -1, 1, out) < 0)
+        return -1;
+    if (out->numel < need) {
+        PyErr_Format(PyExc_ValueError, "dst: expected at least %lld bytes for %lld tensors, got %lld", (long long)need,
+                     (long long)count, (long long)out->numel);
+        return -1;
+    }
+    return 0;
+}
+
+/* `table`: a uint8 tensor on `device` holding at least `need` bytes of entries */
+static int take_table(PyObject *obj, int device, int64_t need, hl_tensor *out) {
+    if (hl_tensor_from_object(obj, "table", HL_DTYPE_BIT(HL_UINT8), device, 0, out) < 0)
+        return -1;
+    if (out->numel < need) {
+        PyErr_Format(PyExc_ValueError, "table: expected at least %lld bytes, got %lld", (long long)need,
+                     (long long)out->numel);
+        return -1;
+    }
+    return 0;
+}
+
+/* a host copy of the entries in `table` (its bytes may sit at any alignment), or NULL with MemoryError */
+static void *host_entries(const hl_tensor *table, size_t nbytes) {
+    void *entries = malloc(nbytes > 0 ? nbytes : 1);
+    if (entries == NULL)
+        PyErr_NoMemory();
+    else
+        memcpy(entries, table->data, nbytes);
+    return entries;
+}
+
+PyDoc_STRVAR(optim_adam_table_doc,
+             "optim_adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, dst)\n"
+             "    -> (count, total_chunks, device)\n\n"
+             "Check packed tensor tables, one entry per parameter (params, exp_avgs, exp_avg_sqs,\n"
+             "max_exp_avg_sqs (None without amsgrad) float32; grads float32, float16 or bfloat16; steps one\n"
+             "float32 each, the steps taken so far), all on one device, and write the Adam kernel's entries into\n"
+             "`dst`, a host uint8 tensor of at least OPTIM_ADAM_ENTRY_BYTES per parameter (pinned when the\n"
+             "caller copies it to a GPU). The entries hold addresses: they are valid while those tensors are.\n"
+             "`device` is the tensors' CUDA device, -1 for the CPU. Internal to hotloop.optim.");
+
+static PyObject *optim_adam_table(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *params_obj, *grads_obj, *m_obj, *v_obj, *vmax_obj, *steps_obj, *dst_obj;
+    hl_table params = {0}, grads = {0}, m = {0}, v = {0}, vmax = {0}, steps = {0};
+    hl_tensor dst = {0};
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOOOOOO:optim_adam_table", &params_obj, &grads_obj, &m_obj, &v_obj, &vmax_obj,
+                          &steps_obj, &dst_obj))
+        return NULL;
+    const int amsgrad = vmax_obj != Py_None;
+    if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
+        return NULL;
+    const unsigned int f32 = HL_DTYPE_BIT(HL_FLOAT32);
+    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, &grads) < 0 ||
+        take_matching(m_obj, "exp_avgs", f32, &params, 0, 0, &m) < 0 ||
+        take_matching(v_obj, "exp_avg_sqs", f32, &params, 0, 0, &v) < 0 ||
+        take_matching(vmax_obj, "max_exp_avg_sqs", f32, &params, 0, 1, &vmax) < 0 ||
+        take_matching(steps_obj, "steps", f32, &params, 1, 0, &steps) < 0)
+        goto error;
+    if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_adam_entry), params.count, &dst) < 0)
+        goto error;
+    for (int64_t i = 0; i < params.count; i++) {
+        hl_adam_entry e = {0};
+        e.param = params.entries[i].data;
+        e.grad = grads.entries[i].data;
+        e.exp_avg = m.entries[i].data;
+        e.exp_avg_sq = v.entries[i].data;
+        e.max_exp_avg_sq = amsgrad ? vmax.entries[i].data : 0;
+        e.step = steps.entries[i].data;
+        e.numel = params.entries[i].numel;
+        e.first_chunk = params.entries[i].first_chunk;
+        e.grad_dtype = grads.entries[i].dtype;
+        memcpy(dst.data + i * (int64_t)sizeof(e), &e, sizeof(e));
+    }
+    result = Py_BuildValue("(LLi)", (long long)params.count, (long long)params.total_chunks, params.device);
+error:
+    hl_tensor_release(&dst);
+    hl_table_free(&steps);
+    hl_table_free(&vmax);
+    hl_table_free(&v);
+    hl_table_free(&m);
+    hl_table_free(&grads);
+    hl_table_free(&params);
+    return result;
+}
+
+#ifdef HOTLOOP_WITH_CUDA
+typedef struct {
+    const void *table;
+    int64_t count, total_chunks;
+    const void *hyper;
+    const float *lr, *grad_scale, *found_inf;
+    int device;
+    unsigned long long stream;
+} optim_launch;
+
+static cudaError_t launch_adam(void *ctx) {
+    const optim_launch *a = ctx;
+    return hl_launch_adam(a->table, a->count, a->total_chunks, a->hyper, a->lr, a->grad_scale, a->found_inf,
+                          a->device, hl_stream(a->stream));
+}
+
+static cudaError_t launch_sgd(void *ctx) {
+    const optim_launch *a = ctx;
+    return hl_launch_sgd(a->table, a->count, a->total_chunks, a->hyper, a->lr, a->grad_scale, a->found_inf,
+                         a->device, hl_stream(a->stream));
+}
+#endif
+
+/* the scalars of one step, checked against the table's device: lr_tensor, grad_scale, found_inf */
+typedef struct {
+    hl_tensor lr, scale, found;
+    const float *lr_ptr, *scale_ptr, *found_ptr;
+} step_scalars;
+
+static int take_step_scalars(PyObject *lr_obj, PyObject *scale_obj, PyObject *found_obj, int device,
+                             step_scalars *out) {
+    return take_scalar(lr_obj, "lr", device, &out->lr, &out->lr_ptr) < 0 ||
+                   take_scalar(scale_obj, "grad_scale", device, &out->scale, &out->scale_ptr) < 0 ||
+                   take_scalar(found_obj, "found_inf", device, &out->found, &out->found_ptr) < 0
+               ? -1
+               : 0;
+}
+
+static void release_step_scalars(step_scalars *s) {
+    hl_tensor_release(&s->found);
+    hl_tensor_release(&s->scale);
+    hl_tensor_release(&s->lr);
+}
+
+/* run the C reference (device < 0) or the kernels on `stream` over the entries in `table` */
+static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64_t count, int64_t total_chunks,
+                    const void *hyper, const step_scalars *s, int device, unsigned long long stream) {
+    const size_t nbytes = (size_t)count * (is_adam ? sizeof(hl_adam_entry) : sizeof(hl_sgd_entry));
+    if (device < 0) {
+        void *entries = host_entries(table, nbytes);
+        if (entries == NULL)
+            return -1;
+        Py_BEGIN_ALLOW_THREADS
+        if (is_adam)
+            cpu_adam(entries, count, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr);
+        else
+            cpu_sgd(entries, count, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr);
+        Py_END_ALLOW_THREADS
+        free(entries);
+        return 0;
+    }
+#ifdef HOTLOOP_WITH_CUDA
+    if (hl_cuda_require(module, device) < 0)
+        return -1;
+    optim_launch launch = {table->data, count, total_chunks, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr, device,
+                           stream};
+    return hl_cuda_run(module, device, is_adam ? launch_adam : launch_sgd, &launch);
+#else
+    (void)module;
+    (void)total_chunks;
+    (void)stream;
+    PyErr_SetString(PyExc_RuntimeError, "hotloop was built without CUDA");
+    return -1;
+#endif
+}
+
+/* optim_adam's and optim_sgd's common part: the table and scalars checked, then run_step */
+static PyObject *step_call(PyObject *module, int is_adam, PyObject *table_obj, long long count, long long total_chunks,
+                           int device, const void *hyper, PyObject *lr_obj, PyObject *scale_obj, PyObject *found_obj,
+                           unsigned long long stream) {
+    hl_tensor table = {0};
+    step_scalars s = {0};
+    PyObject *result = NULL;
+    if (count < 0 || total_chunks < 0) {
+        PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
+        return NULL;
+    }
+    const int64_t entry_bytes = is_adam ? (int64_t)sizeof(hl_adam_entry) : (int64_t)sizeof(hl_sgd_entry);
+    if (take_table(table_obj, device, count * entry_bytes, &table) < 0 ||
+        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
+        goto error;
+    if (run_step(module, is_adam, &table, count, total_chunks, hyper, &s, device, stream) < 0)
+        goto error;
+    result = Py_NewRef(Py_None);
+error:
+    release_step_scalars(&s);
+    hl_tensor_release(&table);
+    return result;
+}
+
+PyDoc_STRVAR(optim_adam_doc,
+             "optim_adam(table, count, total_chunks, device, lr, lr_tensor, beta1, beta2, eps, weight_decay,\n"
+             "           decoupled, maximize, grad_scale, found_inf, stream)\n\n"
+             "One Adam (decoupled=False) or AdamW (decoupled=True) step over the `count` entries that\n"
+             "optim_adam_table wrote, now in `table` (uint8, on `device`: a GPU's memory, or the host for -1);\n"
+             "amsgrad where the entries have max_exp_avg_sqs. The learning rate is lr_tensor (None or one float32\n"
+             "on `device`, read when the kernel runs) or else `lr`. grad_scale (None or one float32 on `device`)\n"
+             "divides every gradient, read once and never written; when found_inf (None or one float32) is\n"
+             "non-zero nothing changes. CUDA: two kernels on `stream`, nothing waits for them and nothing is\n"
+             "copied from the host, so a graph can capture the call. Internal to hotloop.optim.");
+
+static PyObject *optim_adam(PyObject *module, PyObject *args) {
+    PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
+    long long count, total_chunks;
+    int device, decoupled, maximize;
+    hl_adam_hyper hyper = {0};
+    unsigned long long stream = 0;
+
+    if (!PyArg_ParseTuple(args, "OLLidOddddppOOK:optim_adam", &table_obj, &count, &total_chunks, &device, &hyper.lr,
+                          &lr_obj, &hyper.beta1, &hyper.beta2, &hyper.eps, &hyper.weight_decay, &decoupled, &maximize,
+                          &scale_obj, &found_obj, &stream))
+        return NULL;
+    hyper.decoupled = decoupled;
+    hyper.maximize = maximize;
+    return step_call(module, 1, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream);
+}
+
+PyDoc_STRVAR(optim_sgd_table_doc,
+             "optim_sgd_table(params, grads, momentum_buffers, dst) -> (count, total_chunks, device)\n\n"
+             "Check packed tensor tables, one entry per parameter (params float32; grads float32, float16 or\n"
+             "bfloat16; momentum_buffers float32, None without momentum) on one device and write the SGD\n"
+             "kernel's entries into `dst` (OPTIM_SGD_ENTRY_BYTES per parameter), as optim_adam_table does.");
+
+static PyObject *optim_sgd_table(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *params_obj, *grads_obj, *buf_obj, *dst_obj;
+    hl_table params = {0}, grads = {0}, bufs = {0};
+    hl_tensor dst = {0};
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOOO:optim_sgd_table", &params_obj, &grads_obj, &buf_obj, &dst_obj))
+        return NULL;
+    const int has_bufs = buf_obj != Py_None;
+    if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
+        return NULL;
+    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, &grads) < 0 ||
+        take_matching(buf_obj, "momentum_buffers", HL_DTYPE_BIT(HL_FLOAT32), &params, 0, 1, &bufs) < 0)
+        goto error;
+    if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_sgd_entry), params.count, &dst) < 0)
+        goto error;
+    for (int64_t i = 0; i < params.count; i++) {
+        hl_sgd_entry e = {0};
+        e.param = params.entries[i].data;
+        e.grad = grads.entries[i].data;
+        e.momentum_buffer = has_bufs ? bufs.entries[i].data : 0;
+        e.numel = params.entries[i].numel;
+        e.first_chunk = params.entries[i].first_chunk;
+        e.grad_dtype = grads.entries[i].dtype;
+        memcpy(dst.data + i * (int64_t)sizeof(e), &e, sizeof(e));
+    }
+    result = Py_BuildValue("(LLi)", (long long)params.count, (long long)params.total_chunks, params.device);
+error:
+    hl_tensor_release(&dst);
+    hl_table_free(&bufs);
+    hl_table_free(&grads);
+    hl_table_free(&params);
+    return result;
+}
+
+PyDoc_STRVAR(optim_sgd_doc,
+             "optim_sgd(table, count, total_chunks, device, lr, lr_tensor, momentum, dampening, weight_decay,\n"
+             "          nesterov, maximize, first_step, grad_scale, found_inf, stream)\n\n"
+             "One SGD step over the entries optim_sgd_table wrote, now in `table`; momentum where the entries\n"
+             "have buffers, which take the gradient as it is when first_step. lr, lr_tensor, grad_scale,\n"
+             "found_inf and stream as optim_adam takes them; one kernel. Internal to hotloop.optim.");
+
+static PyObject *optim_sgd(PyObject *module, PyObject *args) {
+    PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
+    long long count, total_chunks;
+    int device, nesterov, maximize, first_step;
+    double dampening;
+    hl_sgd_hyper hyper = {0};
+    unsigned long long stream = 0;
+
+    if (!PyArg_ParseTuple(args, "OLLidOdddpppOOK:optim_sgd", &table_obj, &count, &total_chunks, &device, &hyper.lr,
+                          &lr_obj, &hyper.momentum, &dampening, &hyper.weight_decay, &nesterov, &maximize, &first_step,
+                          &scale_obj, &found_obj, &stream))
+        return NULL;
+    hyper.one_minus_dampening = (double)(1.0f - (float)dampening); /* in float, as torch's (1 - dampening) */
+    hyper.nesterov = nesterov;
+    hyper.maximize = maximize;
+    hyper.first_step = first_step;
+    return step_call(module, 0, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream);
+}
+
+static PyMethodDef optim_methods[] = {
+    {"optim_adam_table", optim_adam_table, METH_VARARGS, optim_adam_table_doc},
+    {"optim_adam", optim_adam, METH_VARARGS, optim_adam_doc},
+    {"optim_sgd_table", optim_sgd_table, METH_VARARGS, optim_sgd_table_doc},
+    {"optim_sgd", optim_sgd, METH_VARARGS, optim_sgd_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static const hl_int_constant optim_constants[] = {
+    {"OPTIM_ADAM_ENTRY_BYTES", (long)sizeof(hl_adam_entry)},
+    {"OPTIM_SGD_ENTRY_BYTES", (long)sizeof(hl_sgd_entry)},
+    {NULL, 0},
+};
+
+int hl_optim_exec(PyObject *module) {
+    if (PyModule_AddFunctions(module, optim_methods) < 0)
+        return -1;
+    return hl_add_int_constants(module, optim_constants);
+}

@@ -1,0 +1,137 @@
+"""hotloop.optim.Adam and AdamW: drop-ins for torch.optim.Adam/AdamW(fused=True).
+
+Same arguments and defaults, the same param_groups and the same state per parameter (``step`` a
+float32 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with
+amsgrad), so checkpoints load both ways. One C call per device updates every parameter (the C
+reference on CPU tensors, two kernel launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
+the gradients are divided by ``grad_scale`` inside the update and never written back, and a non-zero
+``found_inf`` leaves parameters, moments and step counts as they were; both are decided on the device.
+
+The step can be captured in a CUDA graph whatever ``capturable`` says (the step counts, bias corrections,
+grad_scale, found_inf and a tensor ``lr`` are read on the device): take one step outside the capture first,
+so that the state exists and the kernels' table is uploaded (step_table.py says what a capture refuses).
+A float ``lr`` is a constant of the graph, as in torch; pass a float32 tensor on the GPU to change it
+between replays.
+"""
+import torch
+
+from .. import _C
+from . import param_table
+from .fused import FusedOptimizer
+from .step_table import refuse_in_capture
+
+
+# the state tensors of a parameter the kernel reads, by amsgrad; the step count last (its checks are _state_of's)
+_STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
+
+
+class Adam(FusedOptimizer):
+    """torch.optim.Adam(fused=True), updated by hotloop's kernel. ``foreach``, ``fused`` and
+    ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is refused."""
+
+    _name = "Adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False):
+        self._check_hyper(lr, betas, eps, weight_decay)
+        if differentiable:
+            raise ValueError(f"{self._name}: differentiable=True is not supported by hotloop's fused kernel")
+        if foreach:
+            raise ValueError(f"{self._name}: foreach and fused cannot both be True (hotloop's is fused)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=None, capturable=capturable, differentiable=False, fused=True,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+
+    def _check_hyper(self, lr, betas, eps, weight_decay):
+        # torch's messages, so that code catching them keeps working
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+    def _group_defaults(self):
+        return dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True,
+                    decoupled_weight_decay=self._name == "AdamW")
+
+    def _state_keys(self, group):
+        return _STATE_KEYS[bool(group["amsgrad"])]
+
+    def _hyper(self, group, device, capture):
+        beta1, beta2 = group["betas"]
+        lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
+        return (lr, lr_tensor, param_table.host_scalar(beta1, "betas[0]", capture),
+                param_table.host_scalar(beta2, "betas[1]", capture), float(group["eps"]),
+                float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
+
+    def _check_capture(self, group, ps):
+        if not all(self._ready(p) for p in ps):
+            refuse_in_capture(self._name, "a parameter's state is not made yet (or its step count is not a "
+                              "float32 tensor on its device), and making it would be replayed")
+
+    def _ready(self, p):
+        """the state exists as the kernel reads it: nothing to make or move"""
+        step = self.state.get(p, {}).get("step")
+        return isinstance(step, torch.Tensor) and step.dtype is torch.float32 and step.device == p.device
+
+    def _make_state(self, group, ps):
+        amsgrad = bool(group["amsgrad"])
+        for p in ps:
+            self._state_of(p, amsgrad)
+
+    def _state_of(self, p, amsgrad):
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step = state["step"]
+        if not isinstance(step, torch.Tensor):  # a checkpoint of old torch: a number
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        elif step.dtype is not torch.float32 or step.device != p.device:  # torch's non-fused layout: on the CPU
+            state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+    def _write_table(self, group, ps, dst):
+        """The kernel's entries into `dst`, after checking the state tensors (only when the group's key
+        changed: a new table). A bad one raises here, before any parameter changes (states the step made
+        for parameters that had none stay, as torch's would)."""
+        amsgrad = bool(group["amsgrad"])
+        states = [self.state[p] for p in ps]
+        for p, state in zip(ps, states):
+            for key in _STATE_KEYS[amsgrad][:-1]:
+                param_table.check_state(self._name, p, state[key], key)
+        pack = param_table.pack
+        return _C.optim_adam_table(pack(ps), pack([p.grad for p in ps]), pack([s["exp_avg"] for s in states]),
+                                   pack([s["exp_avg_sq"] for s in states]),
+                                   pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                                   pack([s["step"] for s in states]), dst)
+
+    def _entry_bytes(self):
+        return _C.OPTIM_ADAM_ENTRY_BYTES
+
+    def _launch(self, table, count, chunks, device, hyper, made, scale, found):
+        _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
+                      param_table.stream_of(device))
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW(fused=True), updated by hotloop's kernel: Adam with decoupled weight decay."""
+
+    _name = "AdamW"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True)
