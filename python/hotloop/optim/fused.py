@@ -40,7 +40,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _check_capture(self, group, ps):
-        """raise (refuse_in_capture) when the step of `ps` made state, which a graph would replay"""
+        """raise (refuse_in_capture) when a step of `ps` would make or convert state: a graph would replay it"""
 
     def _make_state(self, group, ps):
         """make whatever state of `ps` does not exist yet; returns what _launch takes as `made`"""
