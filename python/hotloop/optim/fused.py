@@ -58,6 +58,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error names it
+            # read once, here: a generator (module.parameters()) would be empty when torch's turn came
+            param_group["params"] = list(params)
         param_table.check_group_dtypes(self._name, param_group)
         super().add_param_group(param_group)
 
