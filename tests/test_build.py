@@ -29,7 +29,12 @@ def test_build_info_fields():
 def test_exceptions_are_runtime_errors():
     assert issubclass(hotloop.CudaError, RuntimeError)
     assert issubclass(hotloop.NvmlError, RuntimeError)
-    assert hotloop.CudaError is not hotloop.NvmlError
+    assert issubclass(hotloop.NvjpegError, RuntimeError)
+    assert len({hotloop.CudaError, hotloop.NvmlError, hotloop.NvjpegError}) == 3
+    # where their names say they are: `except hotloop.NvjpegError` is what a message leads a user to write
+    for error in (hotloop.CudaError, hotloop.NvmlError, hotloop.NvjpegError):
+        assert f"{error.__module__}.{error.__name__}" == f"hotloop.{error.__name__}"
+        assert error.__name__ in hotloop.__all__
     assert "file" in hotloop.CudaError.__doc__
 
 

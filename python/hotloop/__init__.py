@@ -5,10 +5,10 @@
 import importlib
 
 from . import _C
-from ._C import CudaError, NvmlError
+from ._C import CudaError, NvjpegError, NvmlError
 from ._version import __version__
 
-__all__ = ["BatchSizeResult", "CudaError", "DataLoader", "EncodedImageDataset", "GatheredStats", "GpuDecode", "GradScaler", "MemoryMonitor", "MemoryReport", "Normalize", "NvmlError",
+__all__ = ["BatchSizeResult", "CudaError", "DataLoader", "EncodedImageDataset", "GatheredStats", "GpuDecode", "GradScaler", "MemoryMonitor", "MemoryReport", "Normalize", "NvjpegError", "NvmlError",
            "__version__", "build_info", "cuda_available", "find_max_batch_size", "memory_monitor", "ops", "optim"]
 
 
