@@ -44,10 +44,10 @@ def check_run(data, rows, device, world_size, steps, batch):
         n = run["world_size"]
         for mode in ("ddp", "fsdp2"):
             sides = run["modes"][mode]
-            if mode == "ddp":
+            if mode == "ddp" or device == "cpu":  # hotloop.GradScaler takes FSDP2's DTensor gradients on gloo
                 assert sides["hotloop"]["status"] == sides["torch"]["status"] == "ok"
             assert sides["torch"]["status"] == "ok"  # torch's FSDP2 runs on gloo and NCCL alike
-            if sides["hotloop"]["status"] != "ok":  # hotloop.GradScaler refuses DTensor gradients until it takes them
+            if sides["hotloop"]["status"] != "ok":  # not yet run with NCCL on two GPUs: an error shows, n/a
                 assert mode == "fsdp2" and sides["hotloop"]["error"].startswith("rank ")
                 shown = " ".join(rows[(mode, f"ms/step, {LABELS[device, n]}")])
                 assert f"hotloop n/a: {sides['hotloop']['error']}" in shown

@@ -5,8 +5,8 @@ the same seed, model, data (DistributedSampler) and steps, fp16 autocast (fp32 o
 gradients clipped to norm 1. Both sides live in each rank and take turns in blocks of steps (the order
 swaps every round), so clocks and neighbours weigh on both alike; a block is timed from one device sync
 to the next. That is done at world size 1 and at world size N: ms/step, samples/s, hotloop ÷ torch, and
-how each side scales from 1 to N ranks. An FSDP2 side whose build or warm-up raises (today: hotloop's
-scaler and DTensor gradients) is shown n/a with the error, the ranks agreeing to leave it out; anything
+how each side scales from 1 to N ranks. An FSDP2 side whose build or warm-up raises (an FSDP2 that
+refuses the model, say) is shown n/a with the error, the ranks agreeing to leave it out; anything
 else that raises ends the command.
 
 One process per rank, spawned (NCCL and one GPU each on CUDA, gloo on the CPU); rank 0 prints. The
