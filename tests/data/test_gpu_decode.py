@@ -211,7 +211,7 @@ def test_unrecognised_pipelines_warn_and_run_as_torch(tmp_path):
     theirs = _batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(1)))
     for (x, y), (tx, ty) in zip(_batches(loader), theirs):
         assert torch.equal(x, tx) and torch.equal(y, ty)
-    assert loader.gpu_decode is None and loader.stats.decoder is None
+    assert loader.stats.decoder is None and loader.stats.images_gpu_decoded == 0
 
 
 def test_encoded_image_dataset_from_bytes():

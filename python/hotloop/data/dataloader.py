@@ -51,7 +51,7 @@ from ._pool import POLL_S, Pool, Task
 from ._prefetch import Prefetcher
 from ._resume import EpochLog, Plan
 from ._worker import WorkerSpec
-from .gpu_decode import ImagePipeline
+from .gpu_decode import GpuDecode, ImagePipeline
 from .image_source import MARKER
 from .image_stage import ImageStage, is_encoded_batch
 from .normalize import Normalize
@@ -99,6 +99,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         resizes, flips and normalises the batch. Anything else warns and runs as torch would; see
         hotloop.GpuDecode for backends, dtype and layout, and loader.stats.decoder for what ran.
 
+    Like torch's, these arguments are attributes under their own names, holding what was given (a
+    GpuDecode for gpu_decode=True; loader.device answers with the device resolved), so a tool that
+    makes the loader again from its attributes (Lightning injecting a DistributedSampler) keeps them.
+
     A replacement starts from its predecessor's RNG states after the last batch the main process
     has from it (map-style), so redone batches equal those it would have made. An IterableDataset
     worker has a position besides: its replacement gets the same worker id, seed and worker_info,
@@ -126,6 +130,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self._hl_device = _cuda_device(device)
+        # vars(loader) holds every argument as given, as torch's own attributes do: tools that make
+        # a loader again from them (Lightning injecting a DistributedSampler into a loader made outside
+        # its hooks) then keep its device. The `device` property (a data descriptor) still answers
+        # loader.device with the device resolved.
+        self.__dict__["device"] = device
         self.prefetch_batches = prefetch_batches
         self.gpu_transform = gpu_transform
         self.max_worker_restarts = max_worker_restarts
@@ -141,7 +150,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
         kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
         images = ImagePipeline.make(gpu_decode, dataset, collate_fn, self.batch_size, kind)
-        self.gpu_decode = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
+        self.gpu_decode = GpuDecode.from_argument(gpu_decode)  # the argument, for a loader made again from vars()
+        self._hl_images = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
         self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
 
     @property
@@ -159,7 +169,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     @device.setter
     def device(self, device):
-        self._hl_device = device
+        self._hl_device = self.__dict__["device"] = device
 
     @property
     def stats(self) -> LoaderStats:
@@ -178,8 +188,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __iter__(self):
         if self._hl_device is not None and self._hl_device.index is None:
             self._hl_device = self.device  # "cuda": the current device from now on
-            if self.gpu_decode is not None:
-                self.gpu_decode.device = self._hl_device
+            if self._hl_images is not None:
+                self._hl_images.device = self._hl_device
         resume = self._hl_resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
             _resume_sampler_epoch(self, resume["sampler_epoch"])
@@ -371,7 +381,7 @@ def _host_batch_out(loader, batch, pin):
     """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
     through the transform, as the ring path would deliver it."""
     device, tf = loader.device, loader.gpu_transform
-    if loader.gpu_decode is not None and is_encoded_batch(batch):
+    if loader._hl_images is not None and is_encoded_batch(batch):
         batch[0] = _host_images(loader, batch[0])
     if device is None and tf is None:
         if pin:
@@ -396,7 +406,7 @@ def _swap_in_images(it, loader) -> bool:
     """gpu_decode: the iterator's workers (or its own thread) index the image path's samples and
     collate them into packed batches; the decoder opens first, since what a sample holds (JPEG
     bytes or pixels) depends on it. False when gpu_decode is off."""
-    stage = loader.gpu_decode
+    stage = loader._hl_images
     if stage is None:
         return False
     backend = stage.open()
@@ -408,7 +418,7 @@ def _swap_in_images(it, loader) -> bool:
 def _host_images(loader, packed):
     """A packed image batch that came whole: decoded and resized on the current stream (the CPU
     without a device), waiting for it (a batch too big for the ring, or one that came through a pipe)."""
-    stage, device = loader.gpu_decode, loader.device
+    stage, device = loader._hl_images, loader.device
     parts = [packed[k] for k in (MARKER, "data", "done")]
     if device is None:
         return stage.run(*parts, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]

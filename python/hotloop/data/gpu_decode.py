@@ -5,6 +5,7 @@ import random
 import warnings
 
 import torch
+from torch.utils.data._utils.collate import default_collate
 
 from .image_plan import ImagePlan
 from .image_source import EncodedSamples, ImageSource, collate_encoded
@@ -80,7 +81,8 @@ class ImagePipeline:
         plan = ImagePlan.of(source.transform) if source is not None else None
         if source is not None and plan is None:
             why = f"its transform {source.transform!r} holds a step hotloop does not run on the GPU"
-        if source is not None and collate_fn is not None:
+        # torch's own default_collate counts as none given: a loader made again from its attributes passes it
+        if source is not None and collate_fn not in (None, default_collate):
             why = "a collate_fn was given (gpu_decode makes the batch itself, as default_collate would)"
         if loader_kind != "map":
             why = "gpu_decode needs a map-style dataset with automatic batching (batch_size not None)"
