@@ -160,7 +160,7 @@ class DeviceCopies:
             self.alloc_event = cuda.event(False)
         consumer = cuda.current_stream()
         outs, triples, staged, keep, nbytes = [], [], [], [], 0
-        images = self.loader._hl_images
+        images = self.loader.image_stage
         parts = encoded_parts(spec) if images is not None else None
         packed = {s[1] for s in parts if s[0] == "T"} if parts is not None else ()
         for k, (off, dtype, shape) in enumerate(leaves):

@@ -697,7 +697,7 @@ class Pool:
         it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
         it. torch's pinned allocator keeps a block until events recorded on the streams that used it
         completed; a lease sees no such event."""
-        images = self.loader._hl_images
+        images = self.loader.image_stage
         packed = encoded_parts(spec) if images is not None else None
         if packed is not None:
             return self.images_out(slot, spec, leaves, images, packed, pin)

@@ -172,6 +172,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_device = self.__dict__["device"] = device
 
     @property
+    def image_stage(self):
+        """gpu_decode's image path for this loader (image_stage.ImageStage: the decoder and the work
+        per batch), or None when gpu_decode is off or declined the dataset; what ran is in stats."""
+        return self._hl_images
+
+    @property
     def stats(self) -> LoaderStats:
         """What this loader did (LoaderStats); `stats.gather()` brings every rank's to rank 0."""
         return self._hl_stats
