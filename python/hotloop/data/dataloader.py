@@ -130,10 +130,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
         self._hl_device = _cuda_device(device)
-        # vars(loader) holds every argument as given, as torch's own attributes do: tools that make
-        # a loader again from them (Lightning injecting a DistributedSampler into a loader made outside
-        # its hooks) then keep its device. The `device` property (a data descriptor) still answers
-        # loader.device with the device resolved.
+        # the argument in vars(loader) (see the class docstring); the `device` property, a data
+        # descriptor, still answers loader.device with the device resolved
         self.__dict__["device"] = device
         self.prefetch_batches = prefetch_batches
         self.gpu_transform = gpu_transform
@@ -149,8 +147,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_plan = None  # the loaded state, as the next multi-worker iterator applies it
         self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
         kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
-        images = ImagePipeline.make(gpu_decode, dataset, collate_fn, self.batch_size, kind)
         self.gpu_decode = GpuDecode.from_argument(gpu_decode)  # the argument, for a loader made again from vars()
+        images = ImagePipeline.make(self.gpu_decode, dataset, collate_fn, self.batch_size, kind)
         self._hl_images = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
         self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
 
