@@ -8,7 +8,7 @@ torch's way is its DataLoader running the torchvision transform in 15 workers (p
 Figures: the kernel alone (image_kernel.py), the loader alone (img/s), feeding a ResNet-50 AMP step (% of the speed with the batch
 already on the GPU, steady state and first 25 steps), CPU seconds per image of all processes,
 the step's own slowdown with the decoder working beside it (flat out, and paced as training takes
-batches), and each backend forced in turn.
+batches; and the same step captured as one CUDA graph), and each backend forced in turn.
 """
 import multiprocessing
 import os
@@ -181,6 +181,34 @@ def _step_beside_decoder(step, x, y, make_loader, period):
         thread.join()
 
 
+def graphed_step(device, x, y):
+    """A ResNet-50 AMP training step (forward, backward, SGD) captured as one CUDA graph on the batch
+    (x, y), as torch.cuda.graphs documents whole-network capture; no GradScaler (torch's syncs to
+    read found_inf). The step it returns replays the graph; its arguments are ignored."""
+    import torchvision
+
+    model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def eager():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+
+    warm = torch.cuda.Stream(device)  # capture wants the lazy state (grads, momentum) made off the capture
+    warm.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(warm):
+        for _ in range(3):
+            eager()
+    torch.cuda.current_stream(device).wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager()
+    return lambda _x, _y: graph.replay()
+
+
 def rows(ctx):
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     device = ctx.device
@@ -237,7 +265,9 @@ def rows(ctx):
         if quick:
             return
 
-        # 2 and 4: feeding a ResNet-50 AMP step, and the step's own cost with the decoder beside it
+        # 2 and 4: feeding a ResNet-50 AMP step, and the step's own cost with the decoder beside it.
+        # A script makes its loader, then its model: the decoder opens meanwhile (decoder_opening.py)
+        made_first = hotloop_way(ds, batch, ours_workers, device)
         try:
             step = resnet_step(device)
         except ImportError:
@@ -253,7 +283,13 @@ def rows(ctx):
                   100 * res["torch"][1] / rate_res, "%", note=f"resident {rate_res:.0f} img/s; hotloop "
                   f"{ours_workers} workers, torch {torch_workers}")
         yield Row("images", "ResNet-50 AMP first 25 steps, % of GPU-resident", 100 * t_first_res / res["hotloop"][0],
-                  100 * t_first_res / res["torch"][0], "%", note="from iter() to step 25 done, worker start-up included")
+                  100 * t_first_res / res["torch"][0], "%", note="from iter() to step 25 done, worker start-up "
+                  "included; both loaders made just before iter()")
+        t_first_early = timed_steps(step, made_first, 25, steady, device)[0]
+        del made_first
+        yield Row("images", "ResNet-50 AMP first 25 steps, loader made before the model", 100 * t_first_res / t_first_early,
+                  100 * t_first_res / res["torch"][0], "%", note="% of GPU-resident, from iter(); hotloop's decoder "
+                  "opened while the model was built, as in a script; torch's loader does nothing before iter()")
 
         alone = _step_ms(step, x0, y0, 40)
         make = lambda: hotloop_way(ds, batch, ours_workers, device)  # noqa: E731
@@ -262,5 +298,11 @@ def rows(ctx):
             yield Row("images", f"ResNet-50 step with the decoder working beside it, {label}", beside, alone, "ms",
                       note=f"hotloop: the loader {label} in another thread of the process (paced: as training "
                       "takes batches); torch: the step alone")
+        graphed = graphed_step(device, x0, y0)
+        graph_alone = _step_ms(graphed, x0, y0, 40)
+        beside = _step_beside_decoder(graphed, x0, y0, make, graph_alone / 1e3)
+        yield Row("images", "ResNet-50 step as one CUDA graph, the decoder beside it, paced", beside, graph_alone, "ms",
+                  note="forward, backward and SGD replayed as one graph (no scaler): the same GPU work without "
+                  "the eager step's kernel-by-kernel launches, which the decoder thread's CUDA calls slow")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,11 +1,12 @@
 """What hotloop.DataLoader still runs at interpreter exit, ended by one atexit hook in one order:
 prefetch threads first (none may be queueing copies out of a pool being closed), then worker pools
-(workers told to exit and reaped, copies waited for, rings closed), then single-process rings."""
+(workers told to exit and reaped, copies waited for, rings closed), then single-process rings, then
+gpu_decode's decoders still opening (each waited for and closed: decoder_opening.py)."""
 import atexit
 import weakref
 
-PREFETCH_THREADS, WORKER_POOLS, LOCAL_RINGS = 0, 1, 2
-_live = (weakref.WeakSet(), weakref.WeakSet(), weakref.WeakSet())
+PREFETCH_THREADS, WORKER_POOLS, LOCAL_RINGS, DECODER_OPENINGS = 0, 1, 2, 3
+_live = (weakref.WeakSet(), weakref.WeakSet(), weakref.WeakSet(), weakref.WeakSet())
 
 
 def close_at_exit(obj, stage):

@@ -15,6 +15,7 @@ import torch
 
 from .. import _C
 from . import image_resize
+from .decoder_opening import DecoderOpening, open_decoder
 from .image_source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 
 _K = {name: column(name) for name in COLUMNS}
@@ -48,7 +49,8 @@ class _Prepared:
 
 class ImageStage:
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
-    bytes) and the per-batch work. One thread at a time uses it (the loader's epoch lock)."""
+    bytes; started earlier by open_early() where the loader knows its device when it is made) and
+    the per-batch work. One thread at a time uses it (the loader's epoch lock)."""
 
     def __init__(self, pipeline, device, stats):
         self.pipeline = pipeline
@@ -57,10 +59,23 @@ class ImageStage:
         self.decoder = None
         self.backend = None  # "hardware", "cuda" or "cpu" once opened
         self.reason = None  # why auto did not take the hardware decoder
+        self._opening = None  # the decoder opening in the background (open_early), until open()
+
+    def open_early(self, device):
+        """Start opening the GPU decoder on `device` (where the first iter() is expected to run) in
+        the background: nvjpeg's hardware decoder takes ~0.65 s to open (decoder_opening.py). Nothing
+        for the CPU backend or once open() ran."""
+        if self.backend is not None or self._opening is not None or self.pipeline.config.backend == "cpu":
+            return
+        self._opening = DecoderOpening(device, self._gpu_backend(), self.pipeline.batch_size)
+
+    def _gpu_backend(self):
+        return "cuda" if self.pipeline.config.backend == "cuda" else "hardware"
 
     def open(self):
         if self.backend is not None:
             return self.backend
+        opening, self._opening = self._opening, None
         wanted = self.pipeline.config.backend
         if self.device is None or wanted == "cpu":
             self.backend = "cpu"
@@ -68,21 +83,28 @@ class ImageStage:
                 raise ValueError(f"DataLoader: gpu_decode backend {wanted!r} needs device='cuda'")
             self.stats.decoder = self.description
             return self.backend
-        from .nvjpeg import nvjpeg_library_candidates
-        backend = "cuda" if wanted == "cuda" else "hardware"
-        try:
-            self.decoder = _C.JpegDecoder(nvjpeg_library_candidates(), self.device.index, backend,
-                                          self.pipeline.batch_size)
+        backend = self._gpu_backend()
+        if opening is not None and opening.device != self.device:
+            opening.close()  # made for the device that was current then; the epoch runs on another
+            opening = None
+        if opening is not None:
+            self.decoder, refusal = opening.result()
+        else:
+            self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
+        if refusal is None:
             self.backend = backend
-        except RuntimeError as exc:
-            if wanted != "auto":
-                raise
+        elif wanted != "auto":
+            raise refusal
+        else:
             # not the SMs: on an H200 they slowed a ResNet-50 step by 41 % decoding beside it
-            self.backend, self.reason = "cpu", str(exc)
+            self.backend, self.reason = "cpu", str(refusal)
         self.stats.decoder = self.description
         return self.backend
 
     def close(self):
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            opening.close()
         if self.decoder is not None:
             self.decoder.close()
             self.decoder = None

@@ -1,0 +1,62 @@
+"""gpu_decode's nvjpeg decoder, opened in a thread of its own while the script goes on.
+
+Opening nvjpeg's hardware decoder takes ~0.65 s on an H200, every time (nvjpegCreateEx ~0.28 s and
+its state ~0.37 s; a second decoder in the same process costs the same: diag-s14). Opened at the
+first iter(), it was most of the time before the first batch. A loader that knows its device when
+it is made starts the open then (DataLoader.__init__ -> ImageStage.open_early), and the script's
+own set-up (the model, the optimizer) hides it; iter() waits only for what is left.
+
+JpegDecoder's constructor releases the GIL while nvjpeg works, so the thread takes nothing from
+the script's own Python.
+"""
+import threading
+
+from .. import _C
+from ._shutdown import DECODER_OPENINGS, close_at_exit, forget
+
+
+def open_decoder(device, backend, max_batch):
+    """(JpegDecoder on `device`, None), or (None, the RuntimeError that refused it: no nvjpeg, no
+    hardware decoder on this GPU...). Other exceptions propagate."""
+    from .nvjpeg import nvjpeg_library_candidates
+
+    try:
+        return _C.JpegDecoder(nvjpeg_library_candidates(), device.index, backend, max_batch), None
+    except RuntimeError as exc:
+        return None, exc
+
+
+class DecoderOpening:
+    """open_decoder(device, backend, max_batch) running in a daemon thread; result() waits for it."""
+
+    def __init__(self, device, backend, max_batch):
+        self.device, self.backend = device, backend
+        self._outcome = None  # (decoder, refusal) or the exception the thread raised
+        self._thread = threading.Thread(target=self._run, args=(device, backend, max_batch),
+                                        name="hotloop-nvjpeg-open", daemon=True)
+        self._thread.start()
+        close_at_exit(self, DECODER_OPENINGS)  # no decoder left opening while CUDA is torn down
+
+    def _run(self, device, backend, max_batch):
+        try:
+            self._outcome = open_decoder(device, backend, max_batch)
+        except BaseException as exc:  # handed to the thread that asks for the result
+            self._outcome = exc
+
+    def result(self):
+        """open_decoder's (decoder, refusal) once the thread is done; what else it raised, raised here."""
+        self._thread.join()
+        forget(self)
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self):
+        """Wait for the open and close what it opened (the device changed, or the loader was closed)."""
+        try:
+            decoder, _ = self.result()
+        except Exception:  # nothing was opened
+            return
+        if decoder is not None:
+            decoder.close()
