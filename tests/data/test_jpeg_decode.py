@@ -144,7 +144,9 @@ def test_header_other_markers_and_layouts():
 
 
 def test_header_end_of_file():
-    """ends_with_eoi: EOI last, after any 00/FF padding; PIL refuses a file without it (truncated)."""
+    """ends_with_eoi: EOI last, after any 00/FF padding. A file without it goes to PIL (the workers'
+    CPU path), which refuses it as truncated, unless its scan happens to end whole: 12 of 400 random
+    images here decode without their last byte or two."""
     rng = np.random.default_rng()
     data = make_jpeg(rng, 40, 56)
     padded = [data + b"\0" * int(rng.integers(1, 5000)), data + b"\xff" * 3, data + b"\0\xff\0"]
@@ -153,8 +155,8 @@ def test_header_end_of_file():
         assert pil_rgb(whole).shape == (40, 56, 3)
     for cut in [data[:-1], data[:-2], data[:len(data) // 2]]:
         assert not _C.jpeg_header(cut).ends_with_eoi
-        with pytest.raises(OSError, match="truncated"):
-            pil_rgb(cut)
+    with pytest.raises(OSError, match="truncated"):
+        pil_rgb(data[:len(data) // 2])
     # zeros where the EOI was: no EOI (PIL decodes some such files: the zeros end the last MCU's data)
     assert not _C.jpeg_header(data[:-2] + b"\0\0").ends_with_eoi
     # trailing bytes other than padding: PIL decodes the file, the header says no EOI (documented)
