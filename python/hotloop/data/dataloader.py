@@ -165,8 +165,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.gpu_decode = GpuDecode.from_argument(gpu_decode)  # the argument, for a loader made again from vars()
         images = ImagePipeline.make(self.gpu_decode, dataset, collate_fn, self.batch_size, kind)
         self._hl_images = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
-        expected = _expected_device(self._hl_device)
-        if self._hl_images is not None and expected is not None:
+        expected = _expected_device(self._hl_device) if self._hl_images is not None else None
+        if expected is not None:
             self._hl_images.open_early(expected)
         self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
 

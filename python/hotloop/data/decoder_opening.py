@@ -1,7 +1,7 @@
 """gpu_decode's nvjpeg decoder, opened in a thread of its own while the script goes on.
 
 Opening nvjpeg's hardware decoder takes ~0.65 s on an H200, every time (nvjpegCreateEx ~0.28 s and
-its state ~0.37 s; a second decoder in the same process costs the same: diag-s14). Opened at the
+its state ~0.37 s; a second decoder in the same process costs the same). Opened at the
 first iter(), it was most of the time before the first batch. A loader that knows its device when
 it is made starts the open then (DataLoader.__init__ -> ImageStage.open_early), and the script's
 own set-up (the model, the optimizer) hides it; iter() waits only for what is left.

@@ -84,12 +84,11 @@ class ImageStage:
             self.stats.decoder = self.description
             return self.backend
         backend = self._gpu_backend()
-        if opening is not None and opening.device != self.device:
-            opening.close()  # made for the device that was current then; the epoch runs on another
-            opening = None
-        if opening is not None:
+        if opening is not None and opening.device == self.device:
             self.decoder, refusal = opening.result()
         else:
+            if opening is not None:
+                opening.close()  # made for the device that was current then; the epoch runs on another
             self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
         if refusal is None:
             self.backend = backend
