@@ -763,7 +763,7 @@ def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, mon
     real_prefetcher = dataloader.Prefetcher
     in_top_up = threading.Event()
 
-    def slow_top_ups(target):  # whatever the prefetch thread drives, its top-ups take a while
+    def slow_top_ups(target, paced=False):  # whatever the prefetch thread drives, its top-ups take a while
         top_up = type(target).top_up
 
         def slow(self):
@@ -772,7 +772,7 @@ def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, mon
             return top_up(self)
 
         monkeypatch.setattr(type(target), "top_up", slow)
-        return real_prefetcher(target)
+        return real_prefetcher(target, paced)
 
     monkeypatch.setattr(dataloader, "Prefetcher", slow_top_ups)
     ds = Images(n=40, size=8)

@@ -8,8 +8,10 @@ torch's way is its DataLoader running the torchvision transform in 15 workers (p
 Figures: the kernel alone (image_kernel.py), the loader alone (img/s), feeding a ResNet-50 AMP step (% of the speed with the batch
 already on the GPU, steady state and first 25 steps), CPU seconds per image of all processes,
 the step's own slowdown with the decoder working beside it (flat out, and paced as training takes
-batches; and the same step captured as one CUDA graph), and each backend forced in turn.
+batches; and the same step captured as one CUDA graph), the step's GPU time while the loader
+feeds it, top-ups paced or not (_prefetch.TopUpPace), and each backend forced in turn.
 """
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -156,6 +158,35 @@ def _step_ms(step, x, y, reps):
     return statistics.median(times)
 
 
+def _fed_step_ms(step, loader, warmup, reps):
+    """The step's median GPU ms over `reps` batches of `loader` after `warmup`, each timed alone."""
+    times = []
+    it = iter(loader)
+    for k in range(warmup + reps):
+        x, y = next(it)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(x, y)
+        end.record()
+        end.synchronize()
+        if k >= warmup:
+            times.append(start.elapsed_time(end))
+    del it
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def _paced_top_ups(paced):
+    """gpu_decode's prefetch thread paced (the default) or not, for the loaders made inside."""
+    from ..data import dataloader
+
+    before, dataloader.PACED_TOP_UPS = dataloader.PACED_TOP_UPS, paced
+    try:
+        yield
+    finally:
+        dataloader.PACED_TOP_UPS = before
+
+
 def _step_beside_decoder(step, x, y, make_loader, period):
     """The step's median ms while a loader from make_loader() runs in another thread, taking one
     batch per `period` seconds (0: as fast as it makes them)."""
@@ -282,6 +313,11 @@ def rows(ctx):
         yield Row("images", "ResNet-50 AMP steady state, % of GPU-resident", 100 * res["hotloop"][1] / rate_res,
                   100 * res["torch"][1] / rate_res, "%", note=f"resident {rate_res:.0f} img/s; hotloop "
                   f"{ours_workers} workers, torch {torch_workers}")
+        with _paced_top_ups(False):
+            unpaced = timed_steps(step, hotloop_way(ds, batch, ours_workers, device), 25, steady, device)
+        yield Row("images", "ResNet-50 AMP steady state, top-ups not paced, % of GPU-resident",
+                  100 * unpaced[1] / rate_res, 100 * res["torch"][1] / rate_res, "%",
+                  note="the prefetch thread decoding as soon as next() returned (before _prefetch.TopUpPace)")
         yield Row("images", "ResNet-50 AMP first 25 steps, % of GPU-resident", 100 * t_first_res / res["hotloop"][0],
                   100 * t_first_res / res["torch"][0], "%", note="from iter() to step 25 done, worker start-up "
                   "included; both loaders made just before iter()")
@@ -292,6 +328,12 @@ def rows(ctx):
                   "opened while the model was built, as in a script; torch's loader does nothing before iter()")
 
         alone = _step_ms(step, x0, y0, 40)
+        for label, paced in (("top-ups paced", True), ("top-ups not paced", False)):
+            with _paced_top_ups(paced):
+                fed = _fed_step_ms(step, hotloop_way(ds, batch, ours_workers, device), 10, 40)
+            yield Row("images", f"ResNet-50 step fed by gpu_decode, {label}", fed, alone, "ms",
+                      note="GPU ms of the step (events around it) while the loader feeds it, as in training; "
+                      "torch: the step alone on a resident batch")
         make = lambda: hotloop_way(ds, batch, ours_workers, device)  # noqa: E731
         for label, period in (("flat out", 0.0), ("paced at one batch per step", alone / 1e3)):
             beside = _step_beside_decoder(step, x0, y0, make, period)

@@ -17,29 +17,72 @@ looks again every RETRY_S. Page-locking here would hold the driver lock, which t
 thread's kernel launches wait for, and the iterator's lock, which next() waits for; one profiling
 run on the H200 at 12 workers spent 45-53 ms of its first 25 steps page-locking that way.
 
+With gpu_decode the top-up is paced: it starts half a step after next(), where a batch is already
+prepared, so that nvjpeg's CUDA calls fall while the training thread waits for the GPU rather than
+while it launches (TopUpPace).
+
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
 epoch's state never see two threads. It holds the epoch's feed (dataloader._Feed), never the
 iterator, and the feed only through a weak reference: the iterator's last reference is the
 consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
 """
 import threading
+import time
 import weakref
 
 from ._shutdown import PREFETCH_THREADS, close_at_exit, forget
 
 RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to be page-locked
+PACE_FRACTION = 0.5  # a paced top-up starts this far into the consumer's step (its period)
+PACE_MARGIN_S = 0.002  # and ends this long before the next next() at the latest
+
+
+class TopUpPace:
+    """When a paced top-up starts after next() kicked it (gpu_decode's loaders).
+
+    nvjpeg's decode of a batch makes ~900 CUDA calls from the prefetch thread. Beside an eager
+    ResNet-50 AMP step on the H200 it cost the step 2.5 % of GPU time, and nothing (0.1 %) when the
+    same step ran as one CUDA graph: the cost is the training thread's launches slowed while nvjpeg's
+    calls run (its CPU time per step went from 12.0 to 16.6 ms), not work on the GPU. A step launches
+    its kernels early and then mostly waits for the GPU (a loss.item(), GradScaler's found_inf), so
+    the top-up starts half a step after next() instead of at once, where a batch is already
+    prepared for the next next() (nothing is late for it), and ends before that next() comes."""
+
+    def __init__(self):
+        self.period = None  # seconds between next() calls, a moving average
+        self.work = 0.0  # seconds a top-up that prepared a batch took, a moving average
+        self._last = None
+
+    def kicked(self, now):
+        if self._last is not None:
+            gap = now - self._last
+            # a pause (validation, a checkpoint) counts as twice the period at most
+            self.period = gap if self.period is None else 0.8 * self.period + 0.2 * min(gap, 2 * self.period)
+        self._last = now
+
+    def worked(self, seconds):
+        self.work = seconds if self.work == 0.0 else 0.8 * self.work + 0.2 * seconds
+
+    def delay(self, ahead) -> float:
+        """Seconds from the kick to the top-up, with `ahead` batches prepared for the consumer."""
+        if ahead < 1 or self.period is None:
+            return 0.0  # behind, or no period measured yet: at once
+        return max(0.0, min(PACE_FRACTION * self.period, self.period - self.work - PACE_MARGIN_S))
 
 
 class Prefetcher:
-    """Runs `feed.top_up()` under `feed.lock` in a thread of its own each time `kick()` is called."""
+    """Runs `feed.top_up()` under `feed.lock` in a thread of its own each time `kick()` is called;
+    paced: later in the consumer's step (TopUpPace), where feed.ahead() batches allow it."""
 
-    def __init__(self, feed):
+    def __init__(self, feed, paced=False):
         self._feed = weakref.ref(feed)
         self._lock = feed.lock
         self._cond = threading.Condition()
         self._wanted = False
         self._stopped = False
         self._thread = None
+        self._pace = TopUpPace() if paced else None
+        self._kicked_at = 0.0
         close_at_exit(self, PREFETCH_THREADS)  # no top-up may be left working on a pool being closed
 
     def kick(self):
@@ -48,6 +91,9 @@ class Prefetcher:
             if self._stopped:
                 return
             self._wanted = True
+            if self._pace is not None:
+                self._kicked_at = time.perf_counter()
+                self._pace.kicked(self._kicked_at)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="hotloop-prefetch", daemon=True)
                 self._thread.start()
@@ -75,12 +121,34 @@ class Prefetcher:
                 if self._stopped:
                     return
                 self._wanted = False
+                kicked_at = self._kicked_at
+            if self._pace is not None and not again and self._wait_for_pace(kicked_at):
+                return
             feed = self._feed()
             if feed is None:
                 return
             with self._lock:
+                t0, ahead = time.perf_counter(), feed.ahead()
                 again = not self._stopped and feed.top_up()
+                if self._pace is not None and feed.ahead() > ahead:
+                    self._pace.worked(time.perf_counter() - t0)
             del feed
+
+    def _wait_for_pace(self, kicked_at) -> bool:
+        """Wait until the paced start (a kick meanwhile, the consumer back: at once). True if stopped.
+        The feed is not held meanwhile: the consumer's drop of the iterator must end it at once."""
+        feed = self._feed()
+        if feed is None:
+            return True
+        deadline = kicked_at + self._pace.delay(feed.ahead())
+        del feed
+        with self._cond:
+            while not self._wanted and not self._stopped:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return self._stopped
 
 
 def _held(lock):

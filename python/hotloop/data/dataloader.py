@@ -62,6 +62,7 @@ __all__ = ["DataLoader", "LoaderStats"]
 _T_co = typing.TypeVar("_T_co", covariant=True)  # what a batch is, as in torch's Generic DataLoader
 
 PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
+PACED_TOP_UPS = True  # gpu_decode's top-ups start later in the consumer's step (_prefetch.TopUpPace)
 
 
 def _cuda_device(device):
@@ -657,7 +658,7 @@ class _MultiIter(_BaseDataLoaderIter):
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
         self._workers = pool.workers()  # torch's name, which tools read
         if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            feed.prefetcher = Prefetcher(feed)
+            feed.prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and loader.gpu_decode is not None)
 
     def _next_data(self):
         t0 = time.perf_counter()
@@ -735,6 +736,10 @@ class _Feed:
         self._log = loader._hl_log = EpochLog(n, iterable, self._order, pos0,
                                                plan.next_worker if plan is not None else 0, pool.track)
         self._fill()
+
+    def ahead(self) -> int:
+        """Batches prepared for the consumer's next next() calls (read without the lock: a length)."""
+        return len(self._prepared)
 
     def stop_prefetcher(self):
         prefetcher, self.prefetcher = self.prefetcher, None
