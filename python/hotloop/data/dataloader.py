@@ -658,7 +658,7 @@ class _MultiIter(_BaseDataLoaderIter):
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
         self._workers = pool.workers()  # torch's name, which tools read
         if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            feed.prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and loader.gpu_decode is not None)
+            feed.prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and loader._hl_images is not None)
 
     def _next_data(self):
         t0 = time.perf_counter()
