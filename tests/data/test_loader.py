@@ -766,10 +766,10 @@ def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, mon
     def slow_top_ups(target, paced=False):  # whatever the prefetch thread drives, its top-ups take a while
         top_up = type(target).top_up
 
-        def slow(self):
+        def slow(self, *args, **kwargs):
             in_top_up.set()
             time.sleep(0.2)
-            return top_up(self)
+            return top_up(self, *args, **kwargs)
 
         monkeypatch.setattr(type(target), "top_up", slow)
         return real_prefetcher(target, paced)

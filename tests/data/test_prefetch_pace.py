@@ -51,9 +51,12 @@ class FakeFeed:
     def ahead(self):
         return self._ahead
 
-    def top_up(self):
+    def top_up(self, defer=False):
         self.ran.append(time.perf_counter())
         return False
+
+    def waiting_launches(self):
+        return []
 
 
 def _wait_runs(feed, n, timeout=2.0):

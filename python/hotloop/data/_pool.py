@@ -765,8 +765,8 @@ class Pool:
                 self.release_slot(slot)
 
     # CUDA: the side stream, events and copies in flight live in _device.DeviceCopies ----------------
-    def copy_to_device(self, slot, spec, leaves):
-        return self.copies.copy_to_device(self.ring, slot, spec, leaves)
+    def copy_to_device(self, slot, spec, leaves, defer=False):
+        return self.copies.copy_to_device(self.ring, slot, spec, leaves, defer)
 
     def copy_can_wait(self, task):
         """A batch copied ahead whose slot the background thread has not page-locked yet: better

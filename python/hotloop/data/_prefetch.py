@@ -22,7 +22,9 @@ prepared, so that nvjpeg's CUDA calls fall while the training thread waits for t
 while it launches (TopUpPace).
 
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
-epoch's state never see two threads. It holds the epoch's feed (dataloader._Feed), never the
+epoch's state never see two threads; all but gpu_decode's decodes, which it runs once it let go of
+that lock (_device.ImageLaunch): nvjpeg holds its thread until a batch is decoded, and next() would
+wait for that with a batch ready to hand out. It holds the epoch's feed (dataloader._Feed), never the
 iterator, and the feed only through a weak reference: the iterator's last reference is the
 consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
 """
@@ -129,10 +131,17 @@ class Prefetcher:
                 return
             with self._lock:
                 t0, ahead = time.perf_counter(), feed.ahead()
-                again = not self._stopped and feed.top_up()
-                if self._pace is not None and feed.ahead() > ahead:
-                    self._pace.worked(time.perf_counter() - t0)
+                again = not self._stopped and feed.top_up(defer=True)
+                launches = feed.waiting_launches()
+                prepared = feed.ahead() > ahead
             del feed
+            for launch in launches:  # gpu_decode's decodes, outside the lock: next() is not held up
+                if self._stopped:
+                    break  # deliver queues what is handed out, the epoch's end skips the rest
+                launch.run()
+            del launches
+            if self._pace is not None and prepared:
+                self._pace.worked(time.perf_counter() - t0)
 
     def _wait_for_pace(self, kicked_at) -> bool:
         """Wait until the paced start (a kick meanwhile, the consumer back: at once). True if stopped.

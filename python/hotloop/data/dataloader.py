@@ -853,9 +853,10 @@ class _Feed:
             pool.doze(waiting[0].slot if waiting else -1, 0.02 if waiting else POLL_S)
         return head
 
-    def _next_result(self, block=True):
+    def _next_result(self, block=True, defer=False):
         """(the next batch, assembled (CPU) or with its copy queued (Pending, CUDA), its samples, its
-        task). None when the next one is not ready and block is False."""
+        task). None when the next one is not ready and block is False. defer: gpu_decode's decode is
+        left to the Pending's ImageLaunch (the prefetch thread runs it outside the lock)."""
         pool = self.pool
         while True:
             task = self._next_task()
@@ -901,7 +902,7 @@ class _Feed:
             if pool.device is None:
                 out = pool.copy_out(task.slot, spec, leaves, self._pin_memory)
             else:
-                out = pool.copy_to_device(task.slot, spec, leaves)
+                out = pool.copy_to_device(task.slot, spec, leaves, defer)
             self._fill()
             return out, samples, task
 
@@ -933,6 +934,11 @@ class _Feed:
             else:
                 if not self._prepared:
                     self._prepared.append(self._next_result())
+                head = self._prepared[0][0]
+                if isinstance(head, Pending) and head.launch is not None:
+                    # its decode, if the prefetch thread is queueing it, is waited for before the batch
+                    # leaves _prepared: a Ctrl-C meanwhile loses nothing
+                    head.launch.run()
                 out, samples, task = self._prepared.popleft()
         except StopIteration:
             self._loader._hl_epoch_done = True
@@ -955,19 +961,20 @@ class _Feed:
                 self.top_up()
         return out, samples
 
-    def top_up(self):
+    def top_up(self, defer=False):
         """With a device, lock held (the prefetch thread, or next() without it): take the batches
         after the one handed out from the workers and queue their copies, up to prefetch_batches,
         as far as they are done and their slots page-locked (it never waits: next() takes a batch
         that was not, and page-locks its slot if need be). True when the next batch is done but its
         slot not yet page-locked: worth looking again soon. An exception here is raised by next()
-        at the turn of the batch it was preparing."""
+        at the turn of the batch it was preparing. defer: gpu_decode's decodes are left for the
+        caller to run once it let go of the lock (waiting_launches)."""
         pool = self.pool
         if pool is None or pool.closed:
             return False
         try:
             while len(self._prepared) < self._loader.prefetch_batches:
-                nxt = self._next_result(block=False)
+                nxt = self._next_result(block=False, defer=defer)
                 if nxt is None:
                     task = self._next_task()
                     return task is not None and pool.is_done(task)
@@ -977,6 +984,11 @@ class _Feed:
         except Exception as exc:
             self._prepared.append((_Raise(exc), 0, None))
         return False
+
+    def waiting_launches(self):
+        """With the lock held: the ImageLaunch of each prepared batch whose decode is not queued yet."""
+        return [out.launch for out, _, _ in self._prepared
+                if isinstance(out, Pending) and out.launch is not None and out.launch.waiting]
 
     def _hand_out(self, out, task):
         """The task's batch goes to the consumer now: log it (state_dict), or raise its error (task

@@ -50,7 +50,8 @@ class _Prepared:
 class ImageStage:
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
-    the per-batch work. One thread at a time uses it (the loader's epoch lock)."""
+    the per-batch work. One thread at a time uses it: prepare() under the loader's epoch lock;
+    launch() under it too or, from the prefetch thread, in batch order (_device.ImageLaunch)."""
 
     def __init__(self, pipeline, device, stats):
         self.pipeline = pipeline
