@@ -231,6 +231,13 @@ def test_an_image_launch_queues_once_and_always_records_its_event():
     launch.run()  # the prefetch thread: kept for deliver to raise, the event recorded all the same
     assert launch.error is error and (rec.queued, rec.finished) == (1, 1)
 
+    def cuda_error():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    launch = ImageLaunch(Recorder().queue, cuda_error)
+    launch.run()  # recording the event failed: kept too, the prefetch thread is not the one to raise it
+    assert "illegal memory access" in str(launch.error)
+
 
 def test_a_second_thread_waits_for_the_launch_in_progress():
     started, release = threading.Event(), threading.Event()

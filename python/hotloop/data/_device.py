@@ -130,12 +130,16 @@ class ImageLaunch:
             if self._state != "waiting":
                 return
             self._state = "queued"
+            # what fails is kept for deliver to raise (the prefetch thread runs on): a Ctrl-C in
+            # deliver's own call too, raised there, the slot freed all the same
             try:
                 self._queue()
-            except BaseException as exc:  # Ctrl-C in deliver too: raised there, the slot freed all the same
+            except BaseException as exc:
                 self.error = exc
-            finally:
+            try:
                 self._finish()
+            except BaseException as exc:
+                self.error = self.error or exc
 
     def skip(self):
         with self._lock:
