@@ -92,16 +92,24 @@ def _first_tasks_done(it, n):
     return len(feed._order) >= n and all(feed.pool.is_done(t) for t in feed._order[:n])
 
 
-def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_cuda, stand_in):
+def _second_epoch(tmp_path, stand_in):
+    """A gpu_decode loader with persistent workers and torch's, same seed: (torch's two epochs, [ours
+    first], ours, the iterator of our second epoch) with the stand-in's calls cleared and the first
+    three batches done by the workers, so that the top-up after the first next() prepares 2 and 3."""
     ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V2(28))
     theirs, ours = _loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2,
                             persistent_workers=True)
     expected = [[(x.clone(), y.clone()) for x, y in theirs] for _ in range(2)]
     got = [[(x.clone(), y.clone()) for x, y in ours]]  # the first epoch makes the ring
     stand_in.calls.clear()
-    stand_in.gate_from = 3  # batch 1 decodes in next() (nothing prepared yet), 2 and 3 in the prefetch thread
     it = iter(ours)
-    wait_for(lambda: _first_tasks_done(it, 3))  # so that one top-up prepares batches 2 and 3
+    wait_for(lambda: _first_tasks_done(it, 3))
+    return expected, got, ours, it
+
+
+def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_cuda, stand_in):
+    expected, got, ours, it = _second_epoch(tmp_path, stand_in)
+    stand_in.gate_from = 3  # batch 1 decodes in next() (nothing prepared yet), 2 and 3 in the prefetch thread
     got.append([_take(it)])
     wait_for(stand_in.entered.is_set)  # batch 3's decode has started, in the prefetch thread
     releaser = threading.Timer(3.0, stand_in.release.set)  # what a next() that waits for it would need
@@ -122,15 +130,8 @@ def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_c
 
 
 def test_ctrl_c_while_next_waits_for_a_decode_loses_no_batch(tmp_path, fake_cuda, stand_in):
-    ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V2(28))
-    theirs, ours = _loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2,
-                            persistent_workers=True)
-    expected = [[(x.clone(), y.clone()) for x, y in theirs] for _ in range(2)]
-    got = [[(x.clone(), y.clone()) for x, y in ours]]  # the first epoch makes the ring
-    stand_in.calls.clear()
+    expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.gate_from = 2  # batch 2's decode, in the prefetch thread, waits
-    it = iter(ours)
-    wait_for(lambda: _first_tasks_done(it, 3))
     got.append([_take(it)])
     wait_for(stand_in.entered.is_set)
     ctrl_c = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
@@ -161,15 +162,8 @@ def _outcomes(it, n):
 
 
 def test_an_error_in_a_deferred_decode_is_raised_at_its_batch(tmp_path, fake_cuda, stand_in):
-    ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V2(28))
-    theirs, ours = _loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2,
-                            persistent_workers=True)
-    expected = [[(x.clone(), y.clone()) for x, y in theirs] for _ in range(2)]
-    got = [[(x.clone(), y.clone()) for x, y in ours]]  # the first epoch makes the ring
-    stand_in.calls.clear()
+    expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.fail_at = 3  # nvjpeg failing at batch 3, which the prefetch thread decodes
-    it = iter(ours)
-    wait_for(lambda: _first_tasks_done(it, 3))
     got.append([_take(it)])
     wait_for(lambda: len(stand_in.calls) >= 3)
     got[1] += _outcomes(it, len(ours) - 1)
