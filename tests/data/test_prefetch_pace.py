@@ -1,5 +1,5 @@
 """The prefetch thread's paced top-ups (gpu_decode's loaders, _prefetch.TopUpPace): the top-up after a
-next() starts half a step later, where a batch is already prepared for the next next(), and at once
+next() starts later in the step (PACE_FRACTION of it), where a batch is already prepared for the next next(), and at once
 when the consumer is behind or comes back first."""
 import threading
 import time
@@ -20,16 +20,22 @@ def test_no_delay_until_a_period_is_known_or_when_behind():
     pace.kicked(0.040)
     assert pace.delay(ahead=0) == 0.0  # nothing prepared for the next next(): at once
     assert pace.delay(ahead=1) == pytest.approx(PACE_FRACTION * 0.040)
+    assert pace.delay(ahead=3) == pytest.approx(PACE_FRACTION * 0.040)
 
 
-def test_the_top_up_ends_before_the_next_next():
-    pace = TopUpPace()
-    for t in (0.0, 0.040, 0.080):
-        pace.kicked(t)
-    pace.worked(0.030)  # a top-up that takes most of the step starts early enough to end in it
-    assert pace.delay(ahead=1) == pytest.approx(0.040 - 0.030 - PACE_MARGIN_S)
-    pace.worked(0.100)
-    assert pace.delay(ahead=1) == 0.0
+def test_the_top_up_ends_before_the_batch_it_prepares_is_wanted():
+    def pace_after(work):
+        pace = TopUpPace()
+        for t in (0.0, 0.040, 0.080):
+            pace.kicked(t)
+        pace.worked(work)
+        return pace
+
+    # one that outlasts the step's last 35 % still starts PACE_FRACTION in: its batch is wanted a step later
+    assert pace_after(0.030).delay(ahead=1) == pytest.approx(PACE_FRACTION * 0.040)
+    # one that takes longer than a step starts early enough to end before the next next() but one
+    assert pace_after(0.060).delay(ahead=1) == pytest.approx(2 * 0.040 - 0.060 - PACE_MARGIN_S)
+    assert pace_after(0.200).delay(ahead=1) == 0.0
 
 
 def test_a_pause_stretches_the_period_boundedly():
@@ -66,7 +72,7 @@ def _wait_runs(feed, n, timeout=2.0):
     assert len(feed.ran) >= n
 
 
-def test_a_paced_top_up_starts_half_a_step_after_the_kick():
+def test_a_paced_top_up_starts_into_the_step_after_the_kick():
     feed = FakeFeed()
     prefetcher = Prefetcher(feed, paced=True)
     try:
@@ -88,7 +94,7 @@ def test_the_consumer_back_early_gets_its_top_up_at_once():
     feed = FakeFeed()
     prefetcher = Prefetcher(feed, paced=True)
     try:
-        prefetcher._pace.period = 10.0  # a paced top-up would start 5 s after its kick
+        prefetcher._pace.period = 10.0  # a paced top-up would start seconds after its kick
         prefetcher._pace._last = time.perf_counter()
         prefetcher.kick()
         time.sleep(0.05)
