@@ -29,6 +29,7 @@ from .harness import Row
 from .loader import resnet_step, sync, timed_steps
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+LOADER_REPS = 3  # the loader-alone figures: runs of each loader, alternated
 
 
 def _write_jpegs(args):
@@ -268,15 +269,22 @@ def rows(ctx):
         epoch = max(batches + warmup + 8, 0 if quick else 25 + steady + 2)
         ds = image_folder(root, repeat=max(1, epoch * batch // files + 1))
 
-        # 1 and 3: the loader alone, and what it costs the CPUs
-        ours = _rate_and_cpu(lambda: hotloop_way(ds, batch, ours_workers, device), batches, warmup, device)
-        theirs = _rate_and_cpu(lambda: TorchWay(ds, batch, torch_workers, device), batches, warmup, device)
+        # 1 and 3: the loader alone, and what it costs the CPUs; alternated, medians of LOADER_REPS runs
+        # each: on the H200 one loader's rate ranged 10k-18k img/s from one run to the next
+        runs = {"ours": [], "theirs": []}
+        for _ in range(1 if quick else LOADER_REPS):
+            runs["ours"].append(_rate_and_cpu(lambda: hotloop_way(ds, batch, ours_workers, device), batches, warmup,
+                                              device))
+            runs["theirs"].append(_rate_and_cpu(lambda: TorchWay(ds, batch, torch_workers, device), batches, warmup,
+                                                device))
+        ours, theirs = ((statistics.median(r for r, _ in v), statistics.median(c for _, c in v)) for v in runs.values())
         probe = hotloop_way(ds, batch, ours_workers, device)
         iter(probe)
         decoder = probe.stats.decoder
         del probe
         yield Row("images", f"loader alone, hotloop {ours_workers} workers vs torch {torch_workers}", ours[0], theirs[0],
-                  "img/s", note=f"{note_data}; hotloop decoder: {decoder}")
+                  "img/s", note=f"{note_data}; hotloop decoder: {decoder}; medians of {len(runs['ours'])} runs each, "
+                  "alternated")
         yield Row("images", "CPU seconds per image, all processes", ours[1] * 1e3, theirs[1] * 1e3, "ms",
                   note="user+system time of the main process and its workers over the timed batches")
 
