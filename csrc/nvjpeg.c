@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---------------------------------------------------------------------------------------------
    Status names and the per-image outcome of a decode. */
@@ -244,6 +245,7 @@ typedef struct {
     int interpolate; /* chroma upsampled by interpolation (as libjpeg-turbo does), not replication */
     int closed;
     atomic_int busy; /* a decode() or close() is running: one thread at a time */
+    pid_t pid;       /* the process that opened it: a forked copy owns none of its nvjpeg or CUDA state */
     unsigned int engines, cores_per_engine; /* hardware backend: what nvjpegGetHardwareDecoderInfo says */
 
     nvjpegHandle_t handle;
@@ -614,6 +616,12 @@ static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(sel
 
 /* 0 when this thread now holds the decoder; -1 with an exception when closed or in use */
 static int acquire(hl_jpeg_decoder *d, const char *method) {
+    if (d->pid != getpid()) {
+        PyErr_Format(PyExc_RuntimeError, "JpegDecoder.%s: the decoder was opened in process %d and this is a "
+                     "forked copy (process %d), where CUDA cannot run: open one in this process", method,
+                     (int)d->pid, (int)getpid());
+        return -1;
+    }
     if (d->closed) {
         PyErr_Format(PyExc_ValueError, "JpegDecoder.%s: the decoder is closed", method);
         return -1;
@@ -694,7 +702,9 @@ static PyObject *decoder_decode(PyObject *self, PyObject *args) {
 
 /* close the decoder: 0, or -1 with an exception (it is closed either way) */
 static int close_decoder(hl_jpeg_decoder *d, PyObject *module) {
-    if (d->closed || d->lib == NULL) {
+    /* a forked copy (a DataLoader worker that garbage-collects the parent's decoder) leaves the state to
+       the parent: nvjpeg's destroy calls there threw "Memory allocator error" and aborted the worker */
+    if (d->closed || d->lib == NULL || d->pid != getpid()) {
         d->closed = 1;
         return 0;
     }
@@ -715,8 +725,10 @@ PyDoc_STRVAR(close_doc, "close()\n\nWait for the last decode's work, then free t
 
 static PyObject *decoder_close(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_jpeg_decoder *d = (hl_jpeg_decoder *)self;
-    if (d->closed)
+    if (d->closed || d->pid != getpid()) { /* a forked copy's close lets go of it only (close_decoder) */
+        d->closed = 1;
         Py_RETURN_NONE;
+    }
     if (acquire(d, "close") < 0)
         return NULL;
     int rc = close_decoder(d, module_of(self));
@@ -820,6 +832,7 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     d->backend = backend;
     d->max_batch = max_batch;
     d->interpolate = interpolate;
+    d->pid = getpid();
     atomic_init(&d->busy, 0);
     d->data = calloc((size_t)max_batch, sizeof(*d->data));
     d->lengths = calloc((size_t)max_batch, sizeof(*d->lengths));

@@ -723,6 +723,44 @@ def test_no_leak_over_50_decoders(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+def test_a_forked_copy_leaves_the_decoder_to_its_parent(backend):
+    """A DataLoader worker forked while a decoder lives (torch's, in the H200 suite) garbage-collected
+    its copy; nvjpeg's destroy calls there threw and aborted the worker. The copy is let go of, and a
+    decode in it says why it cannot run; the parent's decoder works on."""
+    rng = np.random.default_rng()
+    batch = Batch([make_jpeg(rng, 64, 96) for _ in range(2)])
+    decoder = open_decoder(backend, 4)
+    first = batch.decode(decoder)[1]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it, whatever happens
+        code = 3
+        try:
+            os.close(read)
+            try:
+                decoder.decode(batch.sources, b"\0" * 32, 2, 0)
+                said = "decoded"
+            except RuntimeError as err:
+                said = str(err)
+            os.write(write, said.encode()[:500])
+            del decoder
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with wait status {status}"
+    assert "forked copy" in said and "open one in this process" in said, said
+    again = batch.decode(decoder)[1]
+    assert all((a == b).all() for a, b in zip(first, again))
+    decoder.close()
+
+
+@pytest.mark.gpu
 def test_one_decoder_per_thread():
     rng = np.random.default_rng()
     batches = [Batch([make_jpeg(rng, 200, 300) for _ in range(8)]) for _ in range(2)]
