@@ -873,8 +873,8 @@ class _Feed:
             outcome = pool.wait(task, self._timeout, self._handed + len(self._prepared), self._fill)
             pool.finish(task)
             pool.took(task, outcome)
-            self._outstanding -= 1
             if isinstance(outcome, Ended):
+                self._outstanding -= 1
                 self._log.settle(task)
                 self._workers_status[task.wid] = False
                 self._stop_ids[task.wid] = task.id
@@ -974,6 +974,8 @@ class _Feed:
             return False
         try:
             while len(self._prepared) < self._loader.prefetch_batches:
+                if self._next_task() is None:
+                    return False  # every task sent is prepared: the next wait for hand-outs (_hand_out)
                 nxt = self._next_result(block=False, defer=defer)
                 if nxt is None:
                     task = self._next_task()
@@ -996,5 +998,11 @@ class _Feed:
         if task is not None:
             task.handed = True
             self._log.settle(task)
+            # a batch counts among the prefetch_factor * workers until handed out, as torch counts it, and
+            # its hand-out sends the next index (torch's _try_put_index): batches copied to the device
+            # ahead do not let the sampler be read further, which a sampler read past its end would show
+            # in the loader's generator (test_sampler_reads.py)
+            self._outstanding -= 1
+            self._fill()
         if isinstance(out, _Raise):
             raise out.exc
