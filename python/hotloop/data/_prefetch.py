@@ -50,7 +50,7 @@ class TopUpPace:
     the top-up starts PACE_FRACTION of a step after next(), where a batch is already prepared for
     the next next() (nothing is late for it), and early enough to end before the next next() but one,
     which wants the batch it prepares. Timed per phase on the H200 (one run each, 85 steps):
-    started at once, the decode slowed the forward's launches and the step ran at 89.6 % of the
+    started at once, the decode slowed the forward's launches and the step ran at 88-90 % of the
     GPU-resident speed; started early enough to end before the next next() (~0.35 of the step, as
     the decode takes ~30 ms of a 46 ms step beside it), it slowed the backward's, 94.2 %; at 0.55,
     0.65 and 0.75 of the step it fell mostly while the step waited for the GPU: 95.4, 95.7, 95.1 %.
