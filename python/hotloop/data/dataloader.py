@@ -29,6 +29,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import os
 import threading
 import time
 import typing
@@ -63,6 +64,14 @@ _T_co = typing.TypeVar("_T_co", covariant=True)  # what a batch is, as in torch'
 
 PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
 PACED_TOP_UPS = True  # gpu_decode's top-ups start later in the consumer's step (_prefetch.TopUpPace)
+
+
+def _forked_copy(obj) -> bool:
+    """True in a process forked from the one that made `obj` (another loader's worker, a multiprocessing
+    child) when its copy of obj is collected there: that copy owns none of obj's threads, workers or
+    CUDA state, and its locks may stay held by a thread that the fork did not copy (the prefetch
+    thread's), so a finaliser that took one would wait forever."""
+    return getattr(obj, "_hl_pid", None) not in (None, os.getpid())
 
 
 def _cuda_device(device):
@@ -153,6 +162,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.gpu_transform = gpu_transform
         self.max_worker_restarts = max_worker_restarts
         self._hl_stats = LoaderStats()
+        self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (_forked_copy)
         self._hl_pool = None  # persistent workers keep theirs here
         self._hl_local_ring = None  # num_workers=0 with a device: the ring batches go through
         self._hl_resume = None  # a loaded state, applied by the next iterator
@@ -340,6 +350,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return skip
 
     def __del__(self):
+        if _forked_copy(self):
+            return
         pool = getattr(self, "_hl_pool", None)
         if pool is not None:
             pool.close()
@@ -462,6 +474,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
     k+1. `prefetch_batches` batches are made and queued ahead of the one returned."""
 
     def __init__(self, loader):
+        self._hl_pid = os.getpid()
         super().__init__(loader)
         if _swap_in_images(self, loader):
             self._dataset_fetcher = _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
@@ -567,6 +580,8 @@ class _SingleIter(_SingleProcessDataLoaderIter):
         return _host_batch_out(loader, batch, False), n
 
     def __del__(self):
+        if _forked_copy(self):
+            return
         # copies queued for batches never handed out: their slots are freed once those end
         ring = getattr(self._loader, "_hl_local_ring", None) if hasattr(self, "_loader") else None
         for batch, _ in getattr(self, "_prepared", ()):
@@ -595,6 +610,7 @@ class _MultiIter(_BaseDataLoaderIter):
     top-up at that moment, the shutdown ran later, in the thread.)"""
 
     def __init__(self, loader):
+        self._hl_pid = os.getpid()
         if loader.prefetch_factor <= 0:  # torch's check, in torch's words (its DataLoader accepts the argument)
             raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         pool = loader._hl_pool if loader.persistent_workers else None
@@ -676,7 +692,7 @@ class _MultiIter(_BaseDataLoaderIter):
 
     def __del__(self):
         feed = getattr(self, "_feed", None)
-        if feed is None:
+        if feed is None or _forked_copy(self):
             return
         feed.stop_prefetcher()  # waits for a top-up in progress: this thread does not hold the lock
         if not self._persistent_workers:
