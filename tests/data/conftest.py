@@ -259,3 +259,16 @@ def no_prefetch_thread_left(timeout=5.0):
         gc.collect()
         time.sleep(0.01)
     return not prefetch_threads()
+
+
+def open_with(monkeypatch, decoder):
+    """Every gpu_decode loader made in the test opens `decoder` (a stand-in for nvjpeg's) as its
+    hardware backend."""
+    from hotloop.data.image_stage import ImageStage
+
+    def open_stand_in(self):
+        self.backend, self.decoder = "hardware", decoder
+        self.stats.decoder = self.description
+        return self.backend
+
+    monkeypatch.setattr(ImageStage, "open", open_stand_in)

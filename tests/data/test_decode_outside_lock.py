@@ -19,9 +19,8 @@ from torchvision.datasets import ImageFolder
 
 import hotloop
 from hotloop.data._device import ImageLaunch
-from hotloop.data.image_stage import ImageStage
 
-from .conftest import fake_device, wait_for
+from .conftest import fake_device, open_with, wait_for
 from .test_gpu_decode import TRAIN_V2, _compare, make_folder
 
 
@@ -64,13 +63,7 @@ class GatedDecoder:
 def stand_in(monkeypatch):
     """The decoder every gpu_decode loader made in the test opens."""
     decoder = GatedDecoder()
-
-    def open_stand_in(self):
-        self.backend, self.decoder = "hardware", decoder
-        self.stats.decoder = self.description
-        return self.backend
-
-    monkeypatch.setattr(ImageStage, "open", open_stand_in)
+    open_with(monkeypatch, decoder)
     return decoder
 
 

@@ -25,6 +25,8 @@ from hotloop.data.gpu_decode import ImagePipeline
 from hotloop.data.image_plan import ImagePlan
 from hotloop.data.image_source import collate_encoded
 
+from .conftest import open_with
+
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 LEVEL = 1 / 255 / min(STD) + 1e-5  # one level of 255, normalised
 
@@ -295,16 +297,8 @@ class PilDecoder:
 def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers):
     """Workers send JPEG bytes and headers; the stage decodes them in one call into its buffer,
     decodes what the decoder refused itself, and the batches equal the CPU pipeline's."""
-    from hotloop.data.image_stage import ImageStage
-
     decoder = PilDecoder()
-
-    def open_stand_in(self):
-        self.backend, self.decoder = "hardware", decoder
-        self.stats.decoder = self.description
-        return self.backend
-
-    monkeypatch.setattr(ImageStage, "open", open_stand_in)
+    open_with(monkeypatch, decoder)
     photo = _photo(np.random.default_rng(), 60, 50)
     extra = [("grey.jpg", encoded(photo.convert("L"))), ("cmyk.jpg", encoded(photo.convert("CMYK"))),
              ("progressive.jpg", encoded(photo, progressive=True)), ("png_named.jpg", encoded(photo, "PNG"))]

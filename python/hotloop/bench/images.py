@@ -12,6 +12,7 @@ batches; and the same step captured as one CUDA graph), the step's GPU time whil
 feeds it, top-ups paced or not (_prefetch.TopUpPace), and each backend forced in turn.
 """
 import contextlib
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -148,15 +149,8 @@ def _rate_and_cpu(make, batches, warmup, device):
 
 
 def _step_ms(step, x, y, reps):
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(x, y)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """The step's median GPU ms on the one batch (x, y), `reps` times."""
+    return _fed_step_ms(step, itertools.repeat((x, y)), 0, reps)
 
 
 def _fed_step_ms(step, loader, warmup, reps):
@@ -277,7 +271,8 @@ def rows(ctx):
                                               device))
             runs["theirs"].append(_rate_and_cpu(lambda: TorchWay(ds, batch, torch_workers, device), batches, warmup,
                                                 device))
-        ours, theirs = ((statistics.median(r for r, _ in v), statistics.median(c for _, c in v)) for v in runs.values())
+        ours, theirs = ((statistics.median(r for r, _ in v), statistics.median(c for _, c in v))
+                        for v in runs.values())
         probe = hotloop_way(ds, batch, ours_workers, device)
         iter(probe)
         decoder = probe.stats.decoder

@@ -990,12 +990,12 @@ class _Feed:
             return False
         try:
             while len(self._prepared) < self._loader.prefetch_batches:
-                if self._next_task() is None:
-                    return False  # every task sent is prepared: the next wait for hand-outs (_hand_out)
+                task = self._next_task()
+                if task is None:
+                    return False  # the epoch's end, or every task sent is prepared: the next come with hand-outs
                 nxt = self._next_result(block=False, defer=defer)
                 if nxt is None:
-                    task = self._next_task()
-                    return task is not None and pool.is_done(task)
+                    return pool.is_done(task)
                 self._prepared.append(nxt)
         except StopIteration:
             pass  # the epoch's last batches are prepared; they are handed out by the next calls
