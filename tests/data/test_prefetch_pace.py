@@ -5,12 +5,13 @@ import threading
 import time
 
 import pytest
+import torch
 
 import hotloop
 from hotloop.data import dataloader
-from hotloop.data._prefetch import PACE_FRACTION, PACE_MARGIN_S, Prefetcher, TopUpPace
+from hotloop.data._prefetch import PACE_FRACTION, PACE_MARGIN_S, PERIOD_WINDOW, Prefetcher, TopUpPace
 
-from .conftest import Images, fake_device
+from .conftest import Images, fake_device, wait_for
 
 
 def test_no_delay_until_a_period_is_known_or_when_behind():
@@ -38,12 +39,24 @@ def test_the_top_up_ends_before_the_batch_it_prepares_is_wanted():
     assert pace_after(0.200).delay(ahead=1) == 0.0
 
 
-def test_a_pause_stretches_the_period_boundedly():
+def test_the_period_is_the_shortest_recent_step():
     pace = TopUpPace()
-    for t in (0.0, 0.040, 0.080):
+    t = 0.0
+    for gap in (0.040, 0.085, 0.044, 0.090, 10.0):  # steps slowed by decodes, a validation pause
         pace.kicked(t)
-    pace.kicked(10.0)  # validation between two epochs' next() calls
-    assert pace.period == pytest.approx(0.8 * 0.040 + 0.2 * 0.080)
+        t += gap
+    assert pace.period == pytest.approx(0.040)
+    for _ in range(PERIOD_WINDOW):  # the step got longer for good (a larger batch, say)
+        pace.kicked(t)
+        t += 0.060
+    assert pace.period == pytest.approx(0.060)
+
+
+def _learn_period(prefetcher, period):
+    """The prefetcher's pace as after next() calls `period` apart, the next one due now."""
+    now = time.perf_counter()
+    prefetcher._pace.kicked(now - 2 * period)
+    prefetcher._pace.kicked(now - period)
 
 
 class FakeFeed:
@@ -57,7 +70,7 @@ class FakeFeed:
     def ahead(self):
         return self._ahead
 
-    def top_up(self, defer=False):
+    def top_up(self, defer=False, limit=None):
         self.ran.append(time.perf_counter())
         return False
 
@@ -94,8 +107,7 @@ def test_the_consumer_back_early_gets_its_top_up_at_once():
     feed = FakeFeed()
     prefetcher = Prefetcher(feed, paced=True)
     try:
-        prefetcher._pace.period = 10.0  # a paced top-up would start seconds after its kick
-        prefetcher._pace._last = time.perf_counter()
+        _learn_period(prefetcher, 10.0)  # a paced top-up would start seconds after its kick
         prefetcher.kick()
         time.sleep(0.05)
         assert len(feed.ran) == 0  # waiting for its start
@@ -112,8 +124,7 @@ def test_the_consumer_back_early_gets_its_top_up_at_once():
 def test_close_while_waiting_ends_the_thread_at_once():
     feed = FakeFeed()
     prefetcher = Prefetcher(feed, paced=True)
-    prefetcher._pace.period = 10.0
-    prefetcher._pace._last = time.perf_counter()
+    _learn_period(prefetcher, 10.0)
     prefetcher.kick()
     time.sleep(0.05)
     t = time.perf_counter()
@@ -126,14 +137,67 @@ def test_behind_means_at_once():
     feed = FakeFeed(ahead=0)
     prefetcher = Prefetcher(feed, paced=True)
     try:
-        prefetcher._pace.period = 10.0
-        prefetcher._pace._last = time.perf_counter()
+        _learn_period(prefetcher, 10.0)
         t = time.perf_counter()
         prefetcher.kick()
         _wait_runs(feed, 1)
         assert feed.ran[0] - t < 0.5
     finally:
         prefetcher.close()
+
+
+class FillingFeed(FakeFeed):
+    """A feed whose top-ups each prepare one batch of the `room` it has, asked with limit=1."""
+
+    def __init__(self, room=2):
+        super().__init__(ahead=0)
+        self.room = room
+        self.limits = []
+
+    def top_up(self, defer=False, limit=None):
+        self.limits.append(limit)
+        super().top_up(defer, limit)
+        self._ahead += 1
+        return self._ahead < self.room  # room for another: worth a run of its own
+
+
+def test_a_paced_top_up_prepares_one_batch_and_the_next_at_its_paced_time():
+    """Behind (nothing prepared), the first batch is prepared at once and the second PACE_FRACTION
+    of a step after the kick, not back to back with it in the consumer's launches."""
+    feed = FillingFeed()
+    prefetcher = Prefetcher(feed, paced=True)
+    try:
+        period = 0.2
+        _learn_period(prefetcher, period)
+        t = time.perf_counter()
+        prefetcher.kick()
+        _wait_runs(feed, 2)
+        assert feed.limits == [1, 1]
+        assert feed.ran[0] - t < 0.5 * PACE_FRACTION * period  # at once
+        assert feed.ran[1] - t >= PACE_FRACTION * period - 0.005  # a wait ends no sooner
+        time.sleep(period)
+        assert len(feed.ran) == 2  # full: nothing until the next kick
+    finally:
+        prefetcher.close()
+
+
+def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
+    monkeypatch.setattr(dataloader, "PREFETCH_THREAD", False)  # next() tops up itself: not while this test does
+    real, ours = dataloader._Feed.top_up, threading.Event()
+    monkeypatch.setattr(dataloader._Feed, "top_up", lambda self, defer=False, limit=None:
+                        real(self, defer, limit) if ours.is_set() else False)
+    ds = Images(n=24, size=8)
+    loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2, prefetch_batches=2))
+    it = iter(loader)
+    _, first = next(it)  # the ring exists from here on: the next tasks are sent
+    feed = it._feed
+    wait_for(lambda: all(feed.pool.is_done(t) for t in feed._order[1:3]))
+    ours.set()
+    with feed.lock:
+        assert feed.top_up(limit=1) is True and feed.ahead() == 1  # room for one more
+        assert feed.top_up(limit=1) is False and feed.ahead() == 2  # full
+    labels = torch.cat([first] + [y for _, y in it])
+    assert labels.tolist() == list(range(len(ds)))  # in order, nothing lost or repeated
 
 
 def test_only_gpu_decode_loaders_pace(fake_cuda, monkeypatch):

@@ -19,7 +19,7 @@ run on the H200 at 12 workers spent 45-53 ms of its first 25 steps page-locking 
 
 With gpu_decode the top-up is paced: it starts later in the step than next(), where a batch is already
 prepared, so that nvjpeg's CUDA calls fall while the training thread waits for the GPU rather than
-while it launches (TopUpPace).
+while it launches (TopUpPace); and it prepares one batch per run, each at its own paced time.
 
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
 epoch's state never see two threads; all but gpu_decode's decodes, which it runs once it let go of
@@ -28,6 +28,7 @@ wait for that with a batch ready to hand out. It holds the epoch's feed (dataloa
 iterator, and the feed only through a weak reference: the iterator's last reference is the
 consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
 """
+import collections
 import threading
 import time
 import weakref
@@ -37,6 +38,7 @@ from ._shutdown import PREFETCH_THREADS, close_at_exit, forget
 RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to be page-locked
 PACE_FRACTION = 0.65  # a paced top-up starts this far into the consumer's step (its period)
 PACE_MARGIN_S = 0.002  # and ends this long before the next next() but one at the latest
+PERIOD_WINDOW = 8  # the consumer's step is the shortest of this many gaps between next() calls
 
 
 class TopUpPace:
@@ -54,18 +56,30 @@ class TopUpPace:
     GPU-resident speed; started early enough to end before the next next() (~0.35 of the step, as
     the decode takes ~30 ms of a 46 ms step beside it), it slowed the backward's, 94.2 %; at 0.55,
     0.65 and 0.75 of the step it fell mostly while the step waited for the GPU: 95.4, 95.7, 95.1 %.
+
+    The period is the shortest of the last PERIOD_WINDOW gaps between next() calls: the step as
+    long as nothing slowed it. It was a moving average, which counts the steps that decodes slowed;
+    over the first 25 steps on the H200 a paced start computed from it could come after the next
+    next(), which then found no batch prepared and had two decoded back to back in its own launches:
+    in two runs of three, steps took ~85-95 and ~45 ms by turns for 20 steps (54 and 60 % of the
+    GPU-resident speed over the first 25 steps; the third run 77 %). With the shortest gap and one
+    batch per run (Prefetcher): 73-81 % over 5 runs, 80-84 % over 3 with the ring not page-locked
+    (_device.DeviceCopies).
     """
 
     def __init__(self):
-        self.period = None  # seconds between next() calls, a moving average
+        self._gaps = collections.deque(maxlen=PERIOD_WINDOW)  # seconds between next() calls, latest last
         self.work = 0.0  # seconds a top-up that prepared a batch took, a moving average
         self._last = None
 
+    @property
+    def period(self):
+        """The consumer's step (seconds between next() calls): the shortest recent one, or None."""
+        return min(self._gaps) if self._gaps else None
+
     def kicked(self, now):
         if self._last is not None:
-            gap = now - self._last
-            # a pause (validation, a checkpoint) counts as twice the period at most
-            self.period = gap if self.period is None else 0.8 * self.period + 0.2 * min(gap, 2 * self.period)
+            self._gaps.append(now - self._last)
         self._last = now
 
     def worked(self, seconds):
@@ -73,14 +87,16 @@ class TopUpPace:
 
     def delay(self, ahead) -> float:
         """Seconds from the kick to the top-up, with `ahead` batches prepared for the consumer."""
-        if ahead < 1 or self.period is None:
+        period = self.period
+        if ahead < 1 or period is None:
             return 0.0  # behind, or no period measured yet: at once
-        return max(0.0, min(PACE_FRACTION * self.period, 2 * self.period - self.work - PACE_MARGIN_S))
+        return max(0.0, min(PACE_FRACTION * period, 2 * period - self.work - PACE_MARGIN_S))
 
 
 class Prefetcher:
     """Runs `feed.top_up()` under `feed.lock` in a thread of its own each time `kick()` is called;
-    paced: later in the consumer's step (TopUpPace), where feed.ahead() batches allow it."""
+    paced: later in the consumer's step (TopUpPace), where feed.ahead() batches allow it, one batch
+    per run (top_up's limit), the next one's run paced from the same kick."""
 
     def __init__(self, feed, paced=False):
         self._feed = weakref.ref(feed)
@@ -119,12 +135,13 @@ class Prefetcher:
             thread.join()
 
     def _loop(self):
-        again = False
+        again = False  # a done batch waits for its slot to be page-locked: look again after RETRY_S
+        more = False  # paced: one batch prepared, room for another, which starts at its own paced time
         while True:
             with self._cond:
                 if again and not self._wanted and not self._stopped:
                     self._cond.wait(RETRY_S)
-                while not self._wanted and not self._stopped and not again:
+                while not self._wanted and not self._stopped and not again and not more:
                     self._cond.wait()
                 if self._stopped:
                     return
@@ -137,7 +154,9 @@ class Prefetcher:
                 return
             with self._lock:
                 t0, ahead = time.perf_counter(), feed.ahead()
-                again = not self._stopped and feed.top_up(defer=True)
+                # paced: one batch per run, each at its paced time: two decoded back to back at the
+                # step's start (the consumer caught up with the prepared ones) slowed its launches
+                again = not self._stopped and feed.top_up(defer=True, limit=1 if self._pace is not None else None)
                 launches = feed.waiting_launches()
                 prepared = feed.ahead() > ahead
             del feed
@@ -146,6 +165,8 @@ class Prefetcher:
                     break  # deliver queues what is handed out, the epoch's end skips the rest
                 launch.run()
             del launches
+            more = again and prepared and self._pace is not None
+            again = again and not more
             if self._pace is not None and prepared:
                 self._pace.worked(time.perf_counter() - t0)
 

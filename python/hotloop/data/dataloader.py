@@ -977,19 +977,23 @@ class _Feed:
                 self.top_up()
         return out, samples
 
-    def top_up(self, defer=False):
+    def top_up(self, defer=False, limit=None):
         """With a device, lock held (the prefetch thread, or next() without it): take the batches
-        after the one handed out from the workers and queue their copies, up to prefetch_batches,
-        as far as they are done and their slots page-locked (it never waits: next() takes a batch
-        that was not, and page-locks its slot if need be). True when the next batch is done but its
-        slot not yet page-locked: worth looking again soon. An exception here is raised by next()
+        after the one handed out from the workers and queue their copies, up to prefetch_batches
+        (and at most `limit` of them), as far as they are done and their slots page-locked (it never
+        waits: next() takes a batch that was not, and page-locks its slot if need be). True when
+        it is worth looking again soon: the next batch is done but its slot not yet page-locked, or
+        `limit` batches were prepared with room for more. An exception here is raised by next()
         at the turn of the batch it was preparing. defer: gpu_decode's decodes are left for the
         caller to run once it let go of the lock (waiting_launches)."""
         pool = self.pool
         if pool is None or pool.closed:
             return False
+        room = self._loader.prefetch_batches
         try:
-            while len(self._prepared) < self._loader.prefetch_batches:
+            for _ in range(room if limit is None else limit):
+                if len(self._prepared) >= room:
+                    return False
                 task = self._next_task()
                 if task is None:
                     return False  # the epoch's end, or every task sent is prepared: the next come with hand-outs
@@ -997,6 +1001,7 @@ class _Feed:
                 if nxt is None:
                     return pool.is_done(task)
                 self._prepared.append(nxt)
+            return len(self._prepared) < room
         except StopIteration:
             pass  # the epoch's last batches are prepared; they are handed out by the next calls
         except Exception as exc:
