@@ -159,7 +159,13 @@ class DeviceCopies:
         self.cuda = self.calls(device)
         self.loader = weakref.proxy(loader)  # its gpu_transform and stats; a proxy: the loader owns a LocalRing
         self.copy_stream = None
-        self.pin_slots = True
+        # gpu_decode's batches never leave their slot by DMA: launch reads the JPEG bytes into a
+        # page-locked copy of its own (image_stage.py) and the targets are a few kB. Page-locking the
+        # ring (~340 MB with 4 workers and batches of 256) ran in the background through the first
+        # steps, holding the driver lock while the first decodes and launches ran. On the H200, 3
+        # alternated runs each: the first next() took 97-146 ms with it and 89-101 ms without; the
+        # first 25 steps ran at 72-81 % and 80-84 % of the GPU-resident speed; later steps alike
+        self.pin_slots = loader.image_stage is None
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
@@ -169,8 +175,11 @@ class DeviceCopies:
     def populate(self, ring, order):
         """Background threads of the ring allocate its pages and page-lock its slots, in `order`:
         a worker's first write finds its pages and a copy its slot page-locked, without the training
-        thread doing either (unless a copy comes first: ring_pin.c)."""
-        self.cuda.populate(ring, order)
+        thread doing either (unless a copy comes first: ring_pin.c). Without pin_slots, the pages only."""
+        if self.pin_slots:
+            self.cuda.populate(ring, order)
+        else:
+            ring.populate_all(order)
 
     def _pin(self, ring, slot):
         if not self.pin_slots:

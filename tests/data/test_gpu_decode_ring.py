@@ -1,0 +1,56 @@
+"""gpu_decode's ring is never page-locked: its batches leave their slot through a page-locked copy of
+their own (image_stage.py), and page-locking the ring only held the driver lock while the first
+decodes and training steps ran (_device.DeviceCopies). The device path runs on the CPU (fake_cuda),
+with PIL standing in for nvjpeg; a loader without gpu_decode still page-locks its slots."""
+import random
+
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torchvision.datasets import ImageFolder
+
+import hotloop
+from hotloop.data._device import DeviceCopies
+
+from .conftest import Images, fake_device, open_with
+from .test_decode_outside_lock import GatedDecoder, _take
+from .test_gpu_decode import TRAIN_V1, _compare, make_folder
+
+
+def _record_populate(monkeypatch):
+    """The orders DeviceCopies gave CudaCalls.populate (which page-locks on a GPU)."""
+    calls = DeviceCopies.calls
+    asked, real = [], calls.populate
+
+    def populate(self, ring, order):
+        asked.append(list(order))
+        return real(self, ring, order)
+
+    monkeypatch.setattr(calls, "populate", populate)
+    return asked
+
+
+def test_a_gpu_decode_ring_is_not_page_locked(tmp_path, fake_cuda, monkeypatch):
+    open_with(monkeypatch, GatedDecoder())
+    fake_cuda.background_pins = False  # a slot counts as page-locked only once register() did it
+    asked = _record_populate(monkeypatch)
+    ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V1(28))
+    seed = random.randrange(2**31)
+    kw = dict(batch_size=5, shuffle=True, num_workers=2)
+    expected = [(x.clone(), y.clone()) for x, y in
+                TorchDataLoader(ds, generator=torch.Generator().manual_seed(seed), **kw)]
+    ours = fake_device(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(seed), gpu_decode=True, **kw))
+    it = iter(ours)
+    got = [_take(it) for _ in range(len(ours) - 1)]
+    pool = it._pool  # the epoch's, until its last batch
+    assert pool.ring.nslots > 0 and not pool.copies.pin_slots
+    got.append(_take(it))
+    assert fake_cuda.registered == set() and asked == []  # neither in the background nor before a copy
+    _compare(got, expected)
+
+
+def test_a_ring_without_gpu_decode_still_is(fake_cuda, monkeypatch):
+    fake_cuda.background_pins = False
+    asked = _record_populate(monkeypatch)
+    loader = fake_device(hotloop.DataLoader(Images(n=16, size=8), batch_size=4, num_workers=2))
+    assert torch.cat([y for _, y in loader]).tolist() == list(range(16))
+    assert len(asked) == 1 and fake_cuda.registered  # the background thread's order, and copies that came first
