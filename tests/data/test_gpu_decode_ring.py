@@ -5,14 +5,13 @@ with PIL standing in for nvjpeg; a loader without gpu_decode still page-locks it
 import random
 
 import torch
-from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
 from hotloop.data._device import DeviceCopies
 
 from .conftest import Images, fake_device, open_with
-from .test_decode_outside_lock import GatedDecoder, _take
+from .test_decode_outside_lock import GatedDecoder, _loaders, _take
 from .test_gpu_decode import TRAIN_V1, _compare, make_folder
 
 
@@ -34,11 +33,8 @@ def test_a_gpu_decode_ring_is_not_page_locked(tmp_path, fake_cuda, monkeypatch):
     fake_cuda.background_pins = False  # a slot counts as page-locked only once register() did it
     asked = _record_populate(monkeypatch)
     ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V1(28))
-    seed = random.randrange(2**31)
-    kw = dict(batch_size=5, shuffle=True, num_workers=2)
-    expected = [(x.clone(), y.clone()) for x, y in
-                TorchDataLoader(ds, generator=torch.Generator().manual_seed(seed), **kw)]
-    ours = fake_device(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(seed), gpu_decode=True, **kw))
+    theirs, ours = _loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2)
+    expected = [(x.clone(), y.clone()) for x, y in theirs]
     it = iter(ours)
     got = [_take(it) for _ in range(len(ours) - 1)]
     pool = it._pool  # the epoch's, until its last batch

@@ -165,6 +165,8 @@ class Prefetcher:
                     break  # deliver queues what is handed out, the epoch's end skips the rest
                 launch.run()
             del launches
+            # top_up's True after a paced run that prepared its one batch: room for the next; else a
+            # done batch whose slot waits to be page-locked
             more = again and prepared and self._pace is not None
             again = again and not more
             if self._pace is not None and prepared:
