@@ -1,7 +1,7 @@
 """The prefetch thread's paced top-ups (gpu_decode's loaders, _prefetch.TopUpPace): the top-up after a
 next() starts later in the step (PACE_FRACTION of it), where a batch is already prepared for the next next(), and at once
 when the consumer is behind or comes back first; one batch per run, the next at its own paced time; the
-step is the shortest recent gap between next() calls."""
+step is the shortest recent gap between next() calls, counted from call to call."""
 import threading
 import time
 
@@ -51,6 +51,34 @@ def test_the_period_is_the_shortest_recent_step():
         pace.kicked(t)
         t += 0.060
     assert pace.period == pytest.approx(0.060)
+
+
+def test_the_period_counts_gaps_between_calls_not_returns():
+    """A consumer on a fixed schedule (a thread taking a batch every 40 ms) whose next() waited 30 ms
+    returns 30 ms late and calls again 10 ms later: counted between returns, the step would seem
+    10 ms long and the top-ups would start early in its real step."""
+    prefetcher = Prefetcher(FakeFeed(), paced=True)
+    try:
+        t = time.perf_counter()
+        for called_at in (t, t + 0.040, t + 0.080, t + 0.120):  # the call at 80 ms returned at 110 ms
+            prefetcher.kick(called_at)
+        assert prefetcher._pace.period == pytest.approx(0.040)
+    finally:
+        prefetcher.close()
+
+
+def test_next_kicks_with_the_time_it_was_called(fake_cuda, monkeypatch):
+    calls = []
+    real = Prefetcher.kick
+    monkeypatch.setattr(Prefetcher, "kick", lambda self, called_at=None: (calls.append(called_at), real(self, called_at)))
+    loader = fake_device(hotloop.DataLoader(Images(n=16, size=8), batch_size=4, num_workers=2, prefetch_batches=2))
+    it = iter(loader)
+    for _ in range(3):
+        before = time.perf_counter()
+        next(it)
+        after = time.perf_counter()
+        assert calls and calls[-1] is not None and before <= calls[-1] <= after
+    del it
 
 
 def _learn_period(prefetcher, period):

@@ -680,7 +680,7 @@ class _MultiIter(_BaseDataLoaderIter):
         t0 = time.perf_counter()
         feed = self._feed
         with feed.lock:
-            out, samples = feed.take_next()
+            out, samples = feed.take_next(t0)
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out
@@ -929,8 +929,8 @@ class _Feed:
             return len(task.index)
         return from_batch()  # an iterable's last batch may be short
 
-    def take_next(self):
-        """(the next batch, its samples), with the lock held."""
+    def take_next(self, called_at=None):
+        """(the next batch, its samples), with the lock held; called_at: when next() was called."""
         if self.pool is None:
             self._loader._hl_epoch_done = True
             raise StopIteration
@@ -972,7 +972,7 @@ class _Feed:
                 out = pool.deliver(out)
         finally:
             if self.prefetcher is not None:
-                self.prefetcher.kick()  # the next batches' copies, queued while the step runs
+                self.prefetcher.kick(called_at)  # the next batches' copies, queued while the step runs
             else:
                 self.top_up()
         return out, samples
