@@ -4,6 +4,7 @@ train, loop and inference measure whole models (hotloop/bench/train.py, loop.py,
 a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py)."""
 import importlib
 import sys
+import time
 
 from .. import _C, cuda_available
 from ..bench import COMPONENTS
@@ -112,11 +113,13 @@ def _components(args, device):
     print(f"hotloop bench components on {args.device or device.type}"
           + (f" ({torch.cuda.get_device_name(ctx.device)})" if ctx.is_cuda else "")
           + f", torch {torch.__version__}", flush=True)
+    started = time.perf_counter()
     for name in args.only or list(COMPONENTS):
         for row in importlib.import_module(COMPONENTS[name]).rows(ctx):
             rows.append(row)
-            print(f"  {row.component}: {row.figure}: hotloop {row.hotloop:.4g} {row.unit}, "
-                  f"torch {row.torch:.4g} {row.unit}", flush=True)
+            # the elapsed time says which rows a run's time goes to (a limit on it cuts the last ones)
+            print(f"  [{time.perf_counter() - started:.0f} s] {row.component}: {row.figure}: hotloop "
+                  f"{row.hotloop:.4g} {row.unit}, torch {row.torch:.4g} {row.unit}", flush=True)
     print()
     print(format_table(rows))
     return 0
