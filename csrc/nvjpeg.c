@@ -218,6 +218,7 @@ static int event_synchronize(void *event) { return (int)cudaEventSynchronize((cu
 static int stream_wait(hl_stream_t stream, void *event) {
     return (int)cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0);
 }
+static int stream_synchronize(hl_stream_t stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
 #define DEVICE_GUARD hl_device_guard
 #define DEVICE_ENTER(guard, device, status) hl_device_enter(guard, device, status)
 #define DEVICE_LEAVE(guard, status) hl_device_leave(guard, status)
@@ -227,6 +228,7 @@ static int event_destroy(void *event) { (void)event; return 0; }
 static int event_record(void *event, hl_stream_t stream) { (void)event; (void)stream; return 35; }
 static int event_synchronize(void *event) { (void)event; return 0; }
 static int stream_wait(hl_stream_t stream, void *event) { (void)stream; (void)event; return 35; }
+static int stream_synchronize(hl_stream_t stream) { (void)stream; return 35; }
 typedef int DEVICE_GUARD;
 #define DEVICE_ENTER(guard, device, status) ((void)(guard), (void)(device), (void)(status))
 #define DEVICE_LEAVE(guard, status) ((void)(guard), (void)(status))
@@ -585,6 +587,15 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
     /* 2. the work, all on c->stream; a stream other than the last call's first waits for that call */
     if (d->done_pending && d->last_stream != c->stream) {
         HL_CUDA(&f->cuda, stream_wait(c->stream, d->done));
+        if (f->cuda.code != 0)
+            return;
+    }
+    if (batched > 0 && d->backend == BACKEND_HARDWARE) {
+        /* the hardware backend's batched decode was reported to write its outputs while this call
+           runs, ignoring the work queued on the stream before it, a cudaStreamWaitEvent included,
+           which may still use that memory (torchcodec #1634: nvjpeg 12.3 to 13.2 on H100; not seen
+           on the H200 with 13.0.1). Only a host wait orders it */
+        HL_CUDA(&f->cuda, stream_synchronize(c->stream));
         if (f->cuda.code != 0)
             return;
     }

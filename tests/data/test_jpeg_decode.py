@@ -623,6 +623,34 @@ def test_decode_checks_and_lifecycle(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
+def test_decode_comes_after_the_work_queued_before_it(backend):
+    """The decode's writes come after what the stream had to do first, a wait for another stream
+    included: here reads of the outputs queued behind ~100 ms of GPU time see the poison, not pixels.
+    nvjpeg's hardware batched decode was reported to write while the call runs (torchcodec #1634:
+    12.3-13.2 on H100), hence nvjpeg.c's host wait; on the H200 with 13.0.1 this passed without it."""
+    rng = np.random.default_rng()
+    blobs = [make_jpeg(rng, int(rng.integers(64, 500)), int(rng.integers(64, 500))) for _ in range(32)]
+    decoder = open_decoder(backend, 32)
+    batch = Batch(blobs)
+    outs, dests = batch.outputs(7)
+    other, stream = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(200_000_000)
+    with torch.cuda.stream(stream):
+        stream.wait_stream(other)
+        seen = [o.clone() for o in outs]
+        status = decoder.decode(batch.sources, dests, len(blobs), stream.cuda_stream)
+    stream.synchronize()
+    assert list(status) == [_C.JPEG_DECODED] * len(blobs)
+    for i, (before, out, (h, w), data) in enumerate(zip(seen, outs, batch.shapes, blobs)):
+        assert bool((before == 7).all()), f"image {i}: written before the work queued ahead of the decode ran"
+        worst, mean = differences(out[:, :w * 3].reshape(h, w, 3).cpu().numpy(), data)
+        assert within(backend, worst, mean), (i, worst, mean)
+    decoder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_throughput_report(backend):
     """Not a benchmark gate: the figures for the report (256 PIL-made 500x375 q90 JPEGs, ~74 KB)."""
     rng = np.random.default_rng()

@@ -101,7 +101,7 @@ class Pending:
     tensors: list
     nbytes: int
     timing: tuple  # (start, end) timing events or None
-    host: object = None  # host memory the copy stream reads (gpu_decode's staging), kept until `event`
+    held: object = None  # gpu_decode's staged bytes and decode buffer, kept until `event` was seen done
     launch: object = None  # gpu_decode: its ImageLaunch, queued after the rest (copy_to_device(defer=True))
 
 
@@ -276,7 +276,7 @@ class DeviceCopies:
 
     @staticmethod
     def _queue_images(pending, images, prepared, host, side):
-        out, buffers, pending.host = images.launch(prepared, host[1], host[2], side)
+        out, buffers, pending.held = images.launch(prepared, host[1], host[2], side)
         pending.result[0] = out
         pending.keep += buffers
         pending.tensors.append(out)
@@ -324,7 +324,7 @@ class DeviceCopies:
 
     def _recycle(self, p):
         """Its events back to the pools, for later copies (or for close to destroy)."""
-        p.host = None
+        p.held = None
         self.event_pool.append(p.event)
         if p.timing is not None:
             self.timing_pool += p.timing

@@ -1,14 +1,16 @@
 """The main process's half of gpu_decode: a packed batch (image_source.py) to one image tensor.
 
-Per batch, on the loader's side stream: the JPEG bytes, still in the ring slot (page-locked), go to
-nvjpeg in one batched call that decodes into one device buffer; the crop boxes that workers decoded
-themselves are copied into the same buffer; then one kernel crops, resizes, flips and normalises
-every image into the batch (image_resize.py). An image nvjpeg refused is decoded here by the
-dataset's own loader (PIL, whose error is the CPU pipeline's) and joins the rest. Without a device
-the same steps run on the CPU, the kernel's C reference resizing: what the CPU tests check.
+Per batch: the JPEG bytes, copied out of the ring slot into page-locked memory, go to nvjpeg in one
+batched call that decodes into one device buffer; the crop boxes that workers decoded themselves are
+copied into the same buffer (the decode and those copies on a stream of their own: _DecodeStream);
+then one kernel, on the loader's side stream, crops, resizes, flips and normalises every image into
+the batch (image_resize.py). An image nvjpeg refused is decoded here by the dataset's own loader
+(PIL, whose error is the CPU pipeline's) and joins the rest. Without a device the same steps run on
+the CPU, the kernel's C reference resizing: what the CPU tests check.
 """
 import array
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -47,6 +49,49 @@ class _Prepared:
     host: torch.Tensor = None  # the page-locked copy of the bytes the decode and uploads read (GPU)
 
 
+class _DecodeStream:
+    """Where a batch is decoded: a stream that waits for nothing of the consumer's, into memory of its
+    own pool of the caching allocator.
+    - The decode used to run on the side stream, behind a wait for the consumer's stream. There, with
+      training steps running in another thread, the loader's thread hung inside nvjpeg's hardware
+      decode (H200: session 18, 2 of 9 bench runs; session 19, attempt 3 of 8 of
+      tests/data/test_gpu_decode_beside_step.py). Here it did not, in 16 attempts.
+    - nvjpeg's hardware backend was reported to write its outputs while the call runs, ignoring the
+      work queued on the stream before it (nvjpeg 12.3-13.2 on H100: torchcodec #1634; not seen on
+      the H200 with 13.0.1). nvjpeg.c waits for that work on the host, which on the side stream would
+      wait for the training step, and memory of the consumer's pool may still be in use by the step's
+      queued kernels. The decode buffers here are held until the batch's event was seen done
+      (launch's `held`), so the allocator hands one out again only once the kernel that read it is
+      over; nvjpeg.c's wait covers the rest, the earlier decodes.
+
+    Its event is a raw handle, destroyed by the process that made it: a loader's worker is forked,
+    and garbage it inherits (an earlier loader in a reference cycle) is collected there, where a
+    torch.cuda.Event's finalizer called CUDA and aborted the worker (on the H200)."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+        self.handle = self.stream.cuda_stream
+        self.device = device
+        self._pid = os.getpid()
+        self._decoded = _C.cuda_event_create(device.index, False)
+
+    def __del__(self):
+        if self._pid == os.getpid():
+            try:
+                _C.cuda_event_destroy(self._decoded)
+            except Exception:  # at interpreter exit CUDA may already be torn down
+                pass
+
+    def empty(self, nbytes):
+        with torch.cuda.stream(self.stream):
+            return torch.empty((nbytes,), dtype=torch.uint8, device=self.device)
+
+    def hand_over(self, side):
+        """The side stream's later work (the kernel) comes after what was queued here."""
+        _C.cuda_event_record(self._decoded, self.handle)
+        _C.cuda_stream_wait_event(side, self._decoded)
+
+
 class ImageStage:
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
@@ -61,6 +106,7 @@ class ImageStage:
         self.backend = None  # "hardware", "cuda" or "cpu" once opened
         self.reason = None  # why auto did not take the hardware decoder
         self._opening = None  # the decoder opening in the background (open_early), until open()
+        self._decoding = None  # the _DecodeStream, made with the first batch on the device
 
     def open_early(self, device):
         """Start opening the GPU decoder on `device` (where the first iter() is expected to run) in
@@ -131,15 +177,23 @@ class ImageStage:
             size = r[_K["src_h"]] * r[_K["src_w"]] * 3 if r[_K["kind"]] != DONE else 0
             places.append(total)
             total += (size + 255) // 256 * 256  # images start aligned for the kernel's loads
-        buf = empty((max(total, 256),), torch.uint8)  # never empty: a stand-in entry reads its first pixel
+        total = max(total, 256)  # never empty: a stand-in entry reads its first pixel
+        if self.device is None:
+            buf = empty((total,), torch.uint8)
+        else:
+            if self._decoding is None or self._decoding.device != self.device:
+                self._decoding = _DecodeStream(self.device)
+            buf = self._decoding.empty(total)
         table_dev = empty((len(rows) * _C.IMAGE_ENTRY_BYTES,), torch.uint8) if self.device is not None else None
         return _Prepared(rows, places, out, mem, buf, table_dev)
 
     def launch(self, prepared, data, done, stream):
-        """Queue the batch's decode, uploads and kernel on `stream` (0 on the CPU). data's memory must
-        stay put until the stream has passed them (a ring slot, released after the batch's event).
-        Returns (images NCHW-shaped, device buffers and the host buffer to keep until the stream
-        passed them)."""
+        """Queue the batch's kernel on `stream` (0 on the CPU), after its decode and uploads (on the
+        _DecodeStream). data's memory must stay put until `stream` has passed them (a ring slot,
+        released after the batch's event).
+        Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the caller keeps
+        the buffers until `stream` passed them, and `held` (the page-locked bytes and the decode
+        buffer; None on the CPU) until it has seen `stream` pass them (the batch's event done)."""
         p = prepared
         base = p.buf.data_ptr()
         if self.device is not None:
@@ -152,13 +206,15 @@ class ImageStage:
             staged = torch.empty(max(used, 1), dtype=torch.uint8, pin_memory=True)
             staged[:used].copy_(data[:used])
             data = p.host = staged
-        self._decode(p, data, stream)
+        decoding = self._decoding.handle if self.device is not None else stream
+        self._decode(p, data, decoding)
         entries = []
         for k, r in enumerate(p.rows):
             kind = r[_K["kind"]]
             if kind == PIXELS:
                 self.stats.images_cpu_decoded += 1
-                self._upload(p.buf, p.places[k], data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]], stream)
+                self._upload(p.buf, p.places[k], data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]],
+                             decoding)
             if kind == DONE:
                 # a stand-in that reads one pixel; _place_done overwrites its output after the kernel
                 self.stats.images_cpu_pipeline += 1
@@ -169,13 +225,17 @@ class ImageStage:
                             r[_K["box_top"]], r[_K["box_left"]], r[_K["box_h"]], r[_K["box_w"]],
                             r[_K["resized_h"]], r[_K["resized_w"]], r[_K["out_top"]], r[_K["out_left"]],
                             r[_K["flip"]], 3))
+        if self.device is not None:
+            self._decoding.hand_over(stream)
         c = self.pipeline
         image_resize.resize_batch(image_resize.pack_entries(entries), len(entries), p.mem, c.config.channels_last,
                                   c.plan.mean, c.plan.std, c.plan.scale, stream, p.table_dev)
         for k, r in enumerate(p.rows):
             if r[_K["kind"]] == DONE:
                 self._place_done(p.out, k, done[r[_K["offset"]]], stream)
-        return p.out, [b for b in (p.buf, p.table_dev) if b is not None], p.host
+        if self.device is None:
+            return p.out, [p.buf], None
+        return p.out, [p.table_dev], (p.host, p.buf)
 
     def run(self, table, data, done, stream, empty):
         """prepare then launch, for callers that allocate on the stream they queue on; launch's
