@@ -18,6 +18,7 @@ import time
 import traceback
 from multiprocessing.connection import wait as wait_for
 
+from ._inherited_garbage import freeze_inherited, frozen_for_fork
 from ._messages import WorkerExited, WorkerStarted
 from ._worker import worker_main
 
@@ -35,8 +36,10 @@ class Launcher:
         self.lost = False  # the launcher died before reporting every exit
         status_r, status_w = ctx.Pipe(duplex=False)
         self.status = status_r
-        pid = os.fork()
+        with frozen_for_fork():
+            pid = os.fork()
         if pid == 0:  # the launcher: never returns into the caller's code
+            freeze_inherited()  # and so its workers
             code = 1
             try:
                 status_r.close()
