@@ -23,9 +23,9 @@ from torch.utils.data.datapipes.datapipe import IterDataPipe
 from torch.utils.data.graph_settings import apply_random_seed
 
 from .. import _C
-from ._inherited_garbage import freeze_inherited
 from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout, sample_plan,
                      write_fast, write_general)
+from ._inherited_garbage import freeze_inherited
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, SlotBatch, UseRing, WholeBatch)
 from ._rng import rng_state, seed_like_torch, set_rng_state
