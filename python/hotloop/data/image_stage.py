@@ -55,7 +55,7 @@ class _DecodeStream:
     - The decode used to run on the side stream, behind a wait for the consumer's stream. There, with
       training steps running in another thread, the loader's thread hung inside nvjpeg's hardware
       decode (H200: session 18, 2 of 9 bench runs; session 19, attempt 3 of 8 of
-      tests/data/test_gpu_decode_beside_step.py). Here it did not, in 16 attempts.
+      tests/data/test_gpu_decode_beside_step.py). Here it did not, in 13 attempts.
     - nvjpeg's hardware backend was reported to write its outputs while the call runs, ignoring the
       work queued on the stream before it (nvjpeg 12.3-13.2 on H100: torchcodec #1634; not seen on
       the H200 with 13.0.1). nvjpeg.c waits for that work on the host, which on the side stream would
