@@ -7,29 +7,35 @@ use. On the H200 such a worker aborted (cudaErrorInitializationError, from a tor
 inherited loader), and one whose parent had a thread allocating CUDA memory at the moment of the fork
 may block for good on the caching allocator's lock, copied locked into the child.
 
-gc.freeze() moves every tracked object to a generation the collector never looks at (O(1)): the
-parent freezes around its forks, so that nothing inherited is collectable in the child from its first
-instruction, and unfreezes after; the child freezes what it inherited as it starts, which covers a
-program that froze objects itself (then the parent leaves its frozen set alone). The child's own
-objects are collected as usual.
+So the child of one of hotloop's forks calls gc.freeze() first thing, in an at-fork hook (before any
+Python code of multiprocessing runs there): every inherited object moves to a generation the
+collector never looks at (O(1)); the child's own objects are collected as usual. The parent is left
+alone: freezing it around the fork and unfreezing after would move all its objects to the oldest
+generation, and a young cycle holding a loader's ring (hundreds of MB of shared memory) would then
+live until the next full collection.
 """
 import contextlib
 import gc
+import os
+import threading
+
+_forking = threading.local()  # .worker: this thread is forking a launcher or a worker
+
+
+def _freeze_if_ours():
+    if getattr(_forking, "worker", False):
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_if_ours)
 
 
 @contextlib.contextmanager
 def frozen_for_fork():
-    """Around a fork (os.fork, or a fork-context Process.start) of the main process."""
-    if gc.get_freeze_count() > 0:  # the program's own frozen set: not ours to unfreeze
-        yield
-        return
-    gc.freeze()
+    """Around a fork (os.fork, or a fork-context Process.start) of a launcher or a worker: the child
+    freezes what it inherits. Nothing changes in this process."""
+    _forking.worker = True
     try:
         yield
     finally:
-        gc.unfreeze()
-
-
-def freeze_inherited():
-    """First thing in a forked child: what it inherited stays uncollected for its whole life."""
-    gc.freeze()
+        _forking.worker = False

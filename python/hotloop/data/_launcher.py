@@ -18,7 +18,7 @@ import time
 import traceback
 from multiprocessing.connection import wait as wait_for
 
-from ._inherited_garbage import freeze_inherited, frozen_for_fork
+from ._inherited_garbage import frozen_for_fork
 from ._messages import WorkerExited, WorkerStarted
 from ._worker import worker_main
 
@@ -39,7 +39,6 @@ class Launcher:
         with frozen_for_fork():
             pid = os.fork()
         if pid == 0:  # the launcher: never returns into the caller's code
-            freeze_inherited()  # and so its workers
             code = 1
             try:
                 status_r.close()
@@ -186,7 +185,8 @@ def _launch(spec, workers, status_w):
     me = os.getpid()
     k_of = {}
     for k, (worker_id, task_r, res_w, ring_conn) in enumerate(workers):
-        pid = os.fork()
+        with frozen_for_fork():  # what the launcher made since its own fork
+            pid = os.fork()
         if pid == 0:
             code = 1
             try:

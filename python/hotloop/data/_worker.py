@@ -25,7 +25,6 @@ from torch.utils.data.graph_settings import apply_random_seed
 from .. import _C
 from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout, sample_plan,
                      write_fast, write_general)
-from ._inherited_garbage import freeze_inherited
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, SlotBatch, UseRing, WholeBatch)
 from ._rng import rng_state, seed_like_torch, set_rng_state
@@ -60,7 +59,6 @@ def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid,
     It returns when told to (Exit), at EOF, or once its parent is gone (parent_pid; None: the
     process it started with, a forkserver). ring_conn: the socket the ring's memfd comes over,
     unless this worker inherited it."""
-    freeze_inherited()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     if parent_pid is None:
         parent_pid = os.getppid()
