@@ -31,7 +31,7 @@ os.register_at_fork(after_in_child=_freeze_if_ours)
 
 
 @contextlib.contextmanager
-def frozen_for_fork():
+def forking_a_worker():
     """Around a fork (os.fork, or a fork-context Process.start) of a launcher or a worker: the child
     freezes what it inherits. Nothing changes in this process."""
     _forking.worker = True
