@@ -18,14 +18,46 @@ import hotloop
 from hotloop.data._device import CudaCalls, DeviceCopies
 
 
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def descendant_states():
+    """One line per thread of every process below this one: where the kernel has it waiting (wchan)
+    and in which system call (the first number of /proc/.../syscall: 202 futex, 0 read, 7 poll),
+    so that a hang says whether a worker waits for a lock, a pipe or nothing."""
+    parents = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            stat = _read(f"/proc/{pid}/stat")
+            if stat != "?":
+                parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier}
+        found += sorted(frontier)
+    lines = []
+    for pid in found:
+        lines.append(f"process {pid} (parent {parents[pid]}): {_read(f'/proc/{pid}/cmdline').replace(chr(0), ' ')}")
+        for tid in sorted(os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []):
+            task = f"/proc/{pid}/task/{tid}"
+            lines.append(f"  thread {tid} {_read(task + '/comm')}: wchan {_read(task + '/wchan')}, "
+                         f"syscall {_read(task + '/syscall').split(' ')[0]}")
+    return "\n".join(lines)
+
+
 @pytest.fixture(autouse=True)
 def hang_guard(request):
     """A loader that stops making progress fails its test instead of blocking the suite (after 60 s,
-    or the test module's HANG_GUARD_S)."""
+    or the test module's HANG_GUARD_S), saying where every process below this one waits."""
     seconds = getattr(request.module, "HANG_GUARD_S", 60)
 
     def on_alarm(signum, frame):
-        raise TimeoutError(f"no result after {seconds} s (a hang in the loader?)")
+        raise TimeoutError(f"no result after {seconds} s (a hang in the loader?)\n{descendant_states()}")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(seconds)
