@@ -18,6 +18,7 @@ import time
 import traceback
 from multiprocessing.connection import wait as wait_for
 
+from ._inherited_garbage import forking_a_worker
 from ._messages import WorkerExited, WorkerStarted
 from ._worker import worker_main
 
@@ -35,7 +36,8 @@ class Launcher:
         self.lost = False  # the launcher died before reporting every exit
         status_r, status_w = ctx.Pipe(duplex=False)
         self.status = status_r
-        pid = os.fork()
+        with forking_a_worker():
+            pid = os.fork()
         if pid == 0:  # the launcher: never returns into the caller's code
             code = 1
             try:
@@ -183,7 +185,8 @@ def _launch(spec, workers, status_w):
     me = os.getpid()
     k_of = {}
     for k, (worker_id, task_r, res_w, ring_conn) in enumerate(workers):
-        pid = os.fork()
+        with forking_a_worker():  # what the launcher made since its own fork
+            pid = os.fork()
         if pid == 0:
             code = 1
             try:

@@ -20,6 +20,7 @@ from torch.utils.data.dataloader import _DatasetKind
 from .. import _C, input_wait
 from ._batch import unflatten
 from ._device import DeviceCopies, page_round, slot_layout, slot_leaf
+from ._inherited_garbage import forking_a_worker
 from .image_stage import encoded_parts
 from ._launcher import LaunchedWorker, Launcher
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
@@ -201,7 +202,8 @@ class Pool:
         parent = self.main_pid if method != "forkserver" else None
         proc = self.ctx.Process(target=worker_main, args=(self.spec, wid, task_r, res_w, parent, inherited,
                                                           ring_worker), daemon=True)
-        proc.start()
+        with forking_a_worker():
+            proc.start()
         for conn in (task_r, res_w, ring_worker):  # the worker's ends: closed here so that its exit shows as EOF
             if conn is not None:
                 conn.close()

@@ -1,0 +1,41 @@
+"""A forked worker never collects the garbage it inherits.
+
+A fork copies every object of the parent, garbage included: a reference cycle the parent's collector
+has not reached yet (an earlier loader, a model's leftovers). When the child's collector frees it,
+its finalizers run there: a CUDA tensor's or event's calls into CUDA, which a forked child cannot
+use. On the H200 such a worker aborted (cudaErrorInitializationError, from a torch.cuda.Event of an
+inherited loader), and one whose parent had a thread allocating CUDA memory at the moment of the fork
+may block for good on the caching allocator's lock, copied locked into the child.
+
+So the child of one of hotloop's forks calls gc.freeze() first thing, in an at-fork hook (before any
+Python code of multiprocessing runs there): every inherited object moves to a generation the
+collector never looks at (O(1)); the child's own objects are collected as usual. The parent is left
+alone: freezing it around the fork and unfreezing after would move all its objects to the oldest
+generation, and a young cycle holding a loader's ring (hundreds of MB of shared memory) would then
+live until the next full collection.
+"""
+import contextlib
+import gc
+import os
+import threading
+
+_forking = threading.local()  # .worker: this thread is forking a launcher or a worker
+
+
+def _freeze_if_ours():
+    if getattr(_forking, "worker", False):
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_if_ours)
+
+
+@contextlib.contextmanager
+def forking_a_worker():
+    """Around a fork (os.fork, or a fork-context Process.start) of a launcher or a worker: the child
+    freezes what it inherits. Nothing changes in this process."""
+    _forking.worker = True
+    try:
+        yield
+    finally:
+        _forking.worker = False
