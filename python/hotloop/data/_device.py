@@ -140,12 +140,22 @@ class ImageLaunch:
                 self._finish()
             except BaseException as exc:
                 self.error = self.error or exc
+            self._drop_closures()
 
     def skip(self):
         with self._lock:
             if self._state == "waiting":
                 self._state = "skipped"
-                self._finish()
+                try:
+                    self._finish()
+                finally:
+                    self._drop_closures()
+
+    def _drop_closures(self):
+        # they hold the Pending that holds this launch: a reference cycle, and with it the batch's
+        # device memory, would otherwise wait for the collector (and be collected in a worker forked
+        # meanwhile, where freeing CUDA memory may block on the allocator's lock)
+        self._queue = self._finish = None
 
 
 class DeviceCopies:
@@ -324,7 +334,7 @@ class DeviceCopies:
 
     def _recycle(self, p):
         """Its events back to the pools, for later copies (or for close to destroy)."""
-        p.held = None
+        p.held = p.launch = None
         self.event_pool.append(p.event)
         if p.timing is not None:
             self.timing_pool += p.timing
