@@ -20,6 +20,7 @@ from torchvision.datasets import ImageFolder
 
 import hotloop
 
+from .conftest import descendant_states
 from .test_gpu_decode import TRAIN_V1, make_folder
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +42,9 @@ def _dump_stacks_on_sigusr1(folder):
 
 
 def _stacks(folder):
-    """Every thread's stack here, then each live worker's (they dump theirs on SIGUSR1)."""
+    """Where every thread below this process waits in the kernel, every thread's stack here, then
+    each live worker's (they dump theirs on SIGUSR1)."""
+    states = descendant_states()
     paths = sorted(glob.glob(os.path.join(folder, "worker-*.txt")))
     for path in paths:
         try:
@@ -52,7 +55,7 @@ def _stacks(folder):
     with tempfile.TemporaryFile("w+") as f:
         faulthandler.dump_traceback(f, all_threads=True)
         f.seek(0)
-        text = f.read()
+        text = states + "\n" + f.read()
     for path in paths:
         with open(path) as f:
             text += f"\n{os.path.basename(path)}:\n{f.read()}"
