@@ -1,11 +1,12 @@
 """gpu_decode's loader taking batches as fast as it makes them, in one thread, while another thread
 runs ResNet-50 AMP training steps on the same GPU (the bench's "decoder working beside it, flat out"
-row). On the H200 such runs hung (README, "Known problem"): first inside nvjpeg's batched hardware
-decode, then, with the decode on a stream of its own, waiting for a worker's batch. Each attempt here
+row). On the H200 such runs hung: first inside nvjpeg's batched hardware decode, then, with the
+decode on a stream of its own, waiting for a worker's batch (the launcher's workers collecting
+inherited CUDA memory under a lock held at the fork: _inherited_garbage.py). Each attempt here
 must come back within JOIN_S of being stopped, and so must each training step (the GPU's queue is
 polled, not waited on: a step stuck behind a hung decode must fail the test, not block it). A hang
-fails the test with the stacks of every thread of this process and of the workers. A hang that rare
-can pass by chance: ATTEMPTS repeats it (5 s each)."""
+fails the test with where every thread below this process waits, and the stacks of this process's
+threads and of the workers'. A hang that rare can pass by chance: ATTEMPTS repeats it (5 s each)."""
 import faulthandler
 import glob
 import os

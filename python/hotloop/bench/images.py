@@ -207,7 +207,7 @@ def _step_beside_decoder(step, x, y, make_loader, period):
     finally:
         stop.set()
         thread.join(BESIDE_JOIN_S)
-    if thread.is_alive():  # a hung decode (README, "Known problem") must not eat the bench's time limit
+    if thread.is_alive():  # a hung loader (it happened: README, gpu_decode) must not eat the bench's time limit
         return float("nan"), f"hung: the loader's thread did not come back within {BESIDE_JOIN_S} s of being stopped"
     return ms, None
 
