@@ -57,3 +57,29 @@ def test_garbage_inherited_by_workers_is_finalized_only_here(tmp_path, workers, 
         gc.enable()
     assert got == list(range(12))
     assert path.read_text().split() == [str(os.getpid())]
+
+
+@pytest.mark.parametrize("collector_on", [True, False], ids=["collector-on", "program-disabled-it"])
+def test_workers_and_this_process_keep_the_collector_as_it_was(collector_on):
+    """The collector, off around each fork so that none starts in a child before it froze what it
+    inherited, is on again in the workers (they collect their own garbage) and here, unless the
+    program had turned it off."""
+    was = gc.isenabled()
+    if not collector_on:
+        gc.disable()
+    try:
+        loader = hotloop.DataLoader(CollectorState(), batch_size=2, num_workers=3)
+        in_workers = {bool(x) for batch in loader for x in batch}
+        here = gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+    assert in_workers == {collector_on} and here == collector_on
+
+
+class CollectorState(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.tensor([gc.isenabled()])
