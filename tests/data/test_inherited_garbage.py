@@ -83,3 +83,36 @@ class CollectorState(Dataset):
 
     def __getitem__(self, i):
         return torch.tensor([gc.isenabled()])
+
+
+frozen_in_worker = [0]  # the worker's frozen count, set by its init function
+
+
+class ForksItself(Dataset):
+    """Each sample: whether a child this worker forks collects, and whether it froze anything."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, bytes([gc.isenabled(), gc.get_freeze_count() > frozen_in_worker[0]]))
+            os._exit(0)
+        os.waitpid(pid, 0)
+        state = os.read(r, 2)
+        os.close(r)
+        os.close(w)
+        return torch.tensor(list(state))
+
+
+def test_a_fork_made_by_a_worker_is_not_one_of_ours():
+    """A dataset that forks in a worker (worker 0, forked by multiprocessing, and the launcher's):
+    its child is left as the worker is, collector off if the worker turned it off, nothing frozen."""
+    def init(worker_id):
+        gc.disable()
+        frozen_in_worker[0] = gc.get_freeze_count()
+
+    loader = hotloop.DataLoader(ForksItself(), batch_size=1, num_workers=2, worker_init_fn=init)
+    assert [b.tolist() for b in loader] == [[[0, 0]]] * 4

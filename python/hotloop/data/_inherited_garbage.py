@@ -27,6 +27,9 @@ _forking = threading.local()  # .collector_was_on: this thread is forking a laun
 def _freeze_if_ours():
     was_on = getattr(_forking, "collector_was_on", None)
     if was_on is not None:
+        # a worker forked by multiprocessing never leaves forking_a_worker: a fork of its own (the
+        # dataset's) is not one of ours
+        _forking.collector_was_on = None
         gc.freeze()
         if was_on:
             gc.enable()
