@@ -334,7 +334,7 @@ class DeviceCopies:
 
     def _recycle(self, p):
         """Its events back to the pools, for later copies (or for close to destroy)."""
-        p.held = p.launch = None
+        p.held = None
         self.event_pool.append(p.event)
         if p.timing is not None:
             self.timing_pool += p.timing
