@@ -113,6 +113,46 @@ def test_monitor_cli_ends_cleanly_on_a_signal(fake_nvml_library, sig):
     assert "summary gpu 0:" in out and "Traceback" not in err
 
 
+SLOW_NUMPY_IMPORT = """
+import sys, time
+
+class SlowNumpy:  # the monitor imports numpy for its first row, after the header: this import takes 1 s
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            time.sleep(1.0)
+        return None
+
+sys.meta_path.insert(0, SlowNumpy())
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_monitor_cli_finishes_the_row_a_signal_lands_in(fake_nvml_library, tmp_path, sig):
+    """A signal stops the logger between rows: one landing in the first row's import of numpy lets the row
+    finish. Raised there as KeyboardInterrupt it broke numpy's import, or left Python to die of SIGINT at exit."""
+    import signal
+
+    (tmp_path / "sitecustomize.py").write_text(SLOW_NUMPY_IMPORT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "CUDA_VISIBLE_DEVICES": "",
+                "PYTHONPATH": os.pathsep.join([str(tmp_path)] + [p for p in [env.get("PYTHONPATH")] if p])})
+    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "the monitor printed nothing in 30 s"
+        assert proc.stdout.readline().startswith("time")  # the first row's numpy import has begun
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    lines = out.splitlines()  # the header was read above
+    assert len(lines) == 2 and lines[0].split()[1:3] == ["0", "1024"], out  # the row: gpu 0, 1024 MiB used
+    assert lines[1].startswith("summary gpu 0:") and err == "", (out, err)
+
+
 def one_clear_line(p):
     """A failure said in one line on stderr, with a non-zero exit code: no traceback."""
     assert p.returncode != 0, p.stdout

@@ -58,8 +58,35 @@ def _row(t, index, tl):
             _value(slow["util_jpeg"]) if slow is not None else ""]
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+class _StopOnSignal:
+    """SIGINT and SIGTERM end the logger at its next check, with the summary; a second one interrupts
+    wherever it lands. Raising at the first would land anywhere too: inside the first row's lazy import
+    of numpy it broke the import, or left Python to die of SIGINT at exit with nothing said."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.seen = False
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        if self.seen:
+            raise KeyboardInterrupt
+        self.seen = True
+
+    def install(self):
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # as a background job's SIGINT is: it stays so
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# how long the loop sleeps at most between looks at the stop flag: a signal only sets it
+_STOP_CHECK_S = 0.05
 
 
 def main(args) -> int:
@@ -93,11 +120,10 @@ def main(args) -> int:
     line = "{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8} {:>5}  {}"
     header = line.format("time", "gpu", "used MiB", "rsvd MiB", "sm%", "mem%", "power W", "temp", "SM MHz",
                          "memMHz", "rx MB/s", "tx MB/s", "jpeg%", "clock-event reasons")
-    # SIGTERM ends the logger like Ctrl-C does
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     t_start, wall_start = time.monotonic(), time.time()
     lines = 0
     status = 0
+    stop = _StopOnSignal().install()
     try:
         for m in monitors:
             m.start()
@@ -105,10 +131,13 @@ def main(args) -> int:
         t_start, wall_start = time.monotonic(), time.time()
         end = None if args.duration is None else t_start + args.duration
         next_print = t_start + interval / 1000.0
-        while True:
-            time.sleep(max(0.0, (next_print if end is None else min(next_print, end)) - time.monotonic()))
-            if end is not None and time.monotonic() >= end:
+        while not stop.seen:
+            wake = next_print if end is None else min(next_print, end)
+            time.sleep(max(0.0, min(wake - time.monotonic(), _STOP_CHECK_S)))
+            if stop.seen or (end is not None and time.monotonic() >= end):
                 break
+            if time.monotonic() < wake:
+                continue
             next_print += interval / 1000.0
             now = time.time()
             if lines % 20 == 0:
@@ -131,7 +160,7 @@ def main(args) -> int:
     finally:
         for m in monitors:
             m.stop()
-        signal.signal(signal.SIGTERM, previous)
+        stop.restore()
         if csv_file:
             try:
                 csv_file.close()
