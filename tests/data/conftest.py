@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset
 
 import hotloop
+from hotloop.bench.procfs import descendants, process_stats
 from hotloop.data._device import CudaCalls, DeviceCopies
 
 
@@ -30,19 +31,11 @@ def descendant_states():
     """One line per thread of every process below this one: where the kernel has it waiting (wchan)
     and in which system call (the first number of /proc/.../syscall: 202 futex, 0 read, 7 poll),
     so that a hang says whether a worker waits for a lock, a pipe or nothing."""
-    parents = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            stat = _read(f"/proc/{pid}/stat")
-            if stat != "?":
-                parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier}
-        found += sorted(frontier)
+    stats = process_stats()
+    found = descendants(stats, os.getpid())
     lines = []
     for pid in found:
-        lines.append(f"process {pid} (parent {parents[pid]}): {_read(f'/proc/{pid}/cmdline').replace(chr(0), ' ')}")
+        lines.append(f"process {pid} (parent {stats[pid][1]}): {_read(f'/proc/{pid}/cmdline').replace(chr(0), ' ')}")
         for tid in sorted(os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []):
             task = f"/proc/{pid}/task/{tid}"
             lines.append(f"  thread {tid} {_read(task + '/comm')}: wchan {_read(task + '/wchan')}, "

@@ -28,6 +28,7 @@ import torch
 from . import image_kernel
 from .harness import Row
 from .loader import resnet_step, sync, timed_steps
+from .procfs import descendants, process_stats
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 LOADER_REPS = 3  # the loader-alone figures: runs of each loader, alternated
@@ -102,25 +103,8 @@ def hotloop_way(dataset, batch_size, workers, device, backend="auto"):
 def _tree_cpu_seconds():
     """user + system CPU seconds of this process and every live descendant (from /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
-    parents, times = {}, {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(pid)] = int(fields[1])
-        times[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
-    me, total = os.getpid(), 0.0
-    for pid, t in times.items():
-        p = pid
-        while p in parents and p != me and p > 1:
-            p = parents[p]
-        if p == me:
-            total += t
-    return total
+    stats, me = process_stats(), os.getpid()
+    return sum((int(stats[pid][11]) + int(stats[pid][12])) / tick for pid in [me] + descendants(stats, me))
 
 
 def _rate_and_cpu(make, batches, warmup, device):
