@@ -153,6 +153,31 @@ def test_monitor_cli_finishes_the_row_a_signal_lands_in(fake_nvml_library, tmp_p
     assert lines[1].startswith("summary gpu 0:") and err == "", (out, err)
 
 
+def test_monitor_cli_started_with_sigint_ignored_keeps_ignoring_it(fake_nvml_library):
+    """A monitor started as a background job (SIGINT ignored, as `cmd &` in a script leaves it) is not
+    ended by a Ctrl-C meant for the foreground; SIGTERM still ends it with its summary."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+    env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready, "the monitor printed nothing in 30 s"
+        assert proc.stdout.readline().startswith("time")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None, "SIGINT ended a monitor that was started with it ignored"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "summary gpu 0:" in out and err == "", (out, err)
+
+
 def one_clear_line(p):
     """A failure said in one line on stderr, with a non-zero exit code: no traceback."""
     assert p.returncode != 0, p.stdout
