@@ -127,6 +127,8 @@ def test_ctrl_c_while_next_waits_for_a_decode_loses_no_batch(tmp_path, fake_cuda
     stand_in.gate_from = 2  # batch 2's decode, in the prefetch thread, waits
     got.append([_take(it)])
     wait_for(stand_in.entered.is_set)
+    # Ctrl-C as in a terminal, also where the tests run in a background job (which inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     ctrl_c.start()
     try:
@@ -134,6 +136,7 @@ def test_ctrl_c_while_next_waits_for_a_decode_loses_no_batch(tmp_path, fake_cuda
             next(it)  # waits for batch 2's decode
     finally:
         ctrl_c.join()
+        signal.signal(signal.SIGINT, previous)
         stand_in.release.set()
     got[1] += [(x.clone(), y.clone()) for x, y in it]  # batch 2 first: the interrupted next() lost nothing
     for epoch in range(2):
