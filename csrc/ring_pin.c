@@ -23,12 +23,14 @@
 
 enum { CHUNK_UNLOCKED = 0, CHUNK_REGISTERED = 1 }; /* chunk_state values */
 
+#ifdef HOTLOOP_WITH_CUDA /* only registrations and copies need a chunk's place and length */
 static inline uint64_t chunk_offset(uint32_t chunk) { return (uint64_t)chunk * PIN_CHUNK; }
 
 static inline uint64_t chunk_bytes(const RingObject *r, uint32_t chunk) {
     uint64_t left = r->slot_bytes - chunk_offset(chunk);
     return left < PIN_CHUNK ? left : PIN_CHUNK;
 }
+#endif
 
 static inline _Atomic unsigned char *chunk_state(RingObject *r, uint32_t slot, uint32_t chunk) {
     return &r->chunk_state[(size_t)slot * r->chunks_per_slot + chunk];
