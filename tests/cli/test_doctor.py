@@ -88,6 +88,21 @@ def test_monitor_cli_without_nvml(tmp_path):
     assert p.returncode == 1 and "no NVML" in p.stderr and "Traceback" not in p.stderr
 
 
+def started_monitor(env, sigint):
+    """`python -m hotloop monitor --interval-ms 20` with SIGINT set to `sigint` at its start, once its
+    header is out (it runs)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    ready, _, _ = select.select([proc.stdout], [], [], 30)  # bounded wait for the header
+    if not ready or not proc.stdout.readline().startswith("time"):
+        proc.kill()
+        raise AssertionError("the monitor printed no header in 30 s")
+    return proc
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_monitor_cli_ends_cleanly_on_a_signal(fake_nvml_library, sig):
     import signal
@@ -96,14 +111,8 @@ def test_monitor_cli_ends_cleanly_on_a_signal(fake_nvml_library, sig):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
     env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "FAKE_NVML_PCIE_DELAY_US": "500", "CUDA_VISIBLE_DEVICES": ""})
     # SIGINT as a terminal delivers it, even where the tests run in a background job, which inherits it ignored
-    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = started_monitor(env, signal.SIG_DFL)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 30)  # bounded wait for the header
-        assert ready, "the monitor printed nothing in 30 s"
-        first = proc.stdout.readline()  # the header: it is running
-        assert first.startswith("time")
         time.sleep(0.1)
         proc.send_signal(getattr(signal, sig))
         out, err = proc.communicate(timeout=20)
@@ -136,13 +145,8 @@ def test_monitor_cli_finishes_the_row_a_signal_lands_in(fake_nvml_library, tmp_p
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
     env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "CUDA_VISIBLE_DEVICES": "",
                 "PYTHONPATH": os.pathsep.join([str(tmp_path)] + [p for p in [env.get("PYTHONPATH")] if p])})
-    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = started_monitor(env, signal.SIG_DFL)  # the header is out: the first row's numpy import has begun
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 30)
-        assert ready, "the monitor printed nothing in 30 s"
-        assert proc.stdout.readline().startswith("time")  # the first row's numpy import has begun
         proc.send_signal(getattr(signal, sig))
         out, err = proc.communicate(timeout=20)
     finally:
@@ -161,13 +165,8 @@ def test_monitor_cli_started_with_sigint_ignored_keeps_ignoring_it(fake_nvml_lib
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
     env.update({"HOTLOOP_NVML_LIBRARY": fake_nvml_library, "CUDA_VISIBLE_DEVICES": ""})
-    proc = subprocess.Popen([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = started_monitor(env, signal.SIG_IGN)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 30)
-        assert ready, "the monitor printed nothing in 30 s"
-        assert proc.stdout.readline().startswith("time")
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert proc.poll() is None, "SIGINT ended a monitor that was started with it ignored"
