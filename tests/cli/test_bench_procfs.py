@@ -11,7 +11,8 @@ from hotloop.bench.procfs import descendants, process_stats
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
 
-# a child that forks a grandchild, both busy on the CPU until stdin closes, the grandchild's pid on stdout
+# a child that spins on the CPU in a thread and forks a grandchild (which only waits), both until stdin
+# closes; the grandchild's pid on stdout
 TREE = """
 import os, sys, threading
 def spin():
@@ -32,7 +33,7 @@ def test_descendants_are_children_then_theirs_with_their_cpu_time():
     child = subprocess.Popen([sys.executable, "-c", TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(child.stdout.readline())
-        time.sleep(0.5)  # both spin (the grandchild inherited the spinning thread's memory, not the thread)
+        time.sleep(0.5)  # the child spins meanwhile (a fork copies only the forking thread)
         stats = process_stats()
         below = descendants(stats, os.getpid())
         assert below.index(child.pid) < below.index(grandchild), below
