@@ -8,7 +8,8 @@
 #include "tensor.h"
 #include "amp_math.h"
 #ifdef HOTLOOP_WITH_CUDA
-#include "amp.h"
+#include "kernels.h"
+#include "launch.h"
 #endif
 
 /* C reference: does any element of any table entry hold an inf or NaN? (float32/16, bfloat16) */
@@ -84,6 +85,8 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         if (take_table_scratch(scratch_obj, &table, &scratch) < 0)
             goto error;
 #ifdef HOTLOOP_WITH_CUDA
+        if (hl_kernels_require(module, table.device, HL_SOURCE_AMP) < 0)
+            goto error;
         hl_cuda_status status = {0};
         Py_BEGIN_ALLOW_THREADS
         hl_device_guard guard;
@@ -192,7 +195,7 @@ typedef struct {
     double growth_factor, backoff_factor;
     int64_t growth_interval, hysteresis;
     float min_scale, max_scale;
-    int adjust;
+    int adjust, device;
 } update_args;
 
 /* C reference of the check pass and the epilogue: the same chunks and maths as kernels/amp.cu,
@@ -286,7 +289,7 @@ static int cuda_update(const void *args, void *stream) {
     const update_args *a = args;
     return hl_launch_amp_update(a->scale, a->growth_tracker, a->state, &a->found, a->growth_factor,
                                 a->backoff_factor, a->growth_interval, a->hysteresis, a->min_scale, a->max_scale,
-                                a->adjust, stream);
+                                a->adjust, a->device, stream);
 }
 #define CUDA_PASS(f) f
 
@@ -297,9 +300,9 @@ typedef struct {
     unsigned long long stream;
 } pass_launch;
 
-static cudaError_t launch_pass(void *ctx) {
+static CUresult launch_pass(void *ctx) {
     const pass_launch *p = ctx;
-    return (cudaError_t)p->cuda(p->args, (void *)hl_stream(p->stream));
+    return (CUresult)p->cuda(p->args, (void *)hl_stream(p->stream));
 }
 #else
 #define CUDA_PASS(f) NULL
@@ -318,6 +321,8 @@ static PyObject *run_pass(PyObject *module, int device, unsigned long long strea
     if (hl_cuda_require(module, device) < 0)
         return NULL;
 #ifdef HOTLOOP_WITH_CUDA
+    if (hl_kernels_require(module, device, HL_SOURCE_AMP) < 0)
+        return NULL;
     pass_launch launch = {cuda, args, stream};
     if (hl_cuda_run(module, device, launch_pass, &launch) < 0)
         return NULL;
@@ -477,6 +482,7 @@ static PyObject *amp_update(PyObject *module, PyObject *args) {
     a.state = as_ptr(state);
     a.growth_interval = interval;
     a.hysteresis = hysteresis;
+    a.device = device;
     return run_pass(module, device, stream, cpu_update, CUDA_PASS(cuda_update), &a);
 }
 

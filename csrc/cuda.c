@@ -3,23 +3,37 @@
 
 #ifdef HOTLOOP_WITH_CUDA
 
-/* the runtime's device count, or the error that says why there is none */
-static int count_devices(int *count) {
-    int n = 0;
-    cudaError_t err = cudaGetDeviceCount(&n);
-    *count = err == cudaSuccess ? n : 0;
-    return (int)err;
+/* the driver's device count, or the error that says why there is none (*why: a sentence) */
+static CUresult count_devices(int *count, const char **why) {
+    *count = 0;
+    CUresult err = hl_driver_load(why);
+    if (err == CUDA_SUCCESS)
+        err = hl_cu.cuDeviceGetCount(count);
+    if (err != CUDA_SUCCESS)
+        *count = 0;
+    return err;
+}
+
+/* the driver could not be opened or has no device: no GPU here, as opposed to a driver that failed */
+static int is_absent(CUresult err) {
+    return err == CUDA_ERROR_STUB_LIBRARY || err == CUDA_ERROR_NO_DEVICE || err == CUDA_ERROR_NOT_INITIALIZED;
 }
 
 int hl_cuda_require(PyObject *module, int device) {
-    int count = 0, err = count_devices(&count);
-    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice || (err == cudaSuccess && count == 0)) {
-        PyErr_Format(PyExc_RuntimeError, "no CUDA driver found (or no CUDA device): this call needs a GPU "
-                     "(cudaGetDeviceCount said %s)", cudaGetErrorName((cudaError_t)err));
+    const char *why = "";
+    int count = 0;
+    CUresult err = count_devices(&count, &why);
+    if (is_absent(err) || (err == CUDA_SUCCESS && count == 0)) {
+        PyErr_Format(PyExc_RuntimeError, "no CUDA driver found (or no CUDA device): this call needs a GPU (%s)",
+                     *why ? why : "the driver sees no device");
         return -1;
     }
-    if (err != cudaSuccess) {
-        hl_cuda_status status = {err, "cudaGetDeviceCount", __FILE__, __LINE__};
+    if (err != CUDA_SUCCESS) {
+        if (hl_cu.cuDeviceGetCount == NULL || hl_cu.cuGetErrorName == NULL) {
+            PyErr_Format(PyExc_RuntimeError, "the CUDA driver cannot be used: %s", why);
+            return -1;
+        }
+        hl_cuda_status status = {err, "cuInit", __FILE__, __LINE__};
         return hl_cuda_raise_if(module, &status);
     }
     if (device < 0 || device >= count) {
@@ -31,17 +45,19 @@ int hl_cuda_require(PyObject *module, int device) {
 
 void hl_device_enter(hl_device_guard *guard, int device, hl_cuda_status *status) {
     guard->changed = 0;
-    guard->previous = device;
-    HL_CUDA(status, cudaGetDevice(&guard->previous));
-    if (status->code == 0 && guard->previous != device) {
-        HL_CUDA(status, cudaSetDevice(device));
+    guard->previous = NULL;
+    CUcontext want = NULL;
+    HL_CUDA(status, hl_primary_context(device, &want));
+    HL_CUDA(status, hl_cu.cuCtxGetCurrent(&guard->previous));
+    if (status->code == 0 && guard->previous != want) {
+        HL_CUDA(status, hl_cu.cuCtxSetCurrent(want));
         guard->changed = status->code == 0;
     }
 }
 
 void hl_device_leave(hl_device_guard *guard, hl_cuda_status *status) {
     if (guard->changed)
-        HL_CUDA(status, cudaSetDevice(guard->previous));
+        HL_CUDA(status, hl_cu.cuCtxSetCurrent(guard->previous));
     guard->changed = 0;
 }
 
@@ -56,20 +72,19 @@ int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx) {
     return hl_cuda_raise_if(module, &status);
 }
 
-void hl_table_upload(const hl_table *table, void *device_dst, cudaStream_t stream, hl_cuda_status *status) {
-    /* from pageable memory the runtime stages the bytes before it returns, without waiting for
+void hl_table_upload(const hl_table *table, void *device_dst, CUstream stream, hl_cuda_status *status) {
+    /* from pageable memory the driver stages the bytes before it returns, without waiting for
        the device, so the host entries can go right after */
-    HL_CUDA(status, cudaMemcpyAsync(device_dst, table->entries, (size_t)table->count * sizeof(hl_table_entry),
-                                    cudaMemcpyHostToDevice, stream));
+    HL_CUDA(status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)device_dst, table->entries,
+                                            (size_t)table->count * sizeof(hl_table_entry), stream));
 }
 
 static PyObject *why_unavailable(void) {
-    int count = 0, err = count_devices(&count);
-    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice)
-        return PyUnicode_FromFormat("no CUDA driver found (%s)", cudaGetErrorName((cudaError_t)err));
-    if (err != cudaSuccess)
-        return PyUnicode_FromFormat("CUDA cannot be initialised: %s: %s", cudaGetErrorName((cudaError_t)err),
-                                    cudaGetErrorString((cudaError_t)err));
+    const char *why = "";
+    int count = 0;
+    CUresult err = count_devices(&count, &why);
+    if (err != CUDA_SUCCESS)
+        return PyUnicode_FromString(why); /* hl_driver_load's sentence names the cause */
     if (count == 0)
         return PyUnicode_FromString("no CUDA device");
     Py_RETURN_NONE;
@@ -77,22 +92,30 @@ static PyObject *why_unavailable(void) {
 
 static PyObject *device_count(void) {
     int count = 0;
-    count_devices(&count);
+    const char *why;
+    count_devices(&count, &why);
     return PyLong_FromLong(count);
 }
 
 static PyObject *driver_version(void) {
     int version = 0;
-    if (cudaDriverGetVersion(&version) != cudaSuccess || version == 0)
+    (void)hl_driver_load(NULL); /* a driver whose cuInit failed still says its version */
+    if (hl_cu.cuDriverGetVersion == NULL || hl_cu.cuDriverGetVersion(&version) != CUDA_SUCCESS || version == 0)
         Py_RETURN_NONE;
     return PyLong_FromLong(version);
 }
 
-static PyObject *runtime_version(void) {
-    int version = 0;
-    if (cudaRuntimeGetVersion(&version) != cudaSuccess)
-        Py_RETURN_NONE;
-    return PyLong_FromLong(version);
+/* A call given only a stream (0 being the legacy default stream of the *current* context) on a
+   thread where no context is current yet: device 0's primary context made current, for good, as
+   the runtime API does on a thread's first call. */
+static void ensure_context(hl_cuda_status *status) {
+    CUcontext current = NULL;
+    HL_CUDA(status, hl_driver_load(NULL)); /* these calls come without hl_cuda_require */
+    HL_CUDA(status, hl_cu.cuCtxGetCurrent(&current));
+    if (status->code == 0 && current == NULL) {
+        HL_CUDA(status, hl_primary_context(0, &current));
+        HL_CUDA(status, hl_cu.cuCtxSetCurrent(current));
+    }
 }
 
 /* Events, stream waits and host-to-device copies for the loader: handles travel as ints. */
@@ -102,12 +125,12 @@ static PyObject *py_cuda_event_create(PyObject *m, PyObject *args) {
     int device, timing = 0;
     if (!PyArg_ParseTuple(args, "i|p:cuda_event_create", &device, &timing) || hl_cuda_require(m, device) < 0)
         return NULL;
-    cudaEvent_t event = NULL;
+    CUevent event = NULL;
     hl_cuda_status status = {0};
     Py_BEGIN_ALLOW_THREADS
     hl_device_guard guard;
     hl_device_enter(&guard, device, &status);
-    HL_CUDA(&status, cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+    HL_CUDA(&status, hl_cu.cuEventCreate(&event, timing ? CU_EVENT_DEFAULT : CU_EVENT_DISABLE_TIMING));
     hl_device_leave(&guard, &status);
     Py_END_ALLOW_THREADS
     if (hl_cuda_raise_if(m, &status) < 0)
@@ -115,8 +138,8 @@ static PyObject *py_cuda_event_create(PyObject *m, PyObject *args) {
     return PyLong_FromVoidPtr(event);
 }
 
-static int parse_event(PyObject *obj, cudaEvent_t *event) {
-    *event = (cudaEvent_t)PyLong_AsVoidPtr(obj);
+static int parse_event(PyObject *obj, CUevent *event) {
+    *event = (CUevent)PyLong_AsVoidPtr(obj);
     if (*event == NULL) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "event: expected a handle from cuda_event_create, got 0");
@@ -127,7 +150,7 @@ static int parse_event(PyObject *obj, cudaEvent_t *event) {
 
 PyDoc_STRVAR(cuda_event_record_doc, "cuda_event_record(event, stream)\n\nRecord the event on `stream` (an int).");
 /* the one event argument of a call taking nothing else */
-static int parse_one_event(PyObject *args, const char *format, cudaEvent_t *event) {
+static int parse_one_event(PyObject *args, const char *format, CUevent *event) {
     PyObject *obj;
     return PyArg_ParseTuple(args, format, &obj) ? parse_event(obj, event) : -1;
 }
@@ -135,11 +158,12 @@ static int parse_one_event(PyObject *args, const char *format, cudaEvent_t *even
 static PyObject *py_cuda_event_record(PyObject *m, PyObject *args) {
     PyObject *obj;
     unsigned long long stream;
-    cudaEvent_t event;
+    CUevent event;
     if (!PyArg_ParseTuple(args, "OK:cuda_event_record", &obj, &stream) || parse_event(obj, &event) < 0)
         return NULL;
     hl_cuda_status status = {0};
-    HL_CUDA(&status, cudaEventRecord(event, hl_stream(stream)));
+    ensure_context(&status);
+    HL_CUDA(&status, hl_cu.cuEventRecord(event, hl_stream(stream)));
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -147,14 +171,12 @@ static PyObject *py_cuda_event_record(PyObject *m, PyObject *args) {
 
 PyDoc_STRVAR(cuda_event_query_doc, "cuda_event_query(event) -> bool\n\nTrue once all work before the record completed.");
 static PyObject *py_cuda_event_query(PyObject *m, PyObject *args) {
-    cudaEvent_t event;
+    CUevent event;
     if (parse_one_event(args, "O:cuda_event_query", &event) < 0)
         return NULL;
-    cudaError_t err = cudaEventQuery(event);
-    if (err == cudaErrorNotReady) {
-        (void)cudaGetLastError(); /* not an error: clear it so later checks do not see it */
+    CUresult err = hl_cu.cuEventQuery(event);
+    if (err == CUDA_ERROR_NOT_READY) /* not an error, and the driver API keeps no sticky last error */
         Py_RETURN_FALSE;
-    }
     hl_cuda_status status = {0};
     HL_CUDA(&status, err);
     if (hl_cuda_raise_if(m, &status) < 0)
@@ -164,12 +186,12 @@ static PyObject *py_cuda_event_query(PyObject *m, PyObject *args) {
 
 PyDoc_STRVAR(cuda_event_synchronize_doc, "cuda_event_synchronize(event)\n\nWait (GIL released) for the event.");
 static PyObject *py_cuda_event_synchronize(PyObject *m, PyObject *args) {
-    cudaEvent_t event;
+    CUevent event;
     if (parse_one_event(args, "O:cuda_event_synchronize", &event) < 0)
         return NULL;
     hl_cuda_status status = {0};
     Py_BEGIN_ALLOW_THREADS
-    HL_CUDA(&status, cudaEventSynchronize(event));
+    HL_CUDA(&status, hl_cu.cuEventSynchronize(event));
     Py_END_ALLOW_THREADS
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
@@ -180,13 +202,13 @@ PyDoc_STRVAR(cuda_event_elapsed_doc, "cuda_event_elapsed(start, end) -> float\n\
              "Milliseconds between two completed timing events.");
 static PyObject *py_cuda_event_elapsed(PyObject *m, PyObject *args) {
     PyObject *a, *b;
-    cudaEvent_t start, end;
+    CUevent start, end;
     float ms = 0.0f;
     if (!PyArg_ParseTuple(args, "OO:cuda_event_elapsed", &a, &b) || parse_event(a, &start) < 0 ||
         parse_event(b, &end) < 0)
         return NULL;
     hl_cuda_status status = {0};
-    HL_CUDA(&status, cudaEventElapsedTime(&ms, start, end));
+    HL_CUDA(&status, hl_cu.cuEventElapsedTime(&ms, start, end));
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
     return PyFloat_FromDouble((double)ms);
@@ -194,11 +216,11 @@ static PyObject *py_cuda_event_elapsed(PyObject *m, PyObject *args) {
 
 PyDoc_STRVAR(cuda_event_destroy_doc, "cuda_event_destroy(event)");
 static PyObject *py_cuda_event_destroy(PyObject *m, PyObject *args) {
-    cudaEvent_t event;
+    CUevent event;
     if (parse_one_event(args, "O:cuda_event_destroy", &event) < 0)
         return NULL;
     hl_cuda_status status = {0};
-    HL_CUDA(&status, cudaEventDestroy(event));
+    HL_CUDA(&status, hl_cu.cuEventDestroy(event));
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -209,18 +231,19 @@ PyDoc_STRVAR(cuda_stream_wait_event_doc, "cuda_stream_wait_event(stream, event)\
 static PyObject *py_cuda_stream_wait_event(PyObject *m, PyObject *args) {
     PyObject *obj;
     unsigned long long stream;
-    cudaEvent_t event;
+    CUevent event;
     if (!PyArg_ParseTuple(args, "KO:cuda_stream_wait_event", &stream, &obj) || parse_event(obj, &event) < 0)
         return NULL;
     hl_cuda_status status = {0};
-    HL_CUDA(&status, cudaStreamWaitEvent(hl_stream(stream), event, 0));
+    ensure_context(&status);
+    HL_CUDA(&status, hl_cu.cuStreamWaitEvent(hl_stream(stream), event, 0));
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cuda_memcpy_htod_async_doc, "cuda_memcpy_htod_async(dst, src, nbytes, stream)\n\n"
-             "cudaMemcpyAsync host -> device on `stream` (addresses as ints). Pinned `src` makes it a DMA\n"
+             "cuMemcpyHtoDAsync on `stream` (addresses as ints). Pinned `src` makes it a DMA\n"
              "that returns at once; the caller keeps both alive until an event after it completes.");
 static PyObject *py_cuda_memcpy_htod_async(PyObject *m, PyObject *args) {
     unsigned long long dst, src, nbytes, stream;
@@ -228,22 +251,24 @@ static PyObject *py_cuda_memcpy_htod_async(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     Py_BEGIN_ALLOW_THREADS
-    HL_CUDA(&status, cudaMemcpyAsync((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)nbytes,
-                                     cudaMemcpyHostToDevice, hl_stream(stream)));
+    ensure_context(&status);
+    HL_CUDA(&status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)dst, (const void *)(uintptr_t)src, (size_t)nbytes,
+                                             hl_stream(stream)));
     Py_END_ALLOW_THREADS
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(cuda_host_register_doc, "cuda_host_register(ptr, nbytes)\n\ncudaHostRegister (portable) host memory.");
+PyDoc_STRVAR(cuda_host_register_doc, "cuda_host_register(ptr, nbytes)\n\ncuMemHostRegister (portable) host memory.");
 static PyObject *py_cuda_host_register(PyObject *m, PyObject *args) {
     unsigned long long ptr, nbytes;
     if (!PyArg_ParseTuple(args, "KK:cuda_host_register", &ptr, &nbytes))
         return NULL;
     hl_cuda_status status = {0};
     Py_BEGIN_ALLOW_THREADS
-    HL_CUDA(&status, cudaHostRegister((void *)(uintptr_t)ptr, (size_t)nbytes, cudaHostRegisterPortable));
+    ensure_context(&status); /* registration needs a context, though the pages serve every one */
+    HL_CUDA(&status, hl_cu.cuMemHostRegister((void *)(uintptr_t)ptr, (size_t)nbytes, CU_MEMHOSTREGISTER_PORTABLE));
     Py_END_ALLOW_THREADS
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
@@ -257,7 +282,8 @@ static PyObject *py_cuda_host_unregister(PyObject *m, PyObject *args) {
         return NULL;
     hl_cuda_status status = {0};
     Py_BEGIN_ALLOW_THREADS
-    HL_CUDA(&status, cudaHostUnregister((void *)(uintptr_t)ptr));
+    ensure_context(&status);
+    HL_CUDA(&status, hl_cu.cuMemHostUnregister((void *)(uintptr_t)ptr));
     Py_END_ALLOW_THREADS
     if (hl_cuda_raise_if(m, &status) < 0)
         return NULL;
@@ -281,15 +307,14 @@ static PyObject *py_cuda_host_unregister(PyObject *m, PyObject *args) {
 int hl_cuda_require(PyObject *module, int device) {
     (void)module;
     (void)device;
-    PyErr_SetString(PyExc_RuntimeError, "hotloop was built without CUDA (HOTLOOP_CUDA=0, or no nvcc when it "
-                    "was built): this call needs a GPU build; reinstall with the CUDA toolkit present");
+    PyErr_SetString(PyExc_RuntimeError, "hotloop was built without CUDA (HOTLOOP_CUDA=0): this call needs a GPU "
+                    "build; reinstall without HOTLOOP_CUDA=0");
     return -1;
 }
 
 static PyObject *why_unavailable(void) { return PyUnicode_FromString("hotloop was built without CUDA"); }
 static PyObject *device_count(void) { return PyLong_FromLong(0); }
 static PyObject *driver_version(void) { Py_RETURN_NONE; }
-static PyObject *runtime_version(void) { Py_RETURN_NONE; }
 #define HL_LOADER_CUDA_METHODS
 
 #endif
@@ -314,18 +339,10 @@ static PyObject *py_cuda_driver_version(PyObject *m, PyObject *Py_UNUSED(a)) {
     return driver_version();
 }
 
-PyDoc_STRVAR(cuda_runtime_version_doc, "cuda_runtime_version() -> int | None\n\n"
-             "The CUDA runtime linked into hotloop (e.g. 13000), or None in a CPU-only build.");
-static PyObject *py_cuda_runtime_version(PyObject *m, PyObject *Py_UNUSED(a)) {
-    (void)m;
-    return runtime_version();
-}
-
 static PyMethodDef cuda_methods[] = {
     {"cuda_unavailable_reason", py_cuda_unavailable_reason, METH_NOARGS, cuda_unavailable_reason_doc},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, cuda_device_count_doc},
     {"cuda_driver_version", py_cuda_driver_version, METH_NOARGS, cuda_driver_version_doc},
-    {"cuda_runtime_version", py_cuda_runtime_version, METH_NOARGS, cuda_runtime_version_doc},
     HL_LOADER_CUDA_METHODS
     {NULL, NULL, 0, NULL},
 };

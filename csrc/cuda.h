@@ -10,29 +10,27 @@
 int hl_cuda_require(PyObject *module, int device);
 
 #ifdef HOTLOOP_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include "cuda_driver.h"
 
-/* Makes `device` current for this thread and puts the previous one back on leave, so that
-   hotloop never moves torch's notion of the current device. Safe without the GIL. */
+/* Makes `device`'s primary context (torch's) current for this thread and puts the previous one
+   back on leave, so that hotloop never moves torch's notion of the current device. Safe without
+   the GIL. */
 typedef struct {
-    int previous;
+    CUcontext previous;
     int changed;
 } hl_device_guard;
 
 void hl_device_enter(hl_device_guard *guard, int device, hl_cuda_status *status);
 void hl_device_leave(hl_device_guard *guard, hl_cuda_status *status);
 
-/* a stream handle as Python passes it (torch.cuda.Stream.cuda_stream) */
-static inline cudaStream_t hl_stream(unsigned long long handle) { return (cudaStream_t)(uintptr_t)handle; }
-
 /* Run launch(ctx) with `device` current and the GIL released (the GIL must be held on entry);
    0, or -1 with a CudaError naming the first failed call (the guard's included). */
-typedef cudaError_t (*hl_launch_fn)(void *ctx);
+typedef CUresult (*hl_launch_fn)(void *ctx);
 int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx);
 
 /* Copy the table's entries to `device_dst` (at least count * sizeof(hl_table_entry) bytes of
    device memory) on `stream`. The host entries may be freed as soon as this returns. */
-void hl_table_upload(const hl_table *table, void *device_dst, cudaStream_t stream, hl_cuda_status *status);
+void hl_table_upload(const hl_table *table, void *device_dst, CUstream stream, hl_cuda_status *status);
 #endif
 
 #endif

@@ -8,6 +8,10 @@
 #include "tensor.h"
 #include "image_resize.h"
 #include "image_resize_math.h"
+#ifdef HOTLOOP_WITH_CUDA
+#include "kernels.h"
+#include "launch.h"
+#endif
 
 #define OUT_DTYPES (HL_FLOATING_MASK | HL_DTYPE_BIT(HL_UINT8))
 
@@ -298,17 +302,19 @@ static PyObject *image_resize(PyObject *module, PyObject *args) {
             goto error;
         }
 #ifdef HOTLOOP_WITH_CUDA
+        if (hl_kernels_require(module, out.device, HL_SOURCE_IMAGE_RESIZE) < 0)
+            goto error;
         hl_cuda_status status = {0};
-        cudaStream_t s = hl_stream(stream);
+        CUstream s = hl_stream(stream);
         Py_BEGIN_ALLOW_THREADS
         hl_device_guard guard;
         hl_device_enter(&guard, out.device, &status);
-        /* from pageable memory the runtime stages the bytes before it returns, without waiting for
+        /* from pageable memory the driver stages the bytes before it returns, without waiting for
            the device, so `entries` can go right after (as hl_table_upload) */
-        HL_CUDA(&status, cudaMemcpyAsync(table_dev.data, entries, (size_t)count * sizeof(hl_image_entry),
-                                         cudaMemcpyHostToDevice, s));
+        HL_CUDA(&status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)table_dev.data, entries,
+                                                 (size_t)count * sizeof(hl_image_entry), s));
         HL_CUDA(&status, hl_launch_image_resize((const hl_image_entry *)table_dev.data, count, out.data, out.dtype, h, w,
-                                                channels_last, params, s));
+                                                channels_last, params, out.device, s));
         hl_device_leave(&guard, &status);
         Py_END_ALLOW_THREADS
         if (hl_cuda_raise_if(module, &status) < 0)

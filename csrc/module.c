@@ -5,14 +5,22 @@
 #include <string.h>
 
 #ifdef HOTLOOP_WITH_CUDA
-#include <cuda_runtime_api.h>
+#include "cuda_driver.h"
 #endif
 
 hl_state *hl_state_of(PyObject *module) { return (hl_state *)PyModule_GetState(module); }
 
-/* "cudaMemcpyAsync(dst, ...)" -> "cudaMemcpyAsync": the message names the call, not its arguments */
+/* "hl_cu.cuMemcpyHtoDAsync(dst, ...)" -> "cuMemcpyHtoDAsync": the message names the call, not its
+   arguments nor the table it was called through */
 static PyObject *call_name(const char *call) {
-    return PyUnicode_FromStringAndSize(call, (Py_ssize_t)strcspn(call, "( "));
+    size_t len = strcspn(call, "( ");
+    for (size_t i = len; i > 0; i--)
+        if (call[i - 1] == '.' || call[i - 1] == '>') {
+            call += i;
+            len -= i;
+            break;
+        }
+    return PyUnicode_FromStringAndSize(call, (Py_ssize_t)len);
 }
 
 /* Build exc_type(message) with the failure's details as attributes, and raise it. */
@@ -50,11 +58,18 @@ error:
 int hl_cuda_raise_if(PyObject *module, const hl_cuda_status *status) {
     if (status->code == 0)
         return 0;
-    const char *name = "cudaErrorUnknown", *text = "unknown error";
+    const char *name = NULL, *text = NULL;
 #ifdef HOTLOOP_WITH_CUDA
-    name = cudaGetErrorName((cudaError_t)status->code);
-    text = cudaGetErrorString((cudaError_t)status->code);
+    /* the driver names its own errors; a code it does not know (or no driver) keeps the fallbacks */
+    if (hl_cu.cuGetErrorName == NULL || hl_cu.cuGetErrorName(status->code, &name) != CUDA_SUCCESS)
+        name = NULL;
+    if (hl_cu.cuGetErrorString == NULL || hl_cu.cuGetErrorString(status->code, &text) != CUDA_SUCCESS)
+        text = NULL;
 #endif
+    if (name == NULL)
+        name = "CUDA_ERROR_UNKNOWN";
+    if (text == NULL)
+        text = "unknown error";
     PyObject *call = call_name(status->call), *message = NULL;
     if (call == NULL)
         return -1;
@@ -122,44 +137,23 @@ static PyObject *split_commas(const char *text, int as_int) {
 }
 
 PyDoc_STRVAR(build_info_doc, "build_info() -> dict\n\n"
-             "What this _C was built with: version, cuda (runtime version or None), cuda_archs,\n"
-             "ptx_arch, abi3, sanitizers.");
+             "What this _C was built with: version, cuda (\"driver+nvrtc\": the driver API opened at run\n"
+             "time, kernels compiled by NVRTC on first use; None in a HOTLOOP_CUDA=0 build), abi3,\n"
+             "sanitizers.");
 
 static PyObject *build_info(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     (void)module;
-    PyObject *cuda = Py_None, *archs = NULL, *ptx = Py_None, *sanitizers = NULL, *info = NULL;
-#ifdef HOTLOOP_WITH_CUDA
-    cuda = PyUnicode_FromFormat("%d.%d", CUDART_VERSION / 1000, (CUDART_VERSION % 1000) / 10);
-    if (cuda == NULL)
+    PyObject *sanitizers = split_commas(HOTLOOP_SANITIZERS, 0), *info = NULL;
+    if (sanitizers == NULL)
         return NULL;
+#ifdef HOTLOOP_WITH_CUDA
+    info = Py_BuildValue("{s:s, s:s, s:O, s:O}", "version", HOTLOOP_VERSION, "cuda", "driver+nvrtc", "abi3", Py_True,
+                         "sanitizers", sanitizers);
 #else
-    Py_INCREF(cuda);
+    info = Py_BuildValue("{s:s, s:O, s:O, s:O}", "version", HOTLOOP_VERSION, "cuda", Py_None, "abi3", Py_True,
+                         "sanitizers", sanitizers);
 #endif
-    archs = split_commas(HOTLOOP_CUDA_ARCHS, 1);
-    sanitizers = split_commas(HOTLOOP_SANITIZERS, 0);
-    if (archs == NULL || sanitizers == NULL)
-        goto error;
-    if (PyList_Size(archs) > 0) {
-        /* setup.py embeds PTX of the newest architecture it built for */
-        long newest = 0;
-        for (Py_ssize_t i = 0; i < PyList_Size(archs); i++) {
-            long a = PyLong_AsLong(PyList_GetItem(archs, i));
-            newest = a > newest ? a : newest;
-        }
-        ptx = PyLong_FromLong(newest);
-        if (ptx == NULL)
-            goto error;
-    } else {
-        Py_INCREF(ptx);
-    }
-    info = Py_BuildValue("{s:s, s:O, s:O, s:O, s:O, s:O}", "version", HOTLOOP_VERSION, "cuda", cuda,
-                         "cuda_archs", archs, "ptx_arch", ptx, "abi3", Py_True, "sanitizers",
-                         sanitizers);
-error:
-    Py_XDECREF(cuda);
-    Py_XDECREF(archs);
-    Py_XDECREF(ptx);
-    Py_XDECREF(sanitizers);
+    Py_DECREF(sanitizers);
     return info;
 }
 
@@ -195,11 +189,11 @@ static int exec_module(PyObject *module) {
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 || hl_optim_exec(module) < 0 ||
         hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
         return -1;
-    if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0)
+    if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0 || hl_nvrtc_exec(module) < 0)
         return -1;
     if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0)
         return -1;
-    if (hl_image_resize_exec(module) < 0)
+    if (hl_image_resize_exec(module) < 0 || hl_kernels_exec(module) < 0)
         return -1;
     return 0;
 }
@@ -213,6 +207,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(state->nvjpeg_error);
     Py_VISIT(state->jpeg_info_type);
     Py_VISIT(state->jpeg_decoder_type);
+    Py_VISIT(state->kernel_loader);
     return 0;
 }
 
@@ -225,6 +220,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(state->nvjpeg_error);
     Py_CLEAR(state->jpeg_info_type);
     Py_CLEAR(state->jpeg_decoder_type);
+    Py_CLEAR(state->kernel_loader);
     return 0;
 }
 
@@ -238,7 +234,7 @@ static PyModuleDef_Slot module_slots[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "hotloop._C",
-    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels, pinned ring, NVML sampler, JPEG headers and nvjpeg.",
+    .m_doc = "hotloop's C and CUDA core: tensor shim, AMP kernels (compiled at run time), pinned ring, NVML sampler, JPEG headers and nvjpeg.",
     .m_size = sizeof(hl_state),
     .m_methods = module_methods,
     .m_slots = module_slots,

@@ -14,19 +14,20 @@ typedef struct {
     PyObject *nvjpeg_error;       /* hotloop.NvjpegError, a RuntimeError */
     PyObject *jpeg_info_type;     /* set by jpeg_header.c: what jpeg_header() returns */
     PyObject *jpeg_decoder_type;  /* set by nvjpeg.c */
+    PyObject *kernel_loader;      /* set_kernel_loader(fn): what kernels.c asks for a kernel image */
 } hl_state;
 
 hl_state *hl_state_of(PyObject *module);
 
 /* Where a failing CUDA call happened; filled without the GIL, raised once the GIL is back. */
 typedef struct {
-    int code; /* cudaError_t; 0 while nothing failed */
+    int code; /* CUresult; 0 while nothing failed */
     const char *call;
     const char *file;
     int line;
 } hl_cuda_status;
 
-/* Run `expr` (a CUDA call returning cudaError_t) unless an earlier call already failed, and
+/* Run `expr` (a CUDA driver call returning CUresult) unless an earlier call already failed, and
    remember the first failure. Safe without the GIL. */
 #define HL_CUDA(status, expr)                                                                      \
     do {                                                                                           \
@@ -76,5 +77,7 @@ int hl_normalize_exec(PyObject *module);
 int hl_image_resize_exec(PyObject *module);
 int hl_jpeg_header_exec(PyObject *module); /* JPEG headers read in C */
 int hl_nvjpeg_exec(PyObject *module);      /* nvjpeg by dlopen: JpegDecoder */
+int hl_kernels_exec(PyObject *module);     /* kernels compiled at run time: loader, sources, launches */
+int hl_nvrtc_exec(PyObject *module);       /* NVRTC by dlopen: Nvrtc */
 
 #endif

@@ -5,6 +5,10 @@
 #include "half_convert.h"
 #include "tensor.h"
 #include "normalize.h"
+#ifdef HOTLOOP_WITH_CUDA
+#include "kernels.h"
+#include "launch.h"
+#endif
 
 /* C reference of kernels/normalize.cu, element for element */
 static void cpu_normalize(const uint8_t *src, void *dst, int dtype, int64_t n, int64_t h, int64_t w, int64_t c,
@@ -38,14 +42,14 @@ typedef struct {
     const hl_tensor *src, *dst;
     int channels_last;
     const hl_normalize_params *params;
-    cudaStream_t stream;
+    CUstream stream;
 } normalize_launch;
 
-static cudaError_t run_normalize(void *ctx) {
+static CUresult run_normalize(void *ctx) {
     const normalize_launch *l = (const normalize_launch *)ctx;
     const int64_t *shape = l->src->shape;
     return hl_launch_normalize((const uint8_t *)l->src->data, l->dst->data, l->dst->dtype, shape[0], shape[1], shape[2],
-                               shape[3], l->channels_last, *l->params, l->stream);
+                               shape[3], l->channels_last, *l->params, l->src->device, l->stream);
 }
 #endif
 
@@ -119,6 +123,8 @@ static PyObject *normalize(PyObject *module, PyObject *args) {
         if (hl_cuda_require(module, src.device) < 0)
             goto error;
 #ifdef HOTLOOP_WITH_CUDA
+        if (hl_kernels_require(module, src.device, HL_SOURCE_NORMALIZE) < 0)
+            goto error;
         normalize_launch launch = {&src, &dst, channels_last, &params, hl_stream(stream)};
         if (hl_cuda_run(module, src.device, run_normalize, &launch) < 0)
             goto error;

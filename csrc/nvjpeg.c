@@ -203,32 +203,28 @@ static PyObject *py_nvjpeg_status_name(PyObject *module, PyObject *arg) {
 }
 
 /* ---------------------------------------------------------------------------------------------
-   CUDA events through hotloop's own runtime (handles are the driver's, so they mix with the
-   streams torch and nvjpeg use). Without CUDA in the build no decoder is ever made. */
+   CUDA events through the driver API (the runtime's handles are the driver's, so they mix with
+   the streams torch and nvjpeg use). Without CUDA in the build no decoder is ever made. */
 
 #ifdef HOTLOOP_WITH_CUDA
-static int event_create(void **event) {
-    return (int)cudaEventCreateWithFlags((cudaEvent_t *)event, cudaEventDisableTiming);
-}
-static int event_destroy(void *event) { return (int)cudaEventDestroy((cudaEvent_t)event); }
-static int event_record(void *event, hl_stream_t stream) {
-    return (int)cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream);
-}
-static int event_synchronize(void *event) { return (int)cudaEventSynchronize((cudaEvent_t)event); }
+static int event_create(void **event) { return hl_cu.cuEventCreate((CUevent *)event, CU_EVENT_DISABLE_TIMING); }
+static int event_destroy(void *event) { return hl_cu.cuEventDestroy((CUevent)event); }
+static int event_record(void *event, hl_stream_t stream) { return hl_cu.cuEventRecord((CUevent)event, (CUstream)stream); }
+static int event_synchronize(void *event) { return hl_cu.cuEventSynchronize((CUevent)event); }
 static int stream_wait(hl_stream_t stream, void *event) {
-    return (int)cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0);
+    return hl_cu.cuStreamWaitEvent((CUstream)stream, (CUevent)event, 0);
 }
-static int stream_synchronize(hl_stream_t stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
+static int stream_synchronize(hl_stream_t stream) { return hl_cu.cuStreamSynchronize((CUstream)stream); }
 #define DEVICE_GUARD hl_device_guard
 #define DEVICE_ENTER(guard, device, status) hl_device_enter(guard, device, status)
 #define DEVICE_LEAVE(guard, status) hl_device_leave(guard, status)
 #else
-static int event_create(void **event) { *event = NULL; return 35; /* cudaErrorInsufficientDriver */ }
+static int event_create(void **event) { *event = NULL; return 100; /* CUDA_ERROR_NO_DEVICE */ }
 static int event_destroy(void *event) { (void)event; return 0; }
-static int event_record(void *event, hl_stream_t stream) { (void)event; (void)stream; return 35; }
+static int event_record(void *event, hl_stream_t stream) { (void)event; (void)stream; return 100; }
 static int event_synchronize(void *event) { (void)event; return 0; }
-static int stream_wait(hl_stream_t stream, void *event) { (void)stream; (void)event; return 35; }
-static int stream_synchronize(hl_stream_t stream) { (void)stream; return 35; }
+static int stream_wait(hl_stream_t stream, void *event) { (void)stream; (void)event; return 100; }
+static int stream_synchronize(hl_stream_t stream) { (void)stream; return 100; }
 typedef int DEVICE_GUARD;
 #define DEVICE_ENTER(guard, device, status) ((void)(guard), (void)(device), (void)(status))
 #define DEVICE_LEAVE(guard, status) ((void)(guard), (void)(status))

@@ -52,7 +52,7 @@ typedef struct hl_nvjpeg_decoder *nvjpegJpegDecoder_t;
 typedef struct hl_nvjpeg_params *nvjpegDecodeParams_t;
 typedef struct hl_nvjpeg_pinned *nvjpegBufferPinned_t;
 typedef struct hl_nvjpeg_device_buffer *nvjpegBufferDevice_t;
-typedef void *hl_stream_t; /* cudaStream_t */
+typedef void *hl_stream_t; /* cudaStream_t, which is a CUstream */
 
 /* function pointer types, one per nvjpeg entry point used */
 typedef nvjpegStatus_t (*nvjpegGetProperty_fn)(int type, int *value);

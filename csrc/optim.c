@@ -7,7 +7,8 @@
 #include "optim_math.h"
 #include "tensor.h"
 #ifdef HOTLOOP_WITH_CUDA
-#include "optim.h"
+#include "kernels.h"
+#include "launch.h"
 #endif
 
 /* element i of a gradient of dtype `dtype` as float, widened exactly as the kernel widens it */
@@ -214,13 +215,13 @@ typedef struct {
     unsigned long long stream;
 } optim_launch;
 
-static cudaError_t launch_adam(void *ctx) {
+static CUresult launch_adam(void *ctx) {
     const optim_launch *a = ctx;
     return hl_launch_adam(a->table, a->count, a->total_chunks, a->hyper, a->lr, a->grad_scale, a->found_inf,
                           a->device, hl_stream(a->stream));
 }
 
-static cudaError_t launch_sgd(void *ctx) {
+static CUresult launch_sgd(void *ctx) {
     const optim_launch *a = ctx;
     return hl_launch_sgd(a->table, a->count, a->total_chunks, a->hyper, a->lr, a->grad_scale, a->found_inf,
                          a->device, hl_stream(a->stream));
@@ -266,7 +267,7 @@ static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64
         return 0;
     }
 #ifdef HOTLOOP_WITH_CUDA
-    if (hl_cuda_require(module, device) < 0)
+    if (hl_cuda_require(module, device) < 0 || hl_kernels_require(module, device, HL_SOURCE_OPTIM) < 0)
         return -1;
     optim_launch launch = {table->data, count, total_chunks, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr, device,
                            stream};

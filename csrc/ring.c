@@ -433,7 +433,7 @@ static PyGetSetDef ring_getset[] = {
     {"slot_bytes", get_slot_bytes, NULL, "bytes per slot (a multiple of 4096)", NULL},
     {"nbytes", get_nbytes, NULL, "bytes of shared memory, control blocks included", NULL},
     {"closed", get_closed, NULL, "True once close() ran", NULL},
-    {"registered", hl_ring_get_registered, NULL, "how many slots are cudaHostRegister'ed now", NULL},
+    {"registered", hl_ring_get_registered, NULL, "how many slots are page-locked (registered with the driver) now", NULL},
     {"completions", get_completions, NULL, "the futex counter, bumped on every state change", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

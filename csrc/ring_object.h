@@ -49,10 +49,10 @@ typedef struct {
     int owner;             /* 1 in the process that created the memfd */
     pid_t pid;             /* the process that made this object: a forked copy must not unregister */
     /* page-locking (ring_pin.c), in this process only */
-    int registered_device;            /* device of the cudaHostRegister calls, -1 before the first */
+    int registered_device;            /* device of the cuMemHostRegister calls, -1 before the first */
     uint32_t chunks_per_slot;         /* registration chunks of a slot */
     _Atomic unsigned char *chunk_state; /* per slot and chunk: registered or not (malloc'd) */
-    pthread_mutex_t pin_lock;         /* one cudaHostRegister at a time: background or main thread */
+    pthread_mutex_t pin_lock;         /* one cuMemHostRegister at a time: background or main thread */
     int pin_lock_ready;
     /* the background threads of populate_all: allocate pages, then page-lock them, in `order` */
     pthread_t populater;

@@ -1,4 +1,4 @@
-/* Page-locking a Ring for DMA: pages faulted in and cudaHostRegister'ed chunk by chunk on background threads. */
+/* Page-locking a Ring for DMA: pages faulted in and registered (cuMemHostRegister) chunk by chunk on background threads. */
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -12,12 +12,12 @@
 #include "ring_object.h"
 
 /* Why chunks, measured on an H200 host with a training step running on the main thread:
-   cudaHostRegister holds a driver lock for its whole call, and every CUDA call of the process waits
+   host registration holds a driver lock for its whole call, and every CUDA call of the process waits
    for it. A whole 38 MB slot (faulted in) holds it 2-3 ms; registered from a background thread
    slot after slot, the main thread's kernel launches waited 2 ms at the median and 18 ms at worst.
    In 8 MiB chunks one call takes ~0.3 ms, the whole slot 1.7 ms, and with a short pause between
    calls a launch waits 0.4 ms at the 99th percentile. A copy may not span two registrations (the
-   runtime rejects it), so copies are split at chunk boundaries too. */
+   driver rejects it), so copies are split at chunk boundaries too. */
 #define PIN_CHUNK (8ull << 20)
 #define PIN_PAUSE_NS 1000000L /* between two registrations: lets the training thread's calls in */
 
@@ -59,14 +59,14 @@ static int slot_registered(RingObject *r, uint32_t slot) {
 /* Register one chunk unless it is registered already; the caller has `device` current. Serialised
    by pin_lock, so the background thread and the main thread never register the same chunk twice.
    *did says whether this call registered it. */
-static cudaError_t register_chunk(RingObject *r, uint32_t slot, uint32_t chunk, int *did) {
-    cudaError_t err = cudaSuccess;
+static CUresult register_chunk(RingObject *r, uint32_t slot, uint32_t chunk, int *did) {
+    CUresult err = CUDA_SUCCESS;
     *did = 0;
     pthread_mutex_lock(&r->pin_lock);
     if (atomic_load(chunk_state(r, slot, chunk)) != CHUNK_REGISTERED) {
-        err = cudaHostRegister(slot_data(r, slot) + chunk_offset(chunk), chunk_bytes(r, chunk),
-                               cudaHostRegisterPortable);
-        if (err == cudaSuccess) {
+        err = hl_cu.cuMemHostRegister(slot_data(r, slot) + chunk_offset(chunk), chunk_bytes(r, chunk),
+                                      CU_MEMHOSTREGISTER_PORTABLE);
+        if (err == CUDA_SUCCESS) {
             atomic_store(chunk_state(r, slot, chunk), CHUNK_REGISTERED);
             *did = 1;
         }
@@ -78,7 +78,7 @@ static cudaError_t register_chunk(RingObject *r, uint32_t slot, uint32_t chunk, 
 
 /* The populating thread: allocates every slot's pages, in the order slots will be handed out.
    Allocating the pages of a fresh 38 MB slot takes ~20 ms; a worker that did it before writing its
-   first batch would delay that batch, and cudaHostRegister of unallocated memory does it while
+   first batch would delay that batch, and registering unallocated memory does it while
    holding the driver lock. No GIL, no CUDA here. */
 static void *populater_main(void *arg) {
     RingObject *r = (RingObject *)arg;
@@ -103,7 +103,9 @@ static void *populater_main(void *arg) {
    (cuda_register_slot) and reports the error there. */
 static void *pinner_main(void *arg) {
     RingObject *r = (RingObject *)arg;
-    if (cudaSetDevice(r->registered_device) != cudaSuccess) /* this thread's own current device */
+    CUcontext context = NULL; /* this thread's own current context: the device's primary one */
+    if (hl_primary_context(r->registered_device, &context) != CUDA_SUCCESS ||
+        hl_cu.cuCtxSetCurrent(context) != CUDA_SUCCESS)
         return NULL;
     struct timespec pause = {0, PIN_PAUSE_NS};
     for (uint32_t i = 0; i < r->order_count && !atomic_load(&r->bg_stop); i++) {
@@ -114,7 +116,7 @@ static void *pinner_main(void *arg) {
             /* map (and zero) the chunk's pages here, in small steps, outside the driver lock */
             hl_ring_fault_range(slot_data(r, slot) + chunk_offset(k), chunk_bytes(r, k));
             int did;
-            if (register_chunk(r, slot, k, &did) != cudaSuccess)
+            if (register_chunk(r, slot, k, &did) != CUDA_SUCCESS)
                 return NULL;
             nanosleep(&pause, NULL);
         }
@@ -146,7 +148,7 @@ void hl_pin_release(RingObject *r) {
         for (uint32_t s = 0; s < r->nslots; s++)
             for (uint32_t k = 0; k < r->chunks_per_slot; k++)
                 if (atomic_load(chunk_state(r, s, k)) == CHUNK_REGISTERED)
-                    (void)cudaHostUnregister(slot_data(r, s) + chunk_offset(k)); /* best effort: nothing to raise */
+                    (void)hl_cu.cuMemHostUnregister(slot_data(r, s) + chunk_offset(k)); /* best effort: nothing to raise */
         hl_device_leave(&guard, &status);
     }
 #endif
@@ -175,7 +177,7 @@ static int claim_device(RingObject *r, int device) {
 const char hl_ring_populate_all_doc[] = "populate_all(order, device=-1)\n\n"
              "Start background threads, without the GIL, that fault in the pages of every slot in `order`\n"
              "(slot numbers: the order the caller will use them) and, with a device, page-lock them for DMA\n"
-             "to it (cudaHostRegister, in 8 MiB chunks, one at a time with pauses so that the training\n"
+             "to it (cuMemHostRegister, in 8 MiB chunks, one at a time with pauses so that the training\n"
              "loop's CUDA calls are never held up for long). Once per ring; close() stops them.";
 PyObject *hl_ring_populate_all(PyObject *self, PyObject *args) {
     RingObject *r = (RingObject *)self;
@@ -232,46 +234,46 @@ typedef struct {
     int registered_any;
     const int64_t *triples; /* (offset in the slot, device address, bytes) */
     Py_ssize_t count;
-    cudaStream_t stream;
+    CUstream stream;
 } slot_job;
 
-static cudaError_t run_register(void *ctx) {
+static CUresult run_register(void *ctx) {
     slot_job *job = (slot_job *)ctx;
     for (uint32_t k = 0; k < job->ring->chunks_per_slot; k++) {
         int did;
-        cudaError_t err = register_chunk(job->ring, job->slot, k, &did);
-        if (err != cudaSuccess)
+        CUresult err = register_chunk(job->ring, job->slot, k, &did);
+        if (err != CUDA_SUCCESS)
             return err;
         job->registered_any |= did;
     }
-    return cudaSuccess;
+    return CUDA_SUCCESS;
 }
 
-/* one cudaMemcpyAsync per piece of a range that lies inside one chunk */
-static cudaError_t run_copies(void *ctx) {
+/* one cuMemcpyHtoDAsync per piece of a range that lies inside one chunk */
+static CUresult run_copies(void *ctx) {
     slot_job *job = (slot_job *)ctx;
     char *src = slot_data(job->ring, job->slot);
     for (Py_ssize_t i = 0; i < job->count; i++) {
         uint64_t off = (uint64_t)job->triples[3 * i], left = (uint64_t)job->triples[3 * i + 2];
-        char *dst = (char *)(uintptr_t)job->triples[3 * i + 1];
+        CUdeviceptr dst = (CUdeviceptr)job->triples[3 * i + 1];
         while (left > 0) {
             uint64_t piece = (off / PIN_CHUNK + 1) * PIN_CHUNK - off;
             if (piece > left)
                 piece = left;
-            cudaError_t err = cudaMemcpyAsync(dst, src + off, (size_t)piece, cudaMemcpyHostToDevice, job->stream);
-            if (err != cudaSuccess)
+            CUresult err = hl_cu.cuMemcpyHtoDAsync(dst, src + off, (size_t)piece, job->stream);
+            if (err != CUDA_SUCCESS)
                 return err;
             off += piece;
             dst += piece;
             left -= piece;
         }
     }
-    return cudaSuccess;
+    return CUDA_SUCCESS;
 }
 #endif
 
 const char hl_ring_cuda_register_slot_doc[] = "cuda_register_slot(slot, device) -> bool\n\n"
-             "Page-lock (cudaHostRegister, portable) whatever part of the slot the background thread of\n"
+             "Page-lock (cuMemHostRegister, portable) whatever part of the slot the background thread of\n"
              "populate_all has not yet, so that copies from it run at DMA speed; True when this call\n"
              "registered something. close() unregisters everything. One device per ring.";
 PyObject *hl_ring_cuda_register_slot(PyObject *self, PyObject *args) {
@@ -297,7 +299,7 @@ PyObject *hl_ring_cuda_register_slot(PyObject *self, PyObject *args) {
 }
 
 const char hl_ring_copy_to_device_doc[] = "copy_to_device(slot, packed, stream, device)\n\n"
-             "cudaMemcpyAsync from the (registered) slot to device memory on `stream`: packed holds int64\n"
+             "cuMemcpyHtoDAsync from the (registered) slot to device memory on `stream`: packed holds int64\n"
              "triples (offset in the slot, device address, bytes), each split at the registration chunks.\n"
              "Nothing waits; the caller records an event after and frees the slot only once it completed.";
 PyObject *hl_ring_copy_to_device(PyObject *self, PyObject *args) {

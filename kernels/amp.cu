@@ -4,27 +4,23 @@
 #include "dtype.cuh"
 #include "table.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <limits.h>
-#include <math.h>
-
 /* ---------------------------------------------------------------------------------------------
    Kernels over a tensor table. A block of AMP_THREADS owns whole chunks (HL_CHUNK_ELEMS elements, a fixed
    cut of each tensor), so the partial result of a chunk does not depend on the grid: the check
    writes one partial per chunk and the epilogue adds them in chunk order. Same inputs, same bits.
    The scalar maths (norm terms, epilogue, scale update) is kernels/amp_math.h, shared with the C
-   reference in csrc/amp.c.
+   reference in csrc/amp.c. The grids are chosen in csrc/launch_amp.c, which launches the extern "C"
+   entry points below with the block sizes of kernels/amp.h.
    --------------------------------------------------------------------------------------------- */
 
-#define AMP_THREADS 512
+#define AMP_THREADS HL_AMP_THREADS
 #define AMP_UNROLL 8 /* 16-byte loads in flight per thread */
-#define EPILOGUE_THREADS 1024
+#define EPILOGUE_THREADS HL_AMP_EPILOGUE_THREADS
 
 template <typename T> __device__ inline T from_float(float v);
 template <> __device__ inline float from_float<float>(float v) { return v; }
-template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ inline hl_half from_float<hl_half>(float v) { return hl_float2half_rn(v); }
+template <> __device__ inline hl_bfloat16 from_float<hl_bfloat16>(float v) { return hl_float2bfloat16_rn(v); }
 
 /* a value as the gradient's dtype would hold it: what torch's unscale_ leaves in a half gradient */
 template <typename T> __device__ inline float round_to(float v) { return to_float(from_float<T>(v)); }
@@ -83,12 +79,11 @@ __device__ __forceinline__ void map_chunk(const hl_table_entry &e, int64_t begin
 
 /* ---- non_finite_check: one read-only pass, one racing flag ---- */
 
-__global__ void __launch_bounds__(AMP_THREADS, 2)
-    non_finite_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *found) {
+extern "C" __global__ void __launch_bounds__(AMP_THREADS, HL_AMP_BLOCKS_PER_SM)
+    hl_non_finite_check(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *found) {
     bool bad = false;
     hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
-        with_dtype(e.dtype, [&](auto zero) {
-            using T = decltype(zero);
+        HL_WITH_DTYPE(e.dtype, T, [&] {
             map_chunk<T, false>(e, begin, end, [&](T x) {
                 bad |= !isfinite(to_float(x));
                 return x;
@@ -98,15 +93,6 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
     /* every writer writes the same 1.0, so a plain racing store is enough */
     if (__syncthreads_or(bad) && threadIdx.x == 0)
         *found = 1.0f;
-}
-
-extern "C" cudaError_t hl_launch_non_finite_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                                  float *found, int device, cudaStream_t stream) {
-    if (total_chunks == 0)
-        return cudaSuccess;
-    int grid = hl_grid_for_chunks(total_chunks, device, 2);
-    non_finite_check_kernel<<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, found);
-    return cudaGetLastError();
 }
 
 /* ---- the GradScaler's check ---- */
@@ -157,28 +143,40 @@ template <int MODE> __device__ void finish_chunk(double acc, bool bad, float2 *o
 
 /* one pass: partials[chunk] = {norm partial, non-finite flag}; WRITE also stores the unscaled values */
 template <int MODE, bool WRITE>
-__global__ void __launch_bounds__(AMP_THREADS, 2)
-    amp_check_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, float2 *partials,
-                     const float *scale, float p) {
+__device__ __forceinline__ void amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
+                                          float2 *partials, const float *scale, float p) {
     /* the reciprocal in FP64, as torch's unscale_ takes it */
     const float inv = scale != NULL ? (float)(1.0 / (double)*scale) : 1.0f;
     hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t chunk, int64_t begin, int64_t end) {
         double acc = 0.0;
         bool bad = false;
-        with_dtype(e.dtype, [&](auto zero) {
-            using T = decltype(zero);
+        HL_WITH_DTYPE(e.dtype, T, [&] {
             map_chunk<T, WRITE>(e, begin, end, [&](T x) { return check_value<T, MODE>(x, inv, p, acc, bad); });
         });
         finish_chunk<MODE>(acc, bad, partials + chunk);
     });
 }
 
+/* the check's entry points, one per pass the launcher picks: a read-only scan per norm mode, and
+   the unscale_ pass that also stores */
+#define HL_AMP_CHECK_ENTRY(name, MODE, WRITE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(AMP_THREADS, HL_AMP_BLOCKS_PER_SM)                                \
+        name(const hl_table_entry *table, int64_t count, int64_t total_chunks, float2 *partials, const float *scale, \
+             float p) {                                                                                            \
+        amp_check<MODE, WRITE>(table, count, total_chunks, partials, scale, p);                                    \
+    }
+
+HL_AMP_CHECK_ENTRY(hl_amp_check_none, HL_NORM_NONE, false)
+HL_AMP_CHECK_ENTRY(hl_amp_check_l2, HL_NORM_L2, false)
+HL_AMP_CHECK_ENTRY(hl_amp_check_inf, HL_NORM_INF, false)
+HL_AMP_CHECK_ENTRY(hl_amp_check_p, HL_NORM_P, false)
+HL_AMP_CHECK_ENTRY(hl_amp_check_write, HL_NORM_NONE, true)
+
 /* one block: partials in chunk order -> norm, clip coefficient, factors, found flag, report */
-__global__ void __launch_bounds__(EPILOGUE_THREADS)
-    amp_epilogue_kernel(const float2 *partials, int64_t total_chunks, int mode, float p, float max_norm,
-                        const float *scale, float *aux, const hl_table_entry *table, int64_t count,
-                        const int32_t *param_index, int64_t *report, int64_t step, const float *extra,
-                        int n_extra) {
+extern "C" __global__ void __launch_bounds__(EPILOGUE_THREADS)
+    hl_amp_epilogue(const float2 *partials, int64_t total_chunks, int mode, float p, float max_norm,
+                    const float *scale, float *aux, const hl_table_entry *table, int64_t count,
+                    const int32_t *param_index, int64_t *report, int64_t step, const float *extra, int n_extra) {
     double acc = 0.0;
     long long first_bad = LLONG_MAX;
     /* thread t adds chunks t, t+T, t+2T, ... in that order, then a fixed tree: deterministic */
@@ -209,51 +207,16 @@ __global__ void __launch_bounds__(EPILOGUE_THREADS)
     }
 }
 
-template <int MODE, bool WRITE>
-static void launch_check(int grid, cudaStream_t stream, const hl_table_entry *table, int64_t count,
-                         int64_t total_chunks, float *partials, const float *scale, float p) {
-    amp_check_kernel<MODE, WRITE><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, (float2 *)partials,
-                                                                    scale, p);
-}
-
-extern "C" cudaError_t hl_launch_amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                           float *partials, const float *scale, int write, int mode, float p,
-                                           float max_norm, float *aux, const int32_t *param_index, int64_t *report,
-                                           int64_t step, const float *extra, int n_extra, int blocks, int device,
-                                           cudaStream_t stream) {
-    if (total_chunks > 0) {
-        int grid = blocks > 0 ? blocks : hl_grid_for_chunks(total_chunks, device, 2);
-        if (write)
-            launch_check<HL_NORM_NONE, true>(grid, stream, table, count, total_chunks, partials, scale, p);
-        else if (mode == HL_NORM_L2)
-            launch_check<HL_NORM_L2, false>(grid, stream, table, count, total_chunks, partials, scale, p);
-        else if (mode == HL_NORM_INF)
-            launch_check<HL_NORM_INF, false>(grid, stream, table, count, total_chunks, partials, scale, p);
-        else if (mode == HL_NORM_P)
-            launch_check<HL_NORM_P, false>(grid, stream, table, count, total_chunks, partials, scale, p);
-        else
-            launch_check<HL_NORM_NONE, false>(grid, stream, table, count, total_chunks, partials, scale, p);
-        cudaError_t err = cudaGetLastError();
-        if (err != cudaSuccess)
-            return err;
-    }
-    amp_epilogue_kernel<<<1, EPILOGUE_THREADS, 0, stream>>>((const float2 *)partials, total_chunks, mode, p,
-                                                            max_norm, scale, aux, table, count, param_index,
-                                                            report, step, extra, n_extra);
-    return cudaGetLastError();
-}
-
 /* ---- apply: one read-write pass with the factors the epilogue computed, rounded as torch rounds ---- */
 
 template <bool UNSCALE, bool CLIP>
-__global__ void __launch_bounds__(AMP_THREADS, 2)
-    amp_apply_kernel(const hl_table_entry *table, int64_t count, int64_t total_chunks, const float *aux) {
+__device__ __forceinline__ void amp_apply(const hl_table_entry *table, int64_t count, int64_t total_chunks,
+                                          const float *aux) {
     if (aux[HL_AUX_FOUND] != 0.0f)
         return; /* a skipped step: leave every gradient as it is */
     const float inv = aux[HL_AUX_INV_SCALE], coef = aux[HL_AUX_CLIP];
     hl_for_each_chunk(table, count, total_chunks, [&](const hl_table_entry &e, int64_t, int64_t begin, int64_t end) {
-        with_dtype(e.dtype, [&](auto zero) {
-            using T = decltype(zero);
+        HL_WITH_DTYPE(e.dtype, T, [&] {
             map_chunk<T, true>(e, begin, end, [&](T x) {
                 float u = to_float(x);
                 if (UNSCALE) /* torch's unscale_ rounds to the gradient's dtype, then its clip multiplies */
@@ -266,37 +229,30 @@ __global__ void __launch_bounds__(AMP_THREADS, 2)
     });
 }
 
-extern "C" cudaError_t hl_launch_amp_apply(const hl_table_entry *table, int64_t count, int64_t total_chunks,
-                                           const float *aux, int unscale, int clip, int device, cudaStream_t stream) {
-    if (total_chunks == 0 || (!unscale && !clip))
-        return cudaSuccess;
-    int grid = hl_grid_for_chunks(total_chunks, device, 2);
-    if (unscale && clip)
-        amp_apply_kernel<true, true><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, aux);
-    else if (unscale)
-        amp_apply_kernel<true, false><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, aux);
-    else
-        amp_apply_kernel<false, true><<<grid, AMP_THREADS, 0, stream>>>(table, count, total_chunks, aux);
-    return cudaGetLastError();
+/* apply's entry points: unscale, clip, or both (the launcher runs none when neither is asked) */
+extern "C" __global__ void __launch_bounds__(AMP_THREADS, HL_AMP_BLOCKS_PER_SM)
+    hl_amp_apply_unscale(const hl_table_entry *table, int64_t count, int64_t total_chunks, const float *aux) {
+    amp_apply<true, false>(table, count, total_chunks, aux);
+}
+
+extern "C" __global__ void __launch_bounds__(AMP_THREADS, HL_AMP_BLOCKS_PER_SM)
+    hl_amp_apply_clip(const hl_table_entry *table, int64_t count, int64_t total_chunks, const float *aux) {
+    amp_apply<false, true>(table, count, total_chunks, aux);
+}
+
+extern "C" __global__ void __launch_bounds__(AMP_THREADS, HL_AMP_BLOCKS_PER_SM)
+    hl_amp_apply_unscale_clip(const hl_table_entry *table, int64_t count, int64_t total_chunks, const float *aux) {
+    amp_apply<true, true>(table, count, total_chunks, aux);
 }
 
 /* ---- update: the scale's next value, on the device ---- */
 
-__global__ void amp_update_kernel(float *scale, int32_t *growth_tracker, int64_t *state, hl_found_list found,
-                                  double growth_factor, double backoff_factor, int64_t growth_interval,
-                                  int64_t hysteresis, float min_scale, float max_scale, int adjust) {
+extern "C" __global__ void hl_amp_update(float *scale, int32_t *growth_tracker, int64_t *state, hl_found_list found,
+                                         double growth_factor, double backoff_factor, int64_t growth_interval,
+                                         int64_t hysteresis, float min_scale, float max_scale, int adjust) {
     float any = 0.0f; /* torch adds the optimizers' found_inf tensors */
     for (int i = 0; i < found.count; i++)
         any += *found.ptr[i];
     hl_amp_update_scale(scale, growth_tracker, state, any, growth_factor, backoff_factor, growth_interval, hysteresis,
                         min_scale, max_scale, adjust);
-}
-
-extern "C" cudaError_t hl_launch_amp_update(float *scale, int32_t *growth_tracker, int64_t *state,
-                                            const hl_found_list *found, double growth_factor, double backoff_factor,
-                                            int64_t growth_interval, int64_t hysteresis, float min_scale,
-                                            float max_scale, int adjust, cudaStream_t stream) {
-    amp_update_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, state, *found, growth_factor, backoff_factor,
-                                           growth_interval, hysteresis, min_scale, max_scale, adjust);
-    return cudaGetLastError();
 }

@@ -2,7 +2,7 @@
 #ifndef HOTLOOP_AMP_LAYOUT_H
 #define HOTLOOP_AMP_LAYOUT_H
 
-#include <stdint.h>
+#include "rtc_prelude.h"
 
 /* csrc/amp.c exports every number here to Python as _C.AMP_* (norm modes, slots, the _LEN sizes,
    AMP_MAX_FOUND): this header is their one owner. */

@@ -2,10 +2,8 @@
 #ifndef HOTLOOP_AMP_MATH_H
 #define HOTLOOP_AMP_MATH_H
 
-#include <float.h>
-#include <math.h>
-
 #include "amp_layout.h"
+#include "rtc_prelude.h"
 
 #ifdef __CUDACC__
 #define HL_AMP_FN static inline __host__ __device__

@@ -1,18 +1,16 @@
 /* Batched crop, antialiased bilinear resize, flip and normalise of differently sized uint8 images into one NCHW or channels_last batch. */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
+#include "half.cuh"
 #include "image_resize.h"
 #include "image_resize_math.h"
 
 /* A block makes one tile of one image's output: TILE_H rows x TILE_W columns x 3 channels. It
    resamples the crop's rows the tile needs horizontally (Pillow's first pass, rounded to uint8)
    into shared memory, CHUNK_ROWS at a time, and each thread sums the vertical pass for its two
-   pixels from there. Every image has its own filters; the grid walks images x tiles. */
-#define TILE_W 32 /* one warp's lanes: consecutive columns, so NCHW stores coalesce */
-#define TILE_H 16
-#define THREADS 256
+   pixels from there. Every image has its own filters; the grid (csrc/launch_image_resize.c) walks
+   images x tiles. */
+#define TILE_W HL_RESIZE_TILE_W /* one warp's lanes: consecutive columns, so NCHW stores coalesce */
+#define TILE_H HL_RESIZE_TILE_H
+#define THREADS HL_RESIZE_THREADS
 #define ROW_STEP (THREADS / TILE_W)        /* a thread makes rows ty and ty + ROW_STEP of the tile */
 #define ROWS_PER_THREAD (TILE_H / ROW_STEP)
 #define CHUNK_ROWS 64 /* a 640 -> 224 shrink needs ~52 rows for 16 output rows: one chunk */
@@ -20,7 +18,6 @@
    column (a 1/31 shrink) and 128 per row; a stronger shrink computes its weights as it goes. */
 #define CACHE_X (TILE_W * 64)
 #define CACHE_Y (TILE_H * 128)
-#define MAX_BLOCKS (1 << 16) /* more tiles than this: blocks loop */
 
 /* tap k of filter f: from the tile's cache, or computed (the same function filled the cache) */
 __device__ inline int32_t tap_weight(const int32_t *cached, const hl_resize_taps &f, int k) {
@@ -60,14 +57,14 @@ __device__ inline void store(void *out, size_t i, uint8_t q, int c, int dtype, c
     if (dtype == HL_FLOAT32)
         ((float *)out)[i] = y;
     else if (dtype == HL_FLOAT16)
-        ((uint16_t *)out)[i] = __half_as_ushort(__float2half_rn(y));
+        ((uint16_t *)out)[i] = hl_float2half_rn(y).bits;
     else
-        ((uint16_t *)out)[i] = __bfloat16_as_ushort(__float2bfloat16_rn(y));
+        ((uint16_t *)out)[i] = hl_float2bfloat16_rn(y).bits;
 }
 
-__global__ void __launch_bounds__(THREADS)
-    image_resize_kernel(const hl_image_entry *entries, int64_t tiles_x, int64_t tiles_per_image, int64_t total_tiles,
-                        void *out, int dtype, int h, int w, int channels_last, hl_image_resize_params p) {
+extern "C" __global__ void __launch_bounds__(THREADS)
+    hl_image_resize(const hl_image_entry *entries, int64_t tiles_x, int64_t tiles_per_image, int64_t total_tiles,
+                    void *out, int dtype, int h, int w, int channels_last, hl_image_resize_params p) {
     __shared__ hl_resize_taps cols[TILE_W], rows[TILE_H];
     __shared__ int32_t wx[CACHE_X], wy[CACHE_Y];
     __shared__ uint8_t inter[CHUNK_ROWS][TILE_W][3];
@@ -162,17 +159,4 @@ __global__ void __launch_bounds__(THREADS)
             }
         }
     }
-}
-
-extern "C" cudaError_t hl_launch_image_resize(const hl_image_entry *entries, int64_t count, void *out, int out_dtype,
-                                              int64_t h, int64_t w, int channels_last, hl_image_resize_params params,
-                                              cudaStream_t stream) {
-    if (count == 0 || h == 0 || w == 0)
-        return cudaSuccess;
-    int64_t tiles_x = (w + TILE_W - 1) / TILE_W, tiles_y = (h + TILE_H - 1) / TILE_H;
-    int64_t total = count * tiles_x * tiles_y;
-    int blocks = (int)(total < MAX_BLOCKS ? total : MAX_BLOCKS);
-    image_resize_kernel<<<blocks, THREADS, 0, stream>>>(entries, tiles_x, tiles_x * tiles_y, total, out, out_dtype,
-                                                        (int)h, (int)w, channels_last, params);
-    return cudaGetLastError();
 }

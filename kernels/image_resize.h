@@ -1,16 +1,9 @@
-/* The batched crop-resize-flip-normalise kernel's entry table (64 bytes per image) and its launcher in kernels/image_resize.cu. */
+/* The batched crop-resize-flip-normalise kernel's entry table (64 bytes per image), parameters and tile shape, shared by kernels/image_resize.cu, its launcher and the C reference. */
 #ifndef HOTLOOP_KERNELS_IMAGE_RESIZE_H
 #define HOTLOOP_KERNELS_IMAGE_RESIZE_H
 
-#include <stdint.h>
-
+#include "rtc_prelude.h"
 #include "tensor_table.h"
-
-/* the launcher exists only where CUDA does (nvcc, or a C file of a CUDA build); the entry and the
-   parameters serve the C reference of a CPU-only build too */
-#if defined(__CUDACC__) || defined(HOTLOOP_WITH_CUDA)
-#include <cuda_runtime_api.h>
-#endif
 
 /* The largest side (source, crop, resized crop) an entry may have: _C.IMAGE_MAX_SIDE. It bounds a
    filter's taps, so that every fixed-point sum of kernels/image_resize_math.h stays inside int32. */
@@ -19,9 +12,11 @@
 /* _C.IMAGE_ENTRY_BYTES; python/hotloop/data/image_resize.py packs an entry as struct "<Qq12i" */
 #define HL_IMAGE_ENTRY_BYTES 64
 
-#ifdef __cplusplus
-extern "C" {
-#endif
+/* The kernel's work item: a block of HL_RESIZE_THREADS makes one tile of HL_RESIZE_TILE_H rows x
+   HL_RESIZE_TILE_W columns of one image's output. The launcher counts tiles with the same numbers. */
+#define HL_RESIZE_TILE_W 32
+#define HL_RESIZE_TILE_H 16
+#define HL_RESIZE_THREADS 256
 
 /* One image of a batch: where its pixels are, the crop taken from it, the size the crop is resized
    to and the batch-sized window of the resized crop that is written out. */
@@ -48,18 +43,5 @@ typedef struct {
     float std[3];
     float scale;
 } hl_image_resize_params;
-
-#if defined(__CUDACC__) || defined(HOTLOOP_WITH_CUDA)
-/* Every image of `entries` (device memory, `count` checked entries) cropped, resized, windowed,
-   flipped and normalised into out: `count` images of 3 x h x w of `out_dtype` (HL_UINT8, HL_FLOAT32,
-   HL_FLOAT16 or HL_BFLOAT16), in [count, 3, h, w] order, or [count, h, w, 3] when channels_last.
-   One kernel on `stream`. */
-cudaError_t hl_launch_image_resize(const hl_image_entry *entries, int64_t count, void *out, int out_dtype, int64_t h,
-                                   int64_t w, int channels_last, hl_image_resize_params params, cudaStream_t stream);
-#endif
-
-#ifdef __cplusplus
-}
-#endif
 
 #endif

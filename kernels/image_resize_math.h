@@ -2,7 +2,7 @@
 #ifndef HOTLOOP_KERNELS_IMAGE_RESIZE_MATH_H
 #define HOTLOOP_KERNELS_IMAGE_RESIZE_MATH_H
 
-#include <stdint.h>
+#include "rtc_prelude.h"
 
 #ifdef __CUDACC__
 #define HL_RESIZE_FN static inline __host__ __device__

@@ -1,22 +1,18 @@
 /* Fused image normalise: uint8 HWC batches to float32/float16/bfloat16 NCHW or channels_last in one pass. */
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
+#include "half.cuh"
 #include "normalize.h"
 
-#define THREADS 256
-#define MAX_BLOCKS 1024 /* a few waves on any GPU: each block builds its table once, then loops */
-#define VEC 16          /* input bytes per vector load */
+/* The grid is chosen in csrc/launch_normalize.c, which also picks between the two entry points. */
+#define VEC HL_NORMALIZE_VEC /* input bytes per vector load */
 
 /* the same two IEEE operations as torch's x.float().sub(mean).div(std): no reciprocal, no FMA */
 __device__ inline float normalize_one(uint8_t v, float mean, float std) { return __fdiv_rn(__fsub_rn((float)v, mean), std); }
 
 __device__ inline uint32_t out_bits(float x, int dtype) {
     if (dtype == HL_FLOAT16)
-        return __half_as_ushort(__float2half_rn(x));
+        return hl_float2half_rn(x).bits;
     if (dtype == HL_BFLOAT16)
-        return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+        return hl_float2bfloat16_rn(x).bits;
     return __float_as_uint(x);
 }
 
@@ -39,8 +35,8 @@ __device__ inline void fill_table(uint32_t *table, int c, int dtype, const hl_no
 
 /* channels_last, src 16-byte and dst 32/64-byte aligned: element i maps to element i; 16 inputs per
    load, their outputs written as whole 16-byte stores; the tail after the last full vector by scalars */
-__global__ void normalize_nhwc_vector_kernel(const uint8_t *src, void *dst, int dtype, size_t total, int c,
-                                             hl_normalize_params p) {
+extern "C" __global__ void hl_normalize_nhwc_vector(const uint8_t *src, void *dst, int dtype, size_t total, int c,
+                                                    hl_normalize_params p) {
     __shared__ uint32_t table[HL_NORMALIZE_MAX_CHANNELS * 256];
     fill_table(table, c, dtype, p);
     size_t nvec = total / VEC;
@@ -71,8 +67,8 @@ __global__ void normalize_nhwc_vector_kernel(const uint8_t *src, void *dst, int 
 
 /* any alignment, either layout: one output per thread step; NCHW writes consecutive outputs
    (coalesced stores) and gathers each one's input byte */
-__global__ void normalize_gather_kernel(const uint8_t *src, void *dst, int dtype, size_t total, size_t hw, int c,
-                                        int channels_last, hl_normalize_params p) {
+extern "C" __global__ void hl_normalize_gather(const uint8_t *src, void *dst, int dtype, size_t total, size_t hw, int c,
+                                               int channels_last, hl_normalize_params p) {
     __shared__ uint32_t table[HL_NORMALIZE_MAX_CHANNELS * 256];
     fill_table(table, c, dtype, p);
     for (size_t o = (size_t)blockIdx.x * blockDim.x + threadIdx.x; o < total; o += (size_t)gridDim.x * blockDim.x) {
@@ -88,25 +84,4 @@ __global__ void normalize_gather_kernel(const uint8_t *src, void *dst, int dtype
         }
         store_bits(dst, o, table[ch << 8 | src[in]], dtype);
     }
-}
-
-static int blocks_for(size_t work) {
-    size_t blocks = (work + THREADS - 1) / THREADS;
-    return (int)(blocks < MAX_BLOCKS ? blocks : MAX_BLOCKS);
-}
-
-extern "C" cudaError_t hl_launch_normalize(const uint8_t *src, void *dst, int dst_dtype, int64_t n, int64_t h,
-                                           int64_t w, int64_t c, int channels_last, hl_normalize_params params,
-                                           cudaStream_t stream) {
-    size_t total = (size_t)n * (size_t)h * (size_t)w * (size_t)c;
-    if (total == 0)
-        return cudaSuccess;
-    size_t out_vec_bytes = (size_t)VEC * (dst_dtype == HL_FLOAT32 ? 4 : 2);
-    if (channels_last && (uintptr_t)src % VEC == 0 && (uintptr_t)dst % out_vec_bytes == 0)
-        normalize_nhwc_vector_kernel<<<blocks_for(total / VEC + 1), THREADS, 0, stream>>>(src, dst, dst_dtype, total,
-                                                                                         (int)c, params);
-    else
-        normalize_gather_kernel<<<blocks_for(total), THREADS, 0, stream>>>(
-            src, dst, dst_dtype, total, (size_t)h * (size_t)w, (int)c, channels_last, params);
-    return cudaGetLastError();
 }

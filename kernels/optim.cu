@@ -3,14 +3,12 @@
 #include "dtype.cuh"
 #include "table.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 /* A block owns whole chunks (HL_CHUNK_ELEMS elements of one tensor), as kernels/amp.cu's passes do;
    the per-element maths is kernels/optim_math.h, shared with the C reference in csrc/optim.c, so the
-   two do the same float operations. */
+   two do the same float operations. The grids are chosen in csrc/launch_optim.c, which launches the
+   extern "C" entry points below with kernels/optim.h's block size. */
 
-#define OPTIM_THREADS 512
+#define OPTIM_THREADS HL_OPTIM_THREADS
 
 /* four gradient elements from 4 * sizeof(G) aligned bytes: one 16-, 8- load */
 template <typename G> struct alignas(4 * sizeof(G)) grad4 {
@@ -78,9 +76,9 @@ __device__ __forceinline__ void store_floats(float *a, int64_t i, int count, con
         __stcs(a + i, in[0]);
 }
 
-__global__ void __launch_bounds__(OPTIM_THREADS)
-    adam_kernel(const hl_adam_entry *table, int64_t count, int64_t total_chunks, hl_adam_hyper hyper,
-                const float *lr_ptr, const float *grad_scale, const float *found_inf) {
+extern "C" __global__ void __launch_bounds__(OPTIM_THREADS)
+    hl_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks, hl_adam_hyper hyper, const float *lr_ptr,
+            const float *grad_scale, const float *found_inf) {
     /* a skipped step reads no gradient and writes nothing: every block leaves at once */
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
@@ -97,32 +95,31 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
         float *__restrict__ p = (float *)e.param, *__restrict__ m = (float *)e.exp_avg;
         float *__restrict__ v = (float *)e.exp_avg_sq, *__restrict__ vmax = (float *)e.max_exp_avg_sq;
         const bool floats_aligned = aligned16(p) && aligned16(m) && aligned16(v) && (vmax == NULL || aligned16(vmax));
-        with_dtype(e.grad_dtype, [&](auto zero) {
-            using G = decltype(zero);
-            walk_chunk((const G *)e.grad, floats_aligned, begin, end, [&](const float g[4], int64_t i, int count) {
-                float pp[4], mm[4], vv[4], xx[4];
-                load_floats(p, i, count, pp);
-                load_floats(m, i, count, mm);
-                load_floats(v, i, count, vv);
-                if (vmax != NULL)
-                    load_floats(vmax, i, count, xx);
+        /* defined outside HL_WITH_DTYPE: a #pragma inside a macro's argument is lost */
+        const auto update = [&](const float g[4], int64_t i, int count) {
+            float pp[4], mm[4], vv[4], xx[4];
+            load_floats(p, i, count, pp);
+            load_floats(m, i, count, mm);
+            load_floats(v, i, count, vv);
+            if (vmax != NULL)
+                load_floats(vmax, i, count, xx);
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (j < count)
-                        hl_adam_element(&s, g[j], scale, has_scale, pp + j, mm + j, vv + j, vmax != NULL ? xx + j : NULL);
-                store_floats(p, i, count, pp);
-                store_floats(m, i, count, mm);
-                store_floats(v, i, count, vv);
-                if (vmax != NULL)
-                    store_floats(vmax, i, count, xx);
-            });
-        });
+            for (int j = 0; j < 4; j++)
+                if (j < count)
+                    hl_adam_element(&s, g[j], scale, has_scale, pp + j, mm + j, vv + j, vmax != NULL ? xx + j : NULL);
+            store_floats(p, i, count, pp);
+            store_floats(m, i, count, mm);
+            store_floats(v, i, count, vv);
+            if (vmax != NULL)
+                store_floats(vmax, i, count, xx);
+        };
+        HL_WITH_DTYPE(e.grad_dtype, G, [&] { walk_chunk((const G *)e.grad, floats_aligned, begin, end, update); });
     });
 }
 
-__global__ void __launch_bounds__(OPTIM_THREADS)
-    sgd_kernel(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, hl_sgd_hyper hyper,
-               const float *lr_ptr, const float *grad_scale, const float *found_inf) {
+extern "C" __global__ void __launch_bounds__(OPTIM_THREADS)
+    hl_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, hl_sgd_hyper hyper, const float *lr_ptr,
+           const float *grad_scale, const float *found_inf) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return; /* a skipped step reads no gradient and writes nothing */
     const int has_scale = grad_scale != NULL;
@@ -131,59 +128,29 @@ __global__ void __launch_bounds__(OPTIM_THREADS)
     hl_for_each_chunk(table, count, total_chunks, [&](const hl_sgd_entry &e, int64_t, int64_t begin, int64_t end) {
         float *__restrict__ p = (float *)e.param, *__restrict__ buf = (float *)e.momentum_buffer;
         const bool floats_aligned = aligned16(p) && (buf == NULL || aligned16(buf));
-        with_dtype(e.grad_dtype, [&](auto zero) {
-            using G = decltype(zero);
-            walk_chunk((const G *)e.grad, floats_aligned, begin, end, [&](const float g[4], int64_t i, int count) {
-                float pp[4], bb[4];
-                load_floats(p, i, count, pp);
-                if (buf != NULL)
-                    load_floats(buf, i, count, bb);
+        const auto update = [&](const float g[4], int64_t i, int count) { /* outside the macro, for its #pragma */
+            float pp[4], bb[4];
+            load_floats(p, i, count, pp);
+            if (buf != NULL)
+                load_floats(buf, i, count, bb);
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (j < count)
-                        hl_sgd_element(&hyper, lr, g[j], scale, has_scale, pp + j, buf != NULL ? bb + j : NULL);
-                store_floats(p, i, count, pp);
-                if (buf != NULL)
-                    store_floats(buf, i, count, bb);
-            });
-        });
+            for (int j = 0; j < 4; j++)
+                if (j < count)
+                    hl_sgd_element(&hyper, lr, g[j], scale, has_scale, pp + j, buf != NULL ? bb + j : NULL);
+            store_floats(p, i, count, pp);
+            if (buf != NULL)
+                store_floats(buf, i, count, bb);
+        };
+        HL_WITH_DTYPE(e.grad_dtype, G, [&] { walk_chunk((const G *)e.grad, floats_aligned, begin, end, update); });
     });
 }
 
-extern "C" cudaError_t hl_launch_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks,
-                                     const hl_sgd_hyper *hyper, const float *lr, const float *grad_scale,
-                                     const float *found_inf, int device, cudaStream_t stream) {
-    if (count == 0 || total_chunks == 0)
-        return cudaSuccess;
-    int grid = hl_grid_for_chunks(total_chunks, device, 2);
-    sgd_kernel<<<grid, OPTIM_THREADS, 0, stream>>>(table, count, total_chunks, *hyper, lr, grad_scale, found_inf);
-    return cudaGetLastError();
-}
-
 /* after the update: every tensor's step count + 1, unless the step was skipped */
-__global__ void adam_count_kernel(const hl_adam_entry *table, int64_t count, const float *found_inf) {
+extern "C" __global__ void hl_adam_count(const hl_adam_entry *table, int64_t count, const float *found_inf) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
     for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < count; t += (int64_t)gridDim.x * blockDim.x) {
         float *step = (float *)table[t].step;
         *step = *step + 1.0f;
     }
-}
-
-extern "C" cudaError_t hl_launch_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks,
-                                      const hl_adam_hyper *hyper, const float *lr, const float *grad_scale,
-                                      const float *found_inf, int device, cudaStream_t stream) {
-    if (count == 0)
-        return cudaSuccess;
-    if (total_chunks > 0) {
-        int grid = hl_grid_for_chunks(total_chunks, device, 2);
-        adam_kernel<<<grid, OPTIM_THREADS, 0, stream>>>(table, count, total_chunks, *hyper, lr, grad_scale, found_inf);
-        cudaError_t err = cudaGetLastError();
-        if (err != cudaSuccess)
-            return err;
-    }
-    const int threads = 256;
-    const int64_t blocks = (count + threads - 1) / threads;
-    adam_count_kernel<<<(unsigned)(blocks < 1024 ? blocks : 1024), threads, 0, stream>>>(table, count, found_inf);
-    return cudaGetLastError();
 }

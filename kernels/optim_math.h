@@ -2,8 +2,7 @@
 #ifndef HOTLOOP_OPTIM_MATH_H
 #define HOTLOOP_OPTIM_MATH_H
 
-#include <math.h>
-#include <stdint.h>
+#include "rtc_prelude.h"
 
 #ifdef __CUDACC__
 #define HL_OPT_FN static inline __host__ __device__

@@ -2,8 +2,6 @@
 #ifndef HOTLOOP_TABLE_CUH
 #define HOTLOOP_TABLE_CUH
 
-#include <cuda_runtime.h>
-
 #include "tensor_table.h"
 
 /* the entry that holds chunk `chunk`: the last one whose first_chunk <= chunk (empty tensors
@@ -39,8 +37,5 @@ __device__ __forceinline__ void hl_for_each_chunk(const Entry *table, int64_t co
         body(e, chunk, begin, min(begin + (int64_t)HL_CHUNK_ELEMS, e.numel));
     }
 }
-
-/* blocks for a grid-stride walk over `chunks` chunks: enough to fill every multiprocessor */
-int hl_grid_for_chunks(int64_t chunks, int device, int blocks_per_sm);
 
 #endif

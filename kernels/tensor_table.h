@@ -2,7 +2,7 @@
 #ifndef HOTLOOP_TENSOR_TABLE_H
 #define HOTLOOP_TENSOR_TABLE_H
 
-#include <stdint.h>
+#include "rtc_prelude.h"
 
 /* dtype codes shared with python/hotloop/amp/tensor_table.py (exported as _C.DTYPE_CODES, keyed by
    torch's dtype name, with _C.DTYPE_UNKNOWN and _C.FLOATING_DTYPE_MASK); kernels take the first three */
@@ -39,6 +39,8 @@ typedef struct {
     int32_t device;      /* CUDA device index, -1 for host memory */
 } hl_table_entry;
 
+#ifndef __CUDACC_RTC__ /* the C side packs tables; NVRTC refuses a host function */
 static inline int64_t hl_chunks_of(int64_t numel) { return (numel + HL_CHUNK_ELEMS - 1) / HL_CHUNK_ELEMS; }
+#endif
 
 #endif
