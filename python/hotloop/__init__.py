@@ -8,6 +8,9 @@ from . import _C
 from ._C import CudaError, NvjpegError, NvmlError
 from ._version import __version__
 
+if hasattr(_C, "set_kernel_loader"):  # C's kernels are compiled at first use, by NVRTC: see hotloop.rtc
+    _C.set_kernel_loader(importlib.import_module(f"{__name__}.rtc.loader").load_kernel_image)
+
 __all__ = ["BatchSizeResult", "CudaError", "DataLoader", "EncodedImageDataset", "GatheredStats", "GpuDecode", "GradScaler", "MemoryMonitor", "MemoryReport", "Normalize", "NvjpegError", "NvmlError",
            "__version__", "build_info", "cuda_available", "find_max_batch_size", "memory_monitor", "ops", "optim"]
 

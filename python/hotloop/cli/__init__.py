@@ -14,6 +14,7 @@ COMMANDS = {
     "doctor": ("hotloop.cli.doctor", "check driver, torch, GPUs, PCIe, power and host settings; advise"),
     "monitor": ("hotloop.cli.monitor", "an nvidia-smi -l like logger: memory, utilisation, power, clocks, PCIe"),
     "bench": ("hotloop.cli.bench", "hotloop against torch, side by side in one process"),
+    "compile": ("hotloop.cli.compile", "compile the CUDA kernels into the cache ahead of time (NVRTC)"),
 }
 
 

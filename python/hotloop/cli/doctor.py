@@ -153,6 +153,28 @@ class Doctor:
                      "without peer access NCCL goes through host memory: check the topology "
                      "(nvidia-smi topo -m) and IOMMU/ACS settings" if missing else "")
 
+    def kernels(self, system):
+        """NVRTC compiles the kernels at first use: which NVRTC and driver, the cache, what is compiled"""
+        from ..rtc import report as rtc  # reads the kernel cache, compiles nothing
+
+        nvrtc, cache = rtc.nvrtc_report(), rtc.kernel_cache_report()
+        self.facts["nvrtc"], self.facts["kernel_cache"] = nvrtc, cache
+        if nvrtc["path"] is None:
+            self.add("kernels (NVRTC)", "FAIL" if system else "SKIP", "no NVRTC found" + ("" if system else ", no GPU"),
+                     nvrtc["error"].splitlines()[-1])
+            return
+        value = (f"NVRTC {nvrtc['version']} ({nvrtc['path']}), driver CUDA {_cuda_text(_C.cuda_driver_version())}, "
+                 f"cache {cache['folder']}")
+        failed = [f"gpu {d['device']}: {d['error']}" for d in cache["devices"] if d["error"]]
+        missing = [d for d in cache["devices"] if not d["error"] and not all(d["sources"].values())]
+        for d in cache["devices"]:
+            value += f"; gpu {d['device']} {d['target']}: {sum(d['sources'].values())} of {len(d['sources'])} compiled"
+        if failed or cache["error"]:
+            self.add("kernels (NVRTC)", "FAIL", value, "; ".join(failed) or cache["error"])
+        else:
+            self.add("kernels (NVRTC)", "PASS", value, "the others compile at first use; `python -m hotloop compile` "
+                     "compiles them ahead" if missing else "")
+
     def pcie(self, tag, index, info, torch, tindex):
         """links downshift when idle: read gen/width while copies run, then time a pinned copy"""
         link = info["pcie"]
@@ -268,6 +290,7 @@ class Doctor:
         torch = self.torch_versions(system)
         if system is not None:
             self.gpus(system, torch)
+        self.kernels(system)
         self.host(system, torch)
         self.torch_settings(torch)
         return self

@@ -13,6 +13,8 @@ def add_arguments(parser):
 
 def collect() -> dict:
     """Build and machine facts as a dict; works without torch and without a GPU."""
+    from ..rtc import report as rtc  # reads the kernel cache, compiles nothing
+
     facts = {
         "hotloop": __version__,
         "build": _C.build_info(),
@@ -21,11 +23,12 @@ def collect() -> dict:
         "cpu_count": os.cpu_count(),
         "cuda_unavailable_reason": _C.cuda_unavailable_reason(),
         "cuda_driver_version": _C.cuda_driver_version(),
-        "cuda_runtime_version": _C.cuda_runtime_version(),
         "cuda_devices": [],
         "torch": None,
         "torch_cuda": None,
         "nvjpeg": _nvjpeg(),
+        "nvrtc": rtc.nvrtc_report(),
+        "kernel_cache": rtc.kernel_cache_report(),
     }
     try:
         import torch
@@ -80,11 +83,10 @@ def main(args) -> int:
         print(json.dumps(facts, indent=2))
         return 0
     build = facts["build"]
-    archs = ", ".join(f"sm_{a}" for a in build["cuda_archs"]) or "-"
     lines = [
         ("hotloop", facts["hotloop"]),
-        ("built with CUDA", build["cuda"] or "no (CPU-only build)"),
-        ("GPU architectures", archs + (f" + PTX {build['ptx_arch']}" if build["ptx_arch"] else "")),
+        ("built with CUDA", "yes: the driver API at run time, kernels by NVRTC on first use" if build["cuda"]
+         else "no (HOTLOOP_CUDA=0)"),
         ("stable ABI (abi3)", "yes" if build["abi3"] else "no"),
         ("sanitizers", ", ".join(build["sanitizers"]) or "none"),
         ("python", f"{facts['python']} on {facts['platform']}"),
@@ -98,6 +100,14 @@ def main(args) -> int:
     nvjpeg = facts["nvjpeg"]
     lines.append(("nvjpeg (gpu_decode)", f"{nvjpeg['path']} {nvjpeg['version']}" if nvjpeg["path"]
                   else f"not found: {nvjpeg['error']}"))
+    nvrtc, cache = facts["nvrtc"], facts["kernel_cache"]
+    lines.append(("NVRTC (kernels)", f"{nvrtc['path']} {nvrtc['version']}" if nvrtc["path"]
+                  else f"not found: {nvrtc['error'].splitlines()[0]}"))
+    lines.append(("kernel cache", cache["folder"] + (f" ({cache['error']})" if cache["error"] else "")))
+    for d in cache["devices"]:
+        compiled = [s for s, cached in d["sources"].items() if cached]
+        lines.append((f"kernels for cuda:{d['device']}", d["error"] or f"{d['target']}: {len(compiled)} of "
+                      f"{len(d['sources'])} compiled ({', '.join(compiled) or 'none yet'})"))
     for d in facts["cuda_devices"]:
         lines.append((f"cuda:{d['index']}", f"{d['name']}, sm_{d['capability'].replace('.', '')}, "
                       f"{d['memory_gib']} GiB, {d['multiprocessors']} SMs; JPEG decode: {d['jpeg_decoder'] or 'workers'}"))

@@ -1,0 +1,191 @@
+"""Where NVRTC is, in the order hotloop tries it: $HOTLOOP_NVRTC, then NVIDIA's pip wheels in site-packages
+(torch's own dependency), then a CUDA toolkit; and the one opened for this process.
+
+Code compiled by an NVRTC newer than the driver may not load: a CUBIN needs a driver of at least its
+CUDA major version, PTX one of at least its minor version. So NVRTCs of a newer major than the driver's
+CUDA are left out, and one of the driver's own major comes first. Without a driver (a login node
+filling the cache) the newest comes first.
+"""
+import glob
+import os
+import re
+import site
+import sys
+import threading
+import typing
+
+from .. import _C
+
+# (path under site-packages, the pip package that installs it), CUDA 13 first
+WHEEL_LIBRARIES = (
+    ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia-cuda-nvrtc"),
+    ("nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "nvidia-cuda-nvrtc-cu12"),
+    ("nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2", "nvidia-cuda-nvrtc-cu11"),
+)
+INSTALL_HINT = ("install NVRTC with pip: `pip install nvidia-cuda-nvrtc-cu12` for a CUDA 12 torch or driver, "
+                "`pip install nvidia-cuda-nvrtc` for CUDA 13; or point HOTLOOP_NVRTC at a libnvrtc.so")
+
+
+class NvrtcCandidate(typing.NamedTuple):
+    path: str
+    origin: str  # "HOTLOOP_NVRTC", "pip nvidia-cuda-nvrtc-cu12", "CUDA toolkit"
+    major: typing.Optional[int]  # the CUDA major version its file name says; None when it says none
+    skipped: typing.Optional[str] = None  # why it is not tried, None when it is
+
+
+class NvrtcSearch(typing.NamedTuple):
+    candidates: list  # NvrtcCandidate, in the order they are tried (skipped ones last)
+    looked: list  # every path or pattern looked at, for the message when none is found
+
+
+def driver_cuda_version():
+    """The CUDA version the driver supports (12080 for 12.8), or None without a driver."""
+    return _C.cuda_driver_version()
+
+
+def _major_of(path):
+    """libnvrtc.so.12.4.127 -> 12; libnvrtc.so -> the major of the file it links to, or None."""
+    for name in (os.path.basename(path), os.path.basename(os.path.realpath(path))):
+        match = re.search(r"\.so\.(\d+)", name)
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def site_dirs():
+    """sys.path's folders and site-packages (user site too), each once, in that order."""
+    dirs = list(sys.path)
+    try:
+        dirs += site.getsitepackages()
+    except AttributeError:  # a virtualenv's old site.py lacks it
+        pass
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    seen, result = set(), []
+    for d in dirs:
+        d = os.path.abspath(d or os.curdir)
+        if d not in seen and os.path.isdir(d):
+            seen.add(d)
+            result.append(d)
+    return result
+
+
+def toolkit_lib_dirs():
+    dirs = [os.path.join(os.environ[v], "lib64") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    dirs.append("/usr/local/cuda/lib64")
+
+    def version(path):  # /usr/local/cuda-12.4/lib64 -> (12, 4): the newest first
+        return tuple(int(x) for x in re.findall(r"\d+", os.path.basename(os.path.dirname(path))))
+
+    dirs += sorted(glob.glob("/usr/local/cuda-*/lib64"), key=version, reverse=True)
+    return list(dict.fromkeys(dirs))
+
+
+def _wheel_candidates(looked):
+    found = []
+    for folder in site_dirs():
+        for relative, package in WHEEL_LIBRARIES:
+            path = os.path.join(folder, relative)
+            looked.append(path)
+            if os.path.isfile(path):
+                found.append(NvrtcCandidate(path, f"pip {package}", _major_of(path)))
+    return found
+
+
+def _toolkit_candidates(looked):
+    found, seen = [], set()
+    for folder in toolkit_lib_dirs():
+        pattern = os.path.join(folder, "libnvrtc.so*")
+        looked.append(pattern)
+        # libnvrtc.so, .so.12 and .so.12.4.127 are one library: its shortest name once
+        for path in sorted(glob.glob(pattern), key=len):
+            real = os.path.realpath(path)
+            if real not in seen and os.path.isfile(path):
+                seen.add(real)
+                found.append(NvrtcCandidate(path, "CUDA toolkit", _major_of(path)))
+    return found
+
+
+def _order_for_driver(candidates, driver_version):
+    """(those to try, those skipped): the driver's own major first, then older ones, newest first;
+    newer majors skipped. Without a driver: all, newest first."""
+    def newest_first(c):
+        return -(c.major or 0)
+
+    if driver_version is None:
+        return sorted(candidates, key=newest_first), []
+    driver_major = driver_version // 1000
+    usable = [c for c in candidates if c.major is None or c.major <= driver_major]
+    skipped = [c._replace(skipped=f"NVRTC {c.major} is newer than the driver's CUDA "
+                          f"{driver_major}.{driver_version % 1000 // 10}")
+               for c in candidates if c.major is not None and c.major > driver_major]
+    return sorted(usable, key=lambda c: (c.major != driver_major, newest_first(c))), skipped
+
+
+def nvrtc_search(driver_version=...) -> NvrtcSearch:
+    """Every NVRTC found, in the order it is tried, and where it was looked for. driver_version: the
+    driver's CUDA version (12080) or None for none; by default the driver's, as _C says."""
+    if driver_version is ...:
+        driver_version = driver_cuda_version()
+    chosen = os.environ.get("HOTLOOP_NVRTC")
+    if chosen:  # the user's choice, with no fallback: a mistake in it must show
+        return NvrtcSearch([NvrtcCandidate(chosen, "HOTLOOP_NVRTC", _major_of(chosen))], ["HOTLOOP_NVRTC=" + chosen])
+    looked = ["HOTLOOP_NVRTC (unset)"]
+    wheels, skipped_wheels = _order_for_driver(_wheel_candidates(looked), driver_version)
+    toolkits, skipped_toolkits = _order_for_driver(_toolkit_candidates(looked), driver_version)
+    return NvrtcSearch(wheels + toolkits + skipped_wheels + skipped_toolkits, looked)
+
+
+def nvrtc_candidates(driver_version=...) -> list:
+    """The NVRTCs found, in the order they are tried; those that will not be tried say why (skipped)."""
+    return nvrtc_search(driver_version).candidates
+
+
+_opened = {}  # path -> _C.Nvrtc: a library stays loaded for the life of the process anyway
+_opened_lock = threading.Lock()
+
+
+def open_nvrtc(path) -> "_C.Nvrtc":
+    """The NVRTC at `path`, opened once per process; RuntimeError naming the path and why it failed."""
+    path = os.fspath(path)
+    with _opened_lock:
+        if path not in _opened:
+            _opened[path] = _C.Nvrtc(path)
+        return _opened[path]
+
+
+def find_nvrtc(driver_version=...) -> "_C.Nvrtc":
+    """The first NVRTC of the search that opens, found once per process. RuntimeError naming
+    HOTLOOP_NVRTC when it is set and unusable; naming every place looked, and how to install NVRTC,
+    when none opens."""
+    if driver_version is ...:
+        driver_version = driver_cuda_version()
+    key = (os.environ.get("HOTLOOP_NVRTC"), driver_version)
+    if key not in _found:
+        _found[key] = _first_that_opens(nvrtc_search(driver_version))
+    return _found[key]
+
+
+_found = {}  # (HOTLOOP_NVRTC, driver version) -> the _C.Nvrtc found for it; failures are not kept
+
+
+def _first_that_opens(search):
+    tried = []
+    for candidate in search.candidates:
+        if candidate.skipped:
+            continue
+        try:
+            return open_nvrtc(candidate.path)
+        except RuntimeError as exc:
+            if candidate.origin == "HOTLOOP_NVRTC":
+                raise RuntimeError(f"HOTLOOP_NVRTC={candidate.path} is not a usable NVRTC library: {exc}") from exc
+            tried.append(f"  {candidate.path} ({candidate.origin}): {exc}")
+    lines = ["no usable NVRTC (CUDA's run-time compiler, which compiles hotloop's kernels) was found"]
+    if tried:
+        lines += ["these failed to open:"] + tried
+    skipped = [f"  {c.path} ({c.origin}): {c.skipped}" for c in search.candidates if c.skipped]
+    if skipped:
+        lines += ["these were left out:"] + skipped
+    lines += ["looked at:"] + [f"  {place}" for place in search.looked]
+    lines.append(INSTALL_HINT)
+    raise RuntimeError("\n".join(lines))

@@ -1,0 +1,47 @@
+"""What `hotloop info` and `hotloop doctor` say about run-time compilation: the NVRTC found, the driver, the
+cache folder, and which kernel sources are already compiled there for each visible GPU. Reads only:
+nothing is compiled."""
+from .. import _C
+from . import images, kernel_cache, nvrtc_finder
+
+
+def nvrtc_report() -> dict:
+    """{"path", "version" ("12.9"), "error"}: the NVRTC kernels would be compiled with, or why none."""
+    try:
+        nvrtc = nvrtc_finder.find_nvrtc()
+    except RuntimeError as exc:
+        return {"path": None, "version": None, "error": str(exc)}
+    return {"path": nvrtc.path, "version": "%d.%d" % nvrtc.version, "error": None}
+
+
+def visible_devices() -> list:
+    """(index, (major, minor)) of each GPU this process sees; [] without a driver or a GPU build."""
+    if not hasattr(_C, "cuda_device_capability") or _C.cuda_unavailable_reason() is not None:
+        return []
+    return [(i, _C.cuda_device_capability(i)) for i in range(_C.cuda_device_count())]
+
+
+def kernel_cache_report() -> dict:
+    """{"folder", "devices": [{"device", "capability", "target", "sources": {source: cached}, "error"}],
+    "error"}: for each visible GPU, whether each source is compiled in the cache for it."""
+    report = {"folder": str(kernel_cache.cache_folder()), "devices": [], "error": None}
+    devices = visible_devices()
+    if not devices:
+        return report
+    try:
+        nvrtc = nvrtc_finder.find_nvrtc()
+    except RuntimeError as exc:
+        report["error"] = str(exc).splitlines()[0]
+        return report
+    for index, capability in devices:
+        entry = {"device": index, "capability": "%d.%d" % tuple(capability), "target": None, "sources": {},
+                 "error": None}
+        try:
+            target = images.target_for_device(nvrtc, index)
+            entry["target"] = str(target)
+            images.check_driver_loads(nvrtc, target, nvrtc_finder.driver_cuda_version())
+            entry["sources"] = images.cached_sources(index, nvrtc)
+        except (RuntimeError, OSError, ValueError) as exc:
+            entry["error"] = str(exc)
+        report["devices"].append(entry)
+    return report
