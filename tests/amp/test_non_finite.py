@@ -144,5 +144,5 @@ def test_gpu_fault_becomes_cuda_error_with_call_file_line():
     out = subprocess.run([sys.executable, "-c", CUDA_ERROR_SCRIPT], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ))
     assert "CAUGHT" in out.stdout, out.stdout + out.stderr
-    assert "cudaErrorIllegalAddress" in out.stdout
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in out.stdout
     assert "csrc/" in out.stdout
