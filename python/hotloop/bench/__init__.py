@@ -9,4 +9,5 @@ COMPONENTS = {
     "monitor": "hotloop.bench.monitor",
     "loader": "hotloop.bench.loader",
     "images": "hotloop.bench.images",
+    "startup": "hotloop.bench.startup",
 }

@@ -186,7 +186,7 @@ def rows(ctx):
         ms = statistics.median(ctx.time_ms(torch_copy) for _ in range(20))
         torch_gbps = pinned.numel() / (ms * 1e-3) / 1e9
         yield Row("loader", "host-to-device copy, 38.5 MB uint8 batches", second_gbps, torch_gbps, "GB/s",
-                  note=f"hotloop: ring slots (pinned by cudaHostRegister), timed by its copy events, second epoch "
+                  note=f"hotloop: ring slots (pinned by cuMemHostRegister), timed by its copy events, second epoch "
                        f"(first: {first_gbps:.1f} GB/s while the ring was still being page-locked); "
                        f"torch: copy_ from a pin_memory() tensor; ring {st.ring_bytes / 2**20:.0f} MiB, page-locked "
                        f"in 8 MiB chunks by a background thread, {st.register_seconds * 1e3:.0f} ms of it on the "
