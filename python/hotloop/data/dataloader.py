@@ -6,8 +6,8 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 
 * workers write each sample's leaves straight into a slot of a ring of shared memory (memfd, no
   /dev/shm file, nothing pickled for tensor data), the main process never unpickles batch data;
-* with `device="cuda"` the ring is page-locked once (`cudaHostRegister`) and each batch goes to the
-  GPU with one `cudaMemcpyAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
+* with `device="cuda"` the ring is page-locked once (`cuMemHostRegister`) and each batch goes to the
+  GPU with one `cuMemcpyHtoDAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
   stream waits on an event, and a slot is reused only once its copy finished; a thread queues those
   copies while the training step runs (_prefetch.py), so next() only hands a batch out;
 * with num_workers=0 and a device, the main thread makes each batch as torch does but writes it

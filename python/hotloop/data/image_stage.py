@@ -270,7 +270,7 @@ class ImageStage:
 
     def _upload(self, buf, place, src, stream):
         """Host bytes into the decode buffer at `place`: from the slot (page-locked) a DMA on the
-        stream; from pageable memory cudaMemcpyAsync stages them before it returns."""
+        stream; from pageable memory cuMemcpyHtoDAsync stages them before it returns."""
         nbytes = src.numel()
         if self.device is None:
             buf[place:place + nbytes].copy_(src)
