@@ -92,8 +92,6 @@ CUresult hl_driver_load(const char **why) {
     return load_result;
 }
 
-#define HL_MAX_DEVICES 64
-
 static _Atomic(CUcontext) primary[HL_MAX_DEVICES];
 static pthread_mutex_t primary_lock = PTHREAD_MUTEX_INITIALIZER;
 

@@ -76,6 +76,9 @@ extern hl_driver_api hl_cu;
    symbol is missing), with a sentence in *why. Thread-safe; needs no GIL. */
 CUresult hl_driver_load(const char **why);
 
+/* devices hotloop keeps per-device state for (contexts, kernels, multiprocessor counts) */
+#define HL_MAX_DEVICES 64
+
 /* `device`'s primary context, the one torch and the runtime API use, retained once per process. */
 CUresult hl_primary_context(int device, CUcontext *context);
 
