@@ -15,6 +15,7 @@ import threading
 import typing
 
 from .. import _C
+from . import nvrtc_facts
 
 # (path under site-packages, the pip package that installs it), CUDA 13 first
 WHEEL_LIBRARIES = (
@@ -154,8 +155,9 @@ def open_nvrtc(path) -> "_C.Nvrtc":
         return _opened[path]
 
 
-def find_nvrtc(driver_version=...) -> "_C.Nvrtc":
-    """The first NVRTC of the search that opens, found once per process. RuntimeError naming
+def find_nvrtc(driver_version=...) -> "nvrtc_facts.KnownNvrtc":
+    """The first NVRTC of the search that opens (or opened before: see NOTE [ Remembered NVRTC facts ],
+    it is then opened at its first compile), found once per process. RuntimeError naming
     HOTLOOP_NVRTC when it is set and unusable; naming every place looked, and how to install NVRTC,
     when none opens."""
     if driver_version is ...:
@@ -166,7 +168,7 @@ def find_nvrtc(driver_version=...) -> "_C.Nvrtc":
     return _found[key]
 
 
-_found = {}  # (HOTLOOP_NVRTC, driver version) -> the _C.Nvrtc found for it; failures are not kept
+_found = {}  # (HOTLOOP_NVRTC, driver version) -> the KnownNvrtc found for it; failures are not kept
 
 
 def _first_that_opens(search):
@@ -175,7 +177,7 @@ def _first_that_opens(search):
         if candidate.skipped:
             continue
         try:
-            return open_nvrtc(candidate.path)
+            return nvrtc_facts.known_nvrtc(candidate.path, open_nvrtc)
         except RuntimeError as exc:
             if candidate.origin == "HOTLOOP_NVRTC":
                 raise RuntimeError(f"HOTLOOP_NVRTC={candidate.path} is not a usable NVRTC library: {exc}") from exc
