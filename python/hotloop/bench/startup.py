@@ -2,7 +2,13 @@
 compiled by NVRTC (an empty cache) or read from the cache, against torch's own first step.
 
 Each figure is one fresh interpreter per side (the cost is once per process), alternated, median of
-a few; the GPU is initialised before the clock starts in both, so torch's CUDA start is not counted."""
+a few; the GPU is initialised before the clock starts in both, so torch's CUDA start is not counted.
+
+NOTE [ First compile on a machine ]
+The empty-cache row compiles with NVRTC's library already in the page cache (the bench's own first
+run put it there). The first compile after a machine starts also reads NVRTC's ~100 MB from disk as
+its pages are first touched, which costs seconds more, once per boot rather than once per process;
+`hotloop compile` on a login node, or a warm cache, spares a training job both."""
 import json
 import os
 import statistics
@@ -95,4 +101,5 @@ def rows(ctx):
     yield Row("startup", "first GradScaler + fused AdamW step, empty cache (NVRTC compiles)",
               statistics.median(c["first_step_ms"] for c in cold), torch_ms, "ms",
               note="runs: " + ", ".join(f"{c['first_step_ms']:.0f}" for c in cold) + " ms; once per machine and "
-                   "kernel version; `hotloop compile` does it ahead")
+                   "kernel version; `hotloop compile` does it ahead; NVRTC already in the page cache (see "
+                   "NOTE [ First compile on a machine ])")
