@@ -9,5 +9,6 @@ COMPONENTS = {
     "monitor": "hotloop.bench.monitor",
     "loader": "hotloop.bench.loader",
     "images": "hotloop.bench.images",
+    "photos": "hotloop.bench.image_loop",
     "startup": "hotloop.bench.startup",
 }

@@ -1,0 +1,211 @@
+"""Benchmark rows for JPEG training as a user runs it: `for x, y in loader: step(x, y)`, timed by the wall
+clock, on distinct files made from real photographs (photos.py), torch's loader and hotloop's
+gpu_decode alternated in one process.
+
+Per model (ResNet-18 fp32, ResNet-50 fp16 AMP, ViT-B/16 with bf16 weights; batch 256, channels_last,
+SGD with momentum): the model's speed with one batch already on the GPU (resident), then each loader
+feeding it for a whole epoch, twice, alternated: the time to the first batch from iter(), the steady
+img/s after WARMUP steps (as % of resident), and the epoch's time from iter() to its last step done.
+Before the models: each loader alone (no step; the GPU's queued copies and decodes are waited for at
+the ends of the timed window), and the CPU seconds per image of the main process and its workers over
+that epoch. --quick: 2,048 files, 2 + 4 steps, one round (a smoke run).
+
+torch's way is its DataLoader with torchvision's RandomResizedCrop(224) + flip + ToTensor + Normalize
+in (cores - 1, at most 15) workers, pin_memory, then `.to(device)` and a cast to the model's dtype in
+channels_last; hotloop's is the same dataset and transform with gpu_decode in at most 8 workers.
+"""
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+
+from . import photos
+from .harness import Row
+from .loader import sync
+from .procfs import descendants, process_stats
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FILES = 15_000
+BATCH = 256
+WARMUP = 15  # steps before the steady window: workers started, queues filled, cuDNN tuned
+STEADY = 40  # steps timed
+ROUNDS = 2  # epochs of each loader per model, alternated
+MODELS = (("resnet18", "fp32"), ("resnet50", "fp16"), ("vit_b_16", "bf16"))
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def train_transform(size=224):
+    import torchvision.transforms as T
+
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+class TorchWay:
+    """torch's DataLoader, its transform in the workers, pinned, then copied and cast as a user's loop does."""
+
+    def __init__(self, dataset, workers, device, dtype):
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
+                                                  pin_memory=True, drop_last=True)
+        self.device, self.dtype = device, dtype
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for x, y in self.loader:
+            x = x.to(self.device, non_blocking=True).to(self.dtype, memory_format=torch.channels_last)
+            yield x, y.to(self.device, non_blocking=True)
+
+
+def hotloop_way(dataset, workers, device, dtype):
+    import hotloop
+
+    return hotloop.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, drop_last=True,
+                              device=device, gpu_decode=hotloop.GpuDecode(dtype=dtype, channels_last=True))
+
+
+def model_step(name, precision, device):
+    """step(x, y): forward, cross-entropy, backward and an SGD step of torchvision's `name` at `precision`."""
+    import torchvision
+
+    model = getattr(torchvision.models, name)().to(device).to(memory_format=torch.channels_last)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.float16, enabled=precision == "fp16"):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step
+
+
+def tree_cpu_seconds():
+    """user + system CPU seconds of this process and every live descendant (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats, me = process_stats(), os.getpid()
+    return sum((int(stats[pid][11]) + int(stats[pid][12])) / tick for pid in [me] + descendants(stats, me))
+
+
+def plain_loop(step, loader, device, warmup=WARMUP, steady=STEADY):
+    """One epoch of `for x, y in loader: step(x, y)`: {"first_s": iter() to the first batch, "rate": img/s
+    over `steady` steps after `warmup`, "epoch_s": iter() to the last step done, "cpu_s": CPU seconds of
+    the process tree over the epoch (read before the workers end), "images": images delivered}."""
+    cpu0 = tree_cpu_seconds()
+    t0 = time.perf_counter()
+    first = t1 = t2 = cpu = None
+    n = images = timed_images = 0
+    for x, y in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        step(x, y)
+        n += 1
+        images += len(y)
+        if warmup < n <= warmup + steady:
+            timed_images += len(y)
+        if n == warmup:
+            sync(device)
+            t1 = time.perf_counter()
+        elif n == warmup + steady:
+            sync(device)
+            t2 = time.perf_counter()
+        if n == len(loader):  # the last batch: CPU read while the workers still live
+            sync(device)
+            cpu = tree_cpu_seconds() - cpu0
+    epoch = time.perf_counter() - t0
+    if t2 is None:
+        raise RuntimeError(f"an epoch of {n} batches is shorter than {warmup + steady} steps")
+    return {"first_s": first, "rate": timed_images / (t2 - t1), "epoch_s": epoch, "cpu_s": cpu, "images": images}
+
+
+def resident_rate(step, x, y, device, warmup=WARMUP, steady=STEADY):
+    """img/s of `step` on one batch already on the device."""
+    for _ in range(warmup):
+        step(x, y)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steady):
+        step(x, y)
+    sync(device)
+    return steady * len(y) / (time.perf_counter() - t0)
+
+
+def alternated(ways, measure, rounds=ROUNDS):
+    """{name: [results]}: each way measured `rounds` times, the order flipped each round."""
+    results = {name: [] for name in ways}
+    for r in range(rounds):
+        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            results[name].append(measure(ways[name]))
+    return results
+
+
+def median(results, key):
+    return statistics.median(r[key] for r in results)
+
+
+def rows(ctx):
+    if not ctx.is_cuda:
+        return  # gpu_decode's figures are the GPU's
+    try:
+        import torchvision  # noqa: F401  the pipeline being measured is torchvision's
+        from torchvision.datasets import ImageFolder
+    except ImportError:
+        yield Row("photos", "needs torchvision", float("nan"), float("nan"), "img/s")
+        return
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    device = ctx.device
+    files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
+    torch_workers = min(15, max(1, (os.cpu_count() or 2) - 1))
+    ours_workers = min(8, torch_workers)
+    root = tempfile.mkdtemp(prefix="hotloop-bench-photos-")
+    try:
+        t0 = time.perf_counter()
+        made = photos.write_photo_dataset(root, files)
+        data = (f"{made['files']} distinct files from real photographs written in {time.perf_counter() - t0:.0f} s: "
+                f"mean {made['mean_width']:.0f} x {made['mean_height']:.0f} px, {made['mean_bytes'] / 1e3:.0f} KB; "
+                f"{made['yuv444']} 4:4:4, {made['grey']} grey, {made['cmyk']} CMYK, {made['png']} PNG")
+        dataset = ImageFolder(root, transform=train_transform())
+        counts = f"hotloop {ours_workers} workers, torch {torch_workers}"
+
+        def alone(make):
+            loader = make(torch.float16)
+            return plain_loop(lambda x, y: None, loader, device, warmup, steady)
+
+        runs = alternated({"hotloop": lambda dtype: hotloop_way(dataset, ours_workers, device, dtype),
+                           "torch": lambda dtype: TorchWay(dataset, torch_workers, device, dtype)}, alone, rounds)
+        yield Row("photos", "loader alone, fp16 channels_last, steady img/s", median(runs["hotloop"], "rate"),
+                  median(runs["torch"], "rate"), "img/s", note=f"{data}; {counts}; medians of {rounds}, alternated")
+        yield Row("photos", "loader alone, CPU ms per image, all processes",
+                  1e3 * median(runs["hotloop"], "cpu_s") / median(runs["hotloop"], "images"),
+                  1e3 * median(runs["torch"], "cpu_s") / median(runs["torch"], "images"), "ms",
+                  note="user + system time of the main process and its workers over the epoch")
+        for name, precision in MODELS:
+            dtype = DTYPES[precision]
+            step = model_step(name, precision, device)
+            x, y = next(iter(TorchWay(dataset, 2, device, dtype)))
+            resident = resident_rate(step, x, y, device, warmup, steady)
+            fed = alternated({"hotloop": lambda: hotloop_way(dataset, ours_workers, device, dtype),
+                              "torch": lambda: TorchWay(dataset, torch_workers, device, dtype)},
+                             lambda make: plain_loop(step, make(), device, warmup, steady), rounds)
+            label = f"{name} {precision}"
+            yield Row("photos", f"{label} fed, steady, % of resident", 100 * median(fed["hotloop"], "rate") / resident,
+                      100 * median(fed["torch"], "rate") / resident, "%",
+                      note=f"resident {resident:.0f} img/s; {counts}; plain loop, wall clock")
+            yield Row("photos", f"{label} fed, time to first batch", median(fed["hotloop"], "first_s"),
+                      median(fed["torch"], "first_s"), "s", note="from iter(), workers started there in both")
+            yield Row("photos", f"{label} fed, epoch time", median(fed["hotloop"], "epoch_s"),
+                      median(fed["torch"], "epoch_s"), "s",
+                      note=f"{len(dataset) // BATCH} steps from iter() to the last one done")
+            del step, x, y
+            torch.cuda.empty_cache()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
