@@ -230,3 +230,38 @@ def test_stateful_sampler_is_set_where_it_stood_not_replayed(num_workers):
     ids = [int(s[0]) for s in samples(list(again))]
     assert sampler.drawn == N - CUT * BATCH
     assert ids == [int(s[0]) for s in samples(got)]
+
+
+@pytest.mark.parametrize("persistent, in_order", [(True, True), (False, False)])
+def test_stateful_stream_persistent_or_out_of_order(persistent, in_order):
+    """Persistent workers (a state taken in the second epoch, then the epoch after it) and
+    in_order=False (batches in timing's order): the resumed loader yields the batches the original had
+    not yielded, each equal, and makes only those samples."""
+    made = multiprocessing.Value("i", 0)
+
+    def make():
+        return hotloop.DataLoader(CountingStream(made), batch_size=BATCH, num_workers=3, in_order=in_order,
+                                  persistent_workers=persistent)
+
+    def key(b):
+        return tuple(b[0].tolist())
+
+    torch.manual_seed(14)
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    head = [next(it) for _ in range(CUT)]
+    time.sleep(0.2)
+    state = loader.state_dict()
+    rest, following = list(it), list(loader)
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    made.value = 0
+    got = list(resumed)
+    assert made.value == N - CUT * BATCH and len(head) == CUT
+    for a, b in zip(sorted(rest, key=key), sorted(got, key=key), strict=True):
+        assert_same(a, b)
+    if persistent:
+        for a, b in zip(following, list(resumed), strict=True):
+            assert_same(a, b)

@@ -135,7 +135,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     every sample arrives exactly once, and state_dict() resumes an IterableDataset exactly, provided
     its iteration in a worker is a function of the worker's seed and get_worker_info() (no other
     randomness, no state kept outside the worker); a replay that ends early raises a RuntimeError
-    that says so.
+    that says so. A dataset (or its iterator) with state_dict()/load_state_dict() (torchdata's
+    Stateful protocol, which streaming datasets implement) is not replayed: its state after the
+    worker's last batch handed out is loaded instead.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
@@ -270,6 +272,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         get_worker_info(). With persistent_workers the RNG states carry over to the next epoch, and
         so they do in the state taken at an epoch's end.
 
+        Stateful datasets and samplers (state_dict() and load_state_dict(), torchdata's protocol)
+        are saved, not replayed: a worker sends its dataset's state_dict() (and its iterator's) with
+        each batch, and the state holds, per worker, the one sent with the last batch handed out
+        from it (not those of batches made ahead); with num_workers=0 the dataset's as it stood
+        after the last batch handed out. A sampler's (or batch sampler's) state_dict() is taken as
+        each index batch is drawn, and the state holds the one after the last batch handed out. A
+        resumed epoch loads them (the dataset's, then makes its iterator, then the iterator's) and
+        draws or fetches nothing to get there.
+
         in_order=False: the order of batches depends on timing, in the saved run as in the resumed
         one; what holds is that the resumed loader yields exactly the batches the saved one had not
         yet yielded, each equal to what the saved loader would have made of it.
@@ -278,8 +289,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         worker_init_fn, say), and batches remade by a restarted worker of an IterableDataset that is
         not a function of its seed. num_workers=0: transforms draw from the main process's RNGs, which
         are the caller's to save and restore (this loader does not touch them beyond the generator).
-        A state from a loader with another num_workers still resumes at the same batch, without the
-        RNG states (a warning says so).
+        Another num_workers: a state taken within an epoch (before its end) of a map-style dataset
+        resumes at the same batch, without the RNG states (load_state_dict warns that worker-side
+        random draws change); one of an IterableDataset taken after its first batch is refused
+        (ValueError): each worker's position is in its share of the stream (get_worker_info()),
+        which another number of workers splits otherwise. States taken at an epoch's end load into
+        any num_workers.
 
         torch.distributed: each rank saves and loads its own state. A sampler with set_epoch (a
         DistributedSampler, whose order comes from its seed and epoch) has its epoch in the state
