@@ -265,3 +265,71 @@ def test_stateful_stream_persistent_or_out_of_order(persistent, in_order):
     if persistent:
         for a, b in zip(following, list(resumed), strict=True):
             assert_same(a, b)
+
+
+class Serving(Dataset):
+    """A map-style dataset with a state of its own: how many samples it served (in this process),
+    which each sample carries; state_dict says it."""
+
+    def __init__(self, die_at=None, marker=None):
+        self.served, self.die_at, self.marker = 0, die_at, marker
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        if i == self.die_at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.served += 1
+        return torch.tensor(i), torch.tensor(self.served), torch.rand(2)
+
+    def state_dict(self):
+        return {"served": self.served}
+
+    def load_state_dict(self, state):
+        self.served = state["served"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_map_dataset_is_set_where_it_stood(num_workers):
+    """A map-style dataset with state_dict: the resumed loader's (workers') datasets are loaded with
+    the states after the batches handed out, so its samples equal the uninterrupted run's."""
+    seed = random.randrange(1 << 20)
+
+    def make(seed):
+        return hotloop.DataLoader(Serving(), batch_size=BATCH, shuffle=True, num_workers=num_workers,
+                                  generator=torch.Generator().manual_seed(seed))
+
+    torch.manual_seed(seed)
+    loader = make(seed)
+    it = iter(loader)
+    head = [next(it) for _ in range(CUT)]
+    time.sleep(0.2)
+    state, rng = loader.state_dict(), global_rng()
+    rest = list(it)
+    del it
+    resumed = make(seed + 1)
+    resumed.load_state_dict(state)
+    set_global_rng(rng)
+    got = list(resumed)
+    for j, (want, have) in enumerate(zip(samples(rest), samples(got), strict=True)):
+        assert_same(want, have, f"sample {j} after the state")
+    assert len(head) == CUT and int(got[-1][1].max()) > BATCH
+
+
+def test_stateful_map_dataset_worker_killed_is_set_where_it_stood(tmp_path):
+    """A replaced map-style worker starts from its predecessor's dataset state (and RNG states) after
+    the last batch taken from it: its redone batches equal those of a run without a death."""
+    kwargs = dict(batch_size=BATCH, num_workers=2, shuffle=True)
+    torch.manual_seed(15)
+    ref = list(hotloop.DataLoader(Serving(), generator=torch.Generator().manual_seed(4), **kwargs))
+    torch.manual_seed(15)
+    loader = hotloop.DataLoader(Serving(die_at=37, marker=str(tmp_path / "died")),
+                                generator=torch.Generator().manual_seed(4), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = list(loader)
+    assert loader.stats.worker_restarts == 1
+    for j, (want, have) in enumerate(zip(samples(ref), samples(got), strict=True)):
+        assert_same(want, have, f"sample {j}")

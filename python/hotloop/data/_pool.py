@@ -388,7 +388,7 @@ class Pool:
         missing = [t for t in lost if not any(t is o for o in track.open)]  # none expected: redone all the same
         lost = set(lost)
         items = list(missing)
-        rng = None
+        rng = data = None
         if iterable:
             replay, ended = track.base + track.taken, track.base_stopped or track.stopped
             if track.last_data is not None:  # a Stateful dataset: set where it stood, nothing replayed
@@ -397,30 +397,34 @@ class Pool:
                 setup = Setup(track.start_rng, track.recreate, replay, ended, self.replay_index, track.start_data)
             if setup.changes_anything():
                 items.append(setup)
-        else:
+        else:  # a Stateful map-style dataset's state goes with the RNG states
             rng = track.last_rng if track.last_rng is not None else track.start_rng
+            data = track.last_data if track.last_rng is not None else track.start_data
         for t in track.open:
             if t in lost:
                 if rng is not None:
-                    items.append(Setup(rng))
+                    items.append(Setup(rng, data=data))
                     rng = None
                 items.append(t)
                 continue
-            kind, after = t.kind, t.rng
+            kind, after, after_data = t.kind, t.rng, t.data
             if kind is None:  # done, not taken yet: its outcome is in the ring or the pipe
                 outcome = self._peek(t)
                 if outcome is None:
                     continue
-                kind, after = ("stop" if isinstance(outcome, Ended) else "batch"), outcome.rng
+                kind, after, after_data = ("stop" if isinstance(outcome, Ended) else "batch"), outcome.rng, outcome.data
             if kind == "drop":
                 continue
             if iterable:
                 stop = kind == "stop"
-                items.append(Setup(replay=0 if stop else 1, expect_stop=stop, replay_index=self.replay_index))
+                if after_data is not None:  # Stateful: set past it rather than fetch it again
+                    items.append(Setup(after, True, 0, stop, self.replay_index, after_data))
+                else:
+                    items.append(Setup(replay=0 if stop else 1, expect_stop=stop, replay_index=self.replay_index))
             elif after is not None:
-                rng = after
+                rng, data = after, after_data
         if rng is not None:  # for the tasks still to come
-            items.append(Setup(rng))
+            items.append(Setup(rng, data=data))
         return items
 
     def _peek(self, task):

@@ -91,8 +91,9 @@ def check_loadable(state, n, iterable):
     mid_epoch = in_epoch and int(state["batches_yielded"]) > 0
     kinds = {True: "an IterableDataset", False: "a map-style dataset"}
     if mid_epoch and bool(state["iterable"]) != iterable:
-        raise ValueError(f"DataLoader.load_state_dict: the state was taken mid-epoch with {kinds[bool(state['iterable'])]}, "
-                         f"this loader has {kinds[iterable]}: load it into a loader made as the saved one was")
+        saved = kinds[bool(state["iterable"])]
+        raise ValueError(f"DataLoader.load_state_dict: the state was taken mid-epoch with {saved}, this loader has "
+                         f"{kinds[iterable]}: load it into a loader made as the saved one was")
     if saved_n == n:
         return
     if mid_epoch and iterable:

@@ -50,7 +50,8 @@ from ._device import LocalRing, Pending
 from ._messages import Ended, Failed, WholeBatch
 from ._pool import POLL_S, Pool, Task
 from ._prefetch import Prefetcher
-from ._resume import EpochLog, Plan, check_loadable, dataset_state, load_dataset_state, load_sampler_state, sampler_state
+from ._resume import (EpochLog, Plan, check_loadable, dataset_state, load_dataset_state, load_sampler_state,
+                      sampler_state)
 from ._worker import WorkerSpec
 from .gpu_decode import GpuDecode, ImagePipeline
 from .image_source import MARKER
