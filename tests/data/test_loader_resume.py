@@ -188,7 +188,7 @@ def test_state_dict_is_plain_and_old_versions_load():
     head = [next(it) for _ in range(3)]
     state = loader.state_dict()
     rest = list(it)
-    assert state["version"] == 2 and state["batches_yielded"] == 3 and state["sampler_batches"] == 3
+    assert state["version"] == 3 and state["batches_yielded"] == 3 and state["sampler_batches"] == 3
     assert all(type(r) is bytes for r in state["worker_rng"]) and len(state["worker_rng"]) == 2
     assert isinstance(state["generator_state"], torch.Tensor)
     # a version-1 state (indices only) still loads, with the old behaviour: same samples from then on
@@ -198,11 +198,17 @@ def test_state_dict_is_plain_and_old_versions_load():
     resumed.load_state_dict(old)
     got = list(resumed)
     assert [b[0].tolist() for b in got] == [b[0].tolist() for b in rest]
+    # a version-2 state (no Stateful states) loads as before
+    two = {k: v for k, v in state.items() if k not in ("worker_data", "sampler_state", "dataset_state")}
+    two["version"] = 2
+    resumed = make("map", 2, False, seed + 1)
+    resumed.load_state_dict(two)
+    assert_batches(rest, list(resumed), "a version-2 state")
     # another num_workers: same samples, a warning that the random draws will differ
     other = make("map", 3, False, seed + 1)
-    other.load_state_dict(state)
     with pytest.warns(UserWarning, match="num_workers=2"):
-        got = list(other)
+        other.load_state_dict(state)
+    got = list(other)
     assert [b[0].tolist() for b in got] == [b[0].tolist() for b in rest]
     with pytest.raises(ValueError, match="missing"):
         resumed.load_state_dict({"version": 2, "batches_yielded": 0})

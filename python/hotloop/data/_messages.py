@@ -66,17 +66,20 @@ class Discard:
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Before the next task, for a resumed epoch or in place of a dead worker: set the global RNG
-    states `rng` (from rng_state()), make the IterableDataset's iterator anew (`recreate`), fetch and
-    drop `replay` batches of `replay_index`, then expect its end (`expect_stop`)."""
+    states `rng` (from rng_state()), load a Stateful dataset's state `data` (_resume.dataset_state)
+    into the dataset, make the IterableDataset's iterator anew (`recreate`; always with `data`) and
+    load the iterator's part of `data` into it, fetch and drop `replay` batches of `replay_index`,
+    then expect its end (`expect_stop`)."""
 
     rng: bytes = None
     recreate: bool = False
     replay: int = 0
     expect_stop: bool = False
     replay_index: object = None
+    data: dict = None
 
     def changes_anything(self) -> bool:
-        return self.rng is not None or self.recreate or self.replay > 0 or self.expect_stop
+        return self.rng is not None or self.recreate or self.replay > 0 or self.expect_stop or self.data is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +134,9 @@ class Overflow:
 
 
 # -- outcomes: `busy` is the seconds the worker spent on the task, `rng` its RNG states right after
-# it (rng_state()): the main process keeps the states after the last batch it handed out from each
-# worker, for state_dict() --
+# it (rng_state()), `data` its dataset's state right after it when the dataset (or its iterator) is
+# Stateful (_resume.dataset_state), else None: the main process keeps those after the last batch it
+# handed out from each worker, for state_dict() --
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,7 @@ class SlotBatch:
     leaves: list
     busy: float = 0.0
     rng: bytes = None
+    data: dict = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +157,7 @@ class WholeBatch:
     batch: object
     busy: float = 0.0
     rng: bytes = None
+    data: dict = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +167,7 @@ class Failed:
     error: object
     busy: float = 0.0
     rng: bytes = None
+    data: dict = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +176,7 @@ class Ended:
 
     busy: float = 0.0
     rng: bytes = None
+    data: dict = None
 
 
 # -- launcher -> main process --

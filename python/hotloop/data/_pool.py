@@ -49,6 +49,7 @@ class Task:
     consumed: bool = False
     kind: str = None  # once taken: "batch", "error", "stop", or "drop" (never done: its worker had ended)
     rng: bytes = None  # the worker's RNG states right after it, until the iterator logged it
+    data: dict = None  # and its Stateful dataset's state, likewise
     handed: bool = False  # its batch went to the consumer (or its error was raised)
 
 
@@ -58,12 +59,14 @@ class WorkerEpoch:
     replacement needs to carry on where it died."""
 
     start_rng: bytes = None  # the RNG states it started the epoch with (None: as seeded at its start)
+    start_data: dict = None  # the Stateful dataset's state it started with (None: as made)
     recreate: bool = False  # its iterator was made anew after start_rng was set
     base: int = 0  # batches (and errors) of its IterableDataset it replayed at the epoch's start
     base_stopped: bool = False  # and its iteration had ended there
     taken: int = 0  # batches and errors the main process took from it since (in the order it made them)
     stopped: bool = False  # its Ended was taken
     last_rng: bytes = None  # its states after the last of those outcomes (None: none yet)
+    last_data: dict = None  # its Stateful dataset's state after it, likewise
     # its tasks after those, in the order it makes them: a worker's second batch can be ready before
     # its first (the first waits for Place), and in_order=False takes it first
     open: collections.deque = dataclasses.field(default_factory=collections.deque)
@@ -385,36 +388,43 @@ class Pool:
         missing = [t for t in lost if not any(t is o for o in track.open)]  # none expected: redone all the same
         lost = set(lost)
         items = list(missing)
-        rng = None
+        rng = data = None
         if iterable:
             replay, ended = track.base + track.taken, track.base_stopped or track.stopped
-            setup = Setup(track.start_rng, track.recreate, replay, ended, self.replay_index)
+            if track.last_data is not None:  # a Stateful dataset: set where it stood, nothing replayed
+                setup = Setup(track.last_rng, True, 0, ended, self.replay_index, track.last_data)
+            else:
+                setup = Setup(track.start_rng, track.recreate, replay, ended, self.replay_index, track.start_data)
             if setup.changes_anything():
                 items.append(setup)
-        else:
+        else:  # a Stateful map-style dataset's state goes with the RNG states
             rng = track.last_rng if track.last_rng is not None else track.start_rng
+            data = track.last_data if track.last_rng is not None else track.start_data
         for t in track.open:
             if t in lost:
                 if rng is not None:
-                    items.append(Setup(rng))
+                    items.append(Setup(rng, data=data))
                     rng = None
                 items.append(t)
                 continue
-            kind, after = t.kind, t.rng
+            kind, after, after_data = t.kind, t.rng, t.data
             if kind is None:  # done, not taken yet: its outcome is in the ring or the pipe
                 outcome = self._peek(t)
                 if outcome is None:
                     continue
-                kind, after = ("stop" if isinstance(outcome, Ended) else "batch"), outcome.rng
+                kind, after, after_data = ("stop" if isinstance(outcome, Ended) else "batch"), outcome.rng, outcome.data
             if kind == "drop":
                 continue
             if iterable:
                 stop = kind == "stop"
-                items.append(Setup(replay=0 if stop else 1, expect_stop=stop, replay_index=self.replay_index))
+                if after_data is not None:  # Stateful: set past it rather than fetch it again
+                    items.append(Setup(after, True, 0, stop, self.replay_index, after_data))
+                else:
+                    items.append(Setup(replay=0 if stop else 1, expect_stop=stop, replay_index=self.replay_index))
             elif after is not None:
-                rng = after
+                rng, data = after, after_data
         if rng is not None:  # for the tasks still to come
-            items.append(Setup(rng))
+            items.append(Setup(rng, data=data))
         return items
 
     def _peek(self, task):
@@ -444,7 +454,7 @@ class Pool:
             setup = setups[wid] if setups is not None else None
             track = WorkerEpoch()
             if setup is not None:
-                track.start_rng, track.recreate = setup.rng, setup.recreate
+                track.start_rng, track.recreate, track.start_data = setup.rng, setup.recreate, setup.data
                 track.base, track.base_stopped = setup.replay, setup.expect_stop
                 if setup.changes_anything():
                     self.send(wid, dataclasses.replace(setup, replay_index=self.replay_index))
@@ -456,7 +466,7 @@ class Pool:
     def took(self, task, outcome):
         """The main process took this outcome of the task (a batch, Failed or Ended)."""
         task.kind = "stop" if isinstance(outcome, Ended) else "error" if isinstance(outcome, Failed) else "batch"
-        task.rng = outcome.rng
+        task.rng, task.data = outcome.rng, outcome.data
         self._fold(task.wid)
 
     def ghost(self, wid, index, rng):
@@ -486,6 +496,8 @@ class Pool:
                 track.taken += 1
             if t.rng is not None:
                 track.last_rng = t.rng
+            if t.data is not None:
+                track.last_data = t.data
 
     def _forget(self, wid):
         for conn in (self.task_conns[wid], self.result_conns[wid], self.ring_conns[wid]):

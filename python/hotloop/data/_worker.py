@@ -27,6 +27,7 @@ from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf
                      write_fast, write_general)
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, SlotBatch, UseRing, WholeBatch)
+from ._resume import dataset_state, load_dataset_state
 from ._rng import rng_state, seed_like_torch, set_rng_state
 from ._rows import SlotRows
 
@@ -108,6 +109,7 @@ class _WorkerLoop:
         self.pending = {}
         self.early = set()  # tasks whose layout was sent from their first sample, before the batch was complete
         self.rng_after = {}  # task id -> rng_state() right after it, until its outcome is sent
+        self.data_after = {}  # task id -> a Stateful dataset's state right after it, likewise
         self.faulted = set()  # slots whose pages this process has faulted in
         self.init_error = None  # raised at the next task
         self.fetcher = None
@@ -147,6 +149,7 @@ class _WorkerLoop:
                     self.pending.pop(msg.task_id, None)
                     self.early.discard(msg.task_id)
                     self.rng_after.pop(msg.task_id, None)
+                    self.data_after.pop(msg.task_id, None)
                 elif isinstance(msg, Setup):
                     self.setup(msg)
                 elif isinstance(msg, NewEpoch):
@@ -186,6 +189,7 @@ class _WorkerLoop:
         self.pending.clear()
         self.early.clear()
         self.rng_after.clear()
+        self.data_after.clear()
         self.iteration_end = False
         states = rng_state()  # where this epoch starts: what a resumed or replaced worker is given
         self.fetcher = self.new_fetcher()
@@ -199,7 +203,14 @@ class _WorkerLoop:
             self.init_error = ExceptionWrapper(where=f"{self.where} setting the RNG states of a resumed epoch")
         if self.init_error is not None:
             return
-        if msg.recreate and self.spec.dataset_kind == _DatasetKind.Iterable:
+        if msg.data is not None:  # a Stateful dataset: set where it stood instead of replaying
+            self.iteration_end = False
+            try:
+                self.fetcher = load_dataset_state(self.dataset, msg.data, self.new_fetcher)
+            except Exception:
+                self.init_error = ExceptionWrapper(where=f"{self.where} loading the dataset's state_dict()")
+                return
+        elif msg.recreate and self.spec.dataset_kind == _DatasetKind.Iterable:
             self.iteration_end = False
             self.fetcher = self.new_fetcher()
         if msg.replay or msg.expect_stop:
@@ -234,6 +245,15 @@ class _WorkerLoop:
                 outcome = Failed(ExceptionWrapper(where=f"{self.where} while loading indices {_short(index)}"))
         busy = time.perf_counter() - t0
         self.rng_after[task_id] = rng_state()
+        try:
+            # taken with the batch, kept by the main process once the batch is handed out: the state
+            # then matches what the consumer has, not what the workers made ahead
+            data = dataset_state(self.dataset, self.fetcher)
+        except Exception:
+            data = None
+            outcome = Failed(ExceptionWrapper(where=f"{self.where} in the dataset's state_dict()"))
+        if data is not None:
+            self.data_after[task_id] = data
         if task_id in self.early:
             self.pending[task_id] = (outcome, busy)  # its layout is on its way: wait for Place
             return
@@ -321,7 +341,8 @@ class _WorkerLoop:
         self.finish(task_id, slot, outcome, busy)
 
     def finish(self, task_id, slot, outcome, busy):
-        outcome = dataclasses.replace(outcome, busy=busy, rng=self.rng_after.pop(task_id, None))
+        outcome = dataclasses.replace(outcome, busy=busy, rng=self.rng_after.pop(task_id, None),
+                                      data=self.data_after.pop(task_id, None))
         if slot < 0:
             self.send(Result(task_id, outcome))
             return

@@ -50,7 +50,8 @@ from ._device import LocalRing, Pending
 from ._messages import Ended, Failed, WholeBatch
 from ._pool import POLL_S, Pool, Task
 from ._prefetch import Prefetcher
-from ._resume import EpochLog, Plan
+from ._resume import (EpochLog, Plan, check_loadable, dataset_state, load_dataset_state, load_sampler_state,
+                      sampler_state)
 from ._worker import WorkerSpec
 from .gpu_decode import GpuDecode, ImagePipeline
 from .image_source import MARKER
@@ -135,7 +136,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     every sample arrives exactly once, and state_dict() resumes an IterableDataset exactly, provided
     its iteration in a worker is a function of the worker's seed and get_worker_info() (no other
     randomness, no state kept outside the worker); a replay that ends early raises a RuntimeError
-    that says so.
+    that says so. A dataset (or its iterator) with state_dict()/load_state_dict() (torchdata's
+    Stateful protocol, which streaming datasets implement) is not replayed: its state after the
+    worker's last batch handed out is loaded instead.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None, num_workers=0,
@@ -172,6 +175,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_iter = None  # weak reference to the live iterator
         self._hl_plan = None  # the loaded state, as the next multi-worker iterator applies it
         self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
+        # num_workers=0: the Stateful sampler's and dataset's states after the last batch handed out
+        self._hl_single = {"sampler_state": None, "dataset_state": None}
         kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
         self.gpu_decode = GpuDecode.from_argument(gpu_decode)  # the argument, for a loader made again from vars()
         images = ImagePipeline.make(self.gpu_decode, dataset, collate_fn, self.batch_size, kind)
@@ -268,6 +273,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         get_worker_info(). With persistent_workers the RNG states carry over to the next epoch, and
         so they do in the state taken at an epoch's end.
 
+        Stateful datasets and samplers (state_dict() and load_state_dict(), torchdata's protocol)
+        are saved, not replayed: a worker sends its dataset's state_dict() (and its iterator's) with
+        each batch, and the state holds, per worker, the one sent with the last batch handed out
+        from it (not those of batches made ahead); with num_workers=0 the dataset's as it stood
+        after the last batch handed out. A sampler's (or batch sampler's) state_dict() is taken as
+        each index batch is drawn, and the state holds the one after the last batch handed out. A
+        resumed epoch loads them (the dataset's, then makes its iterator, then the iterator's) and
+        draws or fetches nothing to get there.
+
         in_order=False: the order of batches depends on timing, in the saved run as in the resumed
         one; what holds is that the resumed loader yields exactly the batches the saved one had not
         yet yielded, each equal to what the saved loader would have made of it.
@@ -276,8 +290,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         worker_init_fn, say), and batches remade by a restarted worker of an IterableDataset that is
         not a function of its seed. num_workers=0: transforms draw from the main process's RNGs, which
         are the caller's to save and restore (this loader does not touch them beyond the generator).
-        A state from a loader with another num_workers still resumes at the same batch, without the
-        RNG states (a warning says so).
+        Another num_workers: a state taken within an epoch (before its end) of a map-style dataset
+        resumes at the same batch, without the RNG states (load_state_dict warns that worker-side
+        random draws change); one of an IterableDataset taken after its first batch is refused
+        (ValueError): each worker's position is in its share of the stream (get_worker_info()),
+        which another number of workers splits otherwise. States taken at an epoch's end load into
+        any num_workers.
 
         torch.distributed: each rank saves and loads its own state. A sampler with set_epoch (a
         DistributedSampler, whose order comes from its seed and epoch) has its epoch in the state
@@ -285,11 +303,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         warning if set_epoch said otherwise), so each rank goes on with its own shard of that
         epoch. After a finished epoch, the next one's epoch is the caller's set_epoch as usual."""
         n = self.num_workers
-        state = {"version": 2, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
+        state = {"version": 3, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
                  "iterable": self._dataset_kind == _DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
                  "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
-                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl_sampler_epoch}
+                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl_sampler_epoch,
+                 "worker_data": None, "sampler_state": None, "dataset_state": None}
         if self._hl_epoch is None:
             return state
         it = self._hl_iter() if self._hl_iter is not None else None
@@ -309,21 +328,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                      sampler_batches=self._hl_yielded)
         if log is not None:
             state.update(log.snapshot())
+        elif n == 0:
+            state.update(self._hl_single)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()` (of this version, or a version-1 one: same batches, random
-        transforms in workers matching only from an epoch start) with the next iterator."""
-        if not isinstance(state, dict) or state.get("version") not in (1, 2):
+        """Resume from `state_dict()` (of this version, or a version-2 one: no Stateful dataset or
+        sampler states, or a version-1 one: same batches, random transforms in workers matching only
+        from an epoch start) with the next iterator. A state taken mid-epoch with an IterableDataset
+        and another num_workers raises a ValueError (its samples would repeat and go missing); a
+        map-style one warns (see state_dict)."""
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, 3):
             raise ValueError(f"load_state_dict: expected a dict from DataLoader.state_dict(), got {state!r:.80}")
         needed = ["batches_yielded", "generator_state", "base_seed", "epoch_done"]
-        if state["version"] == 2:
+        if state["version"] >= 2:
             needed += ["num_workers", "iterable", "sampler_batches", "yielded_after", "yielded_after_rng",
                        "next_worker", "worker_rng", "worker_batches", "worker_stopped", "worker_ahead"]
+        if state["version"] >= 3:
+            needed += ["worker_data", "sampler_state", "dataset_state"]
         missing = [k for k in needed if k not in state]
         if missing:
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
                              f"state, {missing} are missing")
+        check_loadable(state, self.num_workers, self._dataset_kind == _DatasetKind.Iterable)
         self._hl_resume = dict(state)
 
     def _hl_begin_epoch(self, it):
@@ -334,14 +361,23 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         resume, self._hl_resume = self._hl_resume, None
         self._hl_plan = None
         self._hl_log = None
+        self._hl_single = {"sampler_state": None, "dataset_state": None}
+        it._hl_sampler_start = None  # a Stateful sampler's loaded state: its batches are not drawn again
+        it._hl_dataset_start = None  # num_workers=0: a Stateful dataset's loaded state, likewise
         skip = 0
         if resume is not None and resume.get("generator_state") is not None:
             gen.set_state(resume["generator_state"])  # epoch_done with persistent workers: undo the seed draw
             if resume.get("base_seed") is not None:
                 it._base_seed = resume["base_seed"]
             skip = int(resume["batches_yielded"])
+            if resume.get("sampler_state") is not None:
+                it._sampler_iter = load_sampler_state(it._index_sampler, resume["sampler_state"])
+                it._hl_sampler_start = resume["sampler_state"]
+            if resume.get("dataset_state") is not None and self.num_workers == 0:
+                it._hl_dataset_start = resume["dataset_state"]
             if resume["version"] >= 2 and self.num_workers > 0:
                 self._hl_plan = Plan.of(resume, self.num_workers, it._dataset_kind == _DatasetKind.Iterable)
+        self._hl_single = {"sampler_state": it._hl_sampler_start, "dataset_state": it._hl_dataset_start}
         self._hl_epoch = (gen.get_state(), it._base_seed)
         sampler = _epoch_sampler(self)
         self._hl_sampler_epoch = sampler.epoch if sampler is not None else None
@@ -487,14 +523,33 @@ class _SingleIter(_SingleProcessDataLoaderIter):
                       and self._collate_fn is default_collate and not getattr(self._dataset, "__getitems__", None))
         skip = loader._hl_begin_epoch(self)
         self._skip(skip)
+        # the Stateful sampler and dataset (if any) whose states go with each batch, for state_dict()
+        self._stateful = (sampler_state(self._index_sampler, self._sampler_iter) is not None
+                          or dataset_state(self._dataset, self._dataset_fetcher) is not None)
 
     def _skip(self, n):
+        if self._hl_dataset_start is not None:  # a Stateful dataset: set where it stood, not walked
+            self._dataset_fetcher = load_dataset_state(self._dataset, self._hl_dataset_start, functools.partial(
+                _DatasetKind.create_fetcher, self._dataset_kind, self._dataset, self._auto_collation,
+                self._collate_fn, self._drop_last))
         for _ in range(n):
             if self._dataset_kind == _DatasetKind.Map:
-                next(self._sampler_iter)
-            else:
+                if self._hl_sampler_start is None:  # a Stateful sampler resumed where it stood
+                    next(self._sampler_iter)
+            elif self._hl_dataset_start is None:
                 super()._next_data()  # an iterable's position is only known by walking it
             self._num_yielded += 1
+
+    def _states_now(self):
+        """The Stateful sampler's and dataset's states as they stand (after the batches made so far)."""
+        if not self._stateful:
+            return None
+        return {"sampler_state": sampler_state(self._index_sampler, self._sampler_iter),
+                "dataset_state": dataset_state(self._dataset, self._dataset_fetcher)}
+
+    def _handed(self, states):
+        if states is not None:
+            self._loader._hl_single = states
 
     def _next_data(self):
         t0 = time.perf_counter()
@@ -505,6 +560,8 @@ class _SingleIter(_SingleProcessDataLoaderIter):
             except StopIteration:
                 loader._hl_epoch_done = True
                 raise
+            finally:
+                self._handed(self._states_now())  # a batch that raised was handed out too
             batch = _host_batch_out(loader, batch, False)
             _record(loader, t0, _batch_samples(batch, 1))
         else:
@@ -512,12 +569,13 @@ class _SingleIter(_SingleProcessDataLoaderIter):
                 if not self._prepared:
                     if self._exhausted:
                         raise StopIteration
-                    self._prepared.append(self._produce())
+                    self._prepared.append(self._produce_noted())
             except StopIteration:
                 self._exhausted = True
                 loader._hl_epoch_done = True
                 raise
-            batch, samples = self._prepared.popleft()
+            batch, samples, states = self._prepared.popleft()
+            self._handed(states)
             if isinstance(batch, _Raise):
                 raise batch.exc
             if isinstance(batch, Pending):
@@ -526,15 +584,20 @@ class _SingleIter(_SingleProcessDataLoaderIter):
             # the next batches are made while the copy of this one runs
             while not self._exhausted and len(self._prepared) < loader.prefetch_batches:
                 try:
-                    self._prepared.append(self._produce())
+                    self._prepared.append(self._produce_noted())
                 except StopIteration:
                     self._exhausted = True
                 except Exception as exc:  # raised when its batch's turn comes, as torch would
-                    self._prepared.append((_Raise(exc), 0))
+                    self._prepared.append((_Raise(exc), 0, self._states_now()))
                     break
             _record(loader, t0, samples)
         _count_elapsed(self, loader, t0)
         return batch
+
+    def _produce_noted(self):
+        """_produce's batch and samples, and the states after it: made ahead, they count once handed out."""
+        batch, samples = self._produce()
+        return batch, samples, self._states_now()
 
     def _produce(self):
         """The next batch: made as torch makes it, written into a slot of the local ring and its copy
@@ -584,7 +647,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
             return
         # copies queued for batches never handed out: their slots are freed once those end
         ring = getattr(self._loader, "_hl_local_ring", None) if hasattr(self, "_loader") else None
-        for batch, _ in getattr(self, "_prepared", ()):
+        for batch, _, _ in getattr(self, "_prepared", ()):
             if isinstance(batch, Pending) and ring is not None and ring.ring is not None:
                 ring.copies.abandon(batch)
         self._prepared = collections.deque()
@@ -713,6 +776,9 @@ class _Feed:
         self.pool = pool
         self._loader = loader
         self._sampler_iter = it._sampler_iter
+        # a Stateful sampler: its state after each index batch drawn goes into the epoch's log
+        self._sampler_stateful = sampler_state(it._index_sampler, it._sampler_iter) is not None
+        self._index_sampler = it._index_sampler
         self._dataset_kind = it._dataset_kind
         self._auto_collation = it._auto_collation
         self._num_workers = it._num_workers
@@ -742,7 +808,7 @@ class _Feed:
         pos0 = 0
         if not iterable:
             pos0 = plan.positions if plan is not None else skip
-            for _ in range(pos0):
+            for _ in range(pos0 if it._hl_sampler_start is None else 0):  # a Stateful sampler resumed where it stood
                 next(self._sampler_iter)
             if plan is not None:
                 self._skip_positions = dict(zip(plan.yielded_after, plan.yielded_after_rng))
@@ -750,7 +816,8 @@ class _Feed:
             self._skip_batches = skip  # no worker positions: walk the iterable through the workers
         self._next_pos = pos0
         self._log = loader._hl_log = EpochLog(n, iterable, self._order, pos0,
-                                               plan.next_worker if plan is not None else 0, pool.track)
+                                               plan.next_worker if plan is not None else 0, pool.track,
+                                               it._hl_sampler_start)
         self._fill()
 
     def ahead(self) -> int:
@@ -802,6 +869,8 @@ class _Feed:
             return False
         pos = self._next_pos
         self._next_pos += 1
+        if self._sampler_stateful:
+            self._log.drew(self._next_pos - self._log.pos0, sampler_state(self._index_sampler, self._sampler_iter))
         if pos in self._skip_positions:  # a resumed epoch: handed out before the state was taken
             rng = self._skip_positions.pop(pos)
             if rng is None:  # its worker's saved states already cover it
