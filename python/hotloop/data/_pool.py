@@ -704,10 +704,15 @@ class Pool:
         if packed is not None:
             return self.images_out(slot, spec, leaves, images, packed, pin)
         tf = self.loader.gpu_transform
+        try:  # which leaves are images to normalise: ValueError for one it cannot take
+            normalized = tf.image_leaves(leaf[1:] for leaf in leaves) if tf is not None else [False] * len(leaves)
+        except ValueError:
+            self.release_slot(slot)
+            raise
         outs, triples = [], []
         view = parts = None
-        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for off, dtype, shape in leaves
-                if tf is None or not tf.applies_to(dtype, shape)]
+        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for (off, dtype, shape), image in zip(leaves, normalized)
+                if not image]
         if not pin and lent:
             self.collect_leases()
             if self.leases is None:
@@ -716,13 +721,12 @@ class Pool:
                 # one capsule per leaf: each tensor gets a storage of its own bytes, as collated ones do
                 parts = iter(self.leases.lease(slot, array.array("q", [x for p in lent for x in p]).tobytes()))
         try:
-            for off, dtype, shape in leaves:
-                if tf is not None and tf.applies_to(dtype, shape):
+            for (off, dtype, shape), image in zip(leaves, normalized):
+                if image:
                     if view is None:
                         view = self.ring.view(slot)
-                    nbytes = torch.Size(shape).numel()
-                    src = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=off).view(shape)
-                    out, mem = tf.empty_output(shape, "cpu")
+                    src = torch.frombuffer(view, dtype=dtype, count=torch.Size(shape).numel(), offset=off).view(shape)
+                    out, mem = tf.empty_output(dtype, shape, "cpu")
                     tf.run(src, mem)
                     del src
                     outs.append(out)
