@@ -729,8 +729,8 @@ class Pool:
             raise
         outs, triples = [], []
         view = parts = None
-        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for (off, dtype, shape), image in zip(leaves, normalized)
-                if not image]
+        lent = [(off, torch.Size(shape).numel() * dtype.itemsize)
+                for (off, dtype, shape), image in zip(leaves, normalized) if not image]
         if not pin and lent:
             self.collect_leases()
             if self.leases is None:
