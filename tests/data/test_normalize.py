@@ -184,6 +184,16 @@ def test_gpu_transform_on_the_device_path_matches_torchvision(fake_cuda, channel
         check_loader_batches(ds, loader, tf, layout)
 
 
+def test_device_path_default_dtype_is_float16(fake_cuda):
+    """dtype=None on the device path: float16, the GPU's default, for every input kind."""
+    ds = Pictures(8, 3, torch.float32, "NCHW")
+    tf = hotloop.Normalize(MEANS[3], STDS[3])
+    got = list(fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=0, gpu_transform=tf)))
+    for (x, _, _), (y, _, _) in zip(TorchDataLoader(ds, batch_size=4), got):
+        assert y.dtype == torch.float16
+        assert torch.equal(y, hotloop.Normalize(MEANS[3], STDS[3], dtype=torch.float16)(x))
+
+
 class Constant(Dataset):
     def __len__(self):
         return 8

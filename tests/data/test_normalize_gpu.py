@@ -33,21 +33,27 @@ def test_cuda_equals_cpu_and_torchvision(channels, layout, in_dtype, out_dtype):
         assert_matches_torchvision(out.cpu(), x, layout, tf)
 
 
-def test_uint8_nchw_on_a_side_stream_is_ordered_after_the_producer():
-    """The NCHW -> NHWC copy runs on the stream given, as the kernel does: a producer on that stream
-    (the loader's copy) is seen by both."""
+@pytest.mark.parametrize("in_dtype", [torch.uint8, torch.float32], ids=str)
+def test_torch_ops_run_on_the_kernels_stream_after_the_producer(in_dtype):
+    """The uint8 NCHW -> NHWC copy and the float path run on the stream given (a loader's copy
+    stream), or on the current stream when called directly, as the kernel does: a late producer on
+    that stream is seen. Once the kernel of a direct call went to the default stream."""
     side = torch.cuda.Stream()
     tf = hotloop.Normalize(MEANS[3], STDS[3], dtype=torch.float32)
-    x = random_images(64, 3, 224, 224, torch.uint8, "NCHW")
+    x = random_images(64, 3, 224, 224, in_dtype, "NCHW")
     want = tf(x)
-    xd = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
-    out, mem = tf.empty_output(xd.dtype, tuple(xd.shape), xd.device)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # the producer is late: an unordered reader would see garbage
-        xd.copy_(x.pin_memory(), non_blocking=True)
-    tf.run(xd, mem, side.cuda_stream)
-    side.synchronize()
-    assert torch.equal(out.cpu(), want)
+    for direct in (False, True):
+        xd = torch.empty(x.shape, dtype=in_dtype, device="cuda")
+        out, mem = tf.empty_output(xd.dtype, tuple(xd.shape), xd.device)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # the producer is late: an unordered reader would see garbage
+            xd.copy_(x.pin_memory(), non_blocking=True)
+            if direct:
+                out = tf(xd)  # on the current stream, side
+        if not direct:
+            tf.run(xd, mem, side.cuda_stream)
+        side.synchronize()
+        assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("channels", [1, 3])

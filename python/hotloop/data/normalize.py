@@ -74,6 +74,7 @@ class Normalize:
         # floats: torchvision's own constants, and the factor that brings x / 255 to x / scale
         self._float_m, self._float_s = raw_m, raw_s
         self._float_factor = 255.0 / float(scale)
+        self._on_device = {}  # device -> the float path's constants there
         self.dtype = dtype
         self.channels_last = channels_last
         self.layout = layout
@@ -86,7 +87,8 @@ class Normalize:
         """The dtype of what it makes on `device` (see dtype in the class's docstring)."""
         if self.dtype is not None:
             return self.dtype
-        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+        kind = device.type if hasattr(device, "type") else torch.device(device).type
+        return torch.float16 if kind == "cuda" else torch.float32
 
     def _expected(self) -> str:
         c = len(self._m)
@@ -147,17 +149,21 @@ class Normalize:
         mem = empty((n, c, h, w), out_dtype)
         return mem, mem
 
-    def run(self, x, out_mem, stream=0):
+    def run(self, x, out_mem, stream=None):
         """Normalise x into out_mem (empty_output's second tensor) on `stream` (a CUDA stream handle;
-        0: the current stream, or the CPU)."""
+        None: the current stream; ignored on the CPU)."""
         layout = self.layout_of(x.dtype, tuple(x.shape))
         x = x.detach()
-        with _on_stream(x, stream):
-            if x.dtype == torch.uint8:
-                # the kernel reads NHWC: an NCHW batch stored channels_last is that already (no copy)
-                src = (x if layout == "NHWC" else x.permute(0, 2, 3, 1)).contiguous()
-                _C.normalize(src, out_mem, self._m, self._s, self.channels_last, stream)
-                return
+        if x.dtype == torch.uint8:
+            # the kernel reads NHWC: an NCHW batch stored channels_last is that already (no copy)
+            src = x if layout == "NHWC" else x.permute(0, 2, 3, 1)
+            if not src.is_contiguous():
+                with _torch_ops_on(x, stream):
+                    src = src.contiguous()
+            _C.normalize(src, out_mem, self._m, self._s, self.channels_last, _stream_handle(x, stream))
+            return
+        self._float_constants(x.device)  # made (once) on the current stream, not on `stream`
+        with _torch_ops_on(x, stream):
             out = out_mem.permute(0, 3, 1, 2) if self.channels_last else out_mem
             out.copy_(self._float_nchw(x, layout))
 
@@ -167,17 +173,26 @@ class Normalize:
         y = x.float()
         if self._float_factor != 1.0:
             y = y * self._float_factor
-        c = len(self._m)
-        m = self._float_m.to(x.device).view(1, c, 1, 1)
-        s = self._float_s.to(x.device).view(1, c, 1, 1)
+        m, s = self._float_constants(x.device)
         return y.sub(m).div_(s)
+
+    def _float_constants(self, device):
+        """mean and std as [1, c, 1, 1] float32 on `device`, copied there once: a copy from pageable
+        memory per batch could wait for the stream it is queued on."""
+        device = torch.device(device)
+        found = self._on_device.get(device)
+        if found is None:
+            c = len(self._m)
+            found = self._on_device[device] = (self._float_m.to(device).view(1, c, 1, 1),
+                                               self._float_s.to(device).view(1, c, 1, 1))
+        return found
 
     def __call__(self, x):
         """Normalise one image batch (CPU or CUDA; on CUDA on the current stream): see the class."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Normalize: expected {self._expected()}, got {type(x).__name__}")
         out, mem = self.empty_output(x.dtype, tuple(x.shape), x.device)
-        self.run(x, mem)
+        self.run(x, mem)  # on the current stream
         return out
 
     def reference(self, x):
@@ -200,9 +215,16 @@ def _nchw(shape, layout):
     return (n, a, b, d) if layout == "NCHW" else (n, d, a, b)
 
 
-def _on_stream(x, stream):
-    """torch's ops (the float path, the uint8 NCHW copy) on the stream the kernel runs on: a loader
-    runs the transform on its copy stream, right after the copy into x."""
-    if x.is_cuda and stream:
-        return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=x.device))
-    return contextlib.nullcontext()
+def _stream_handle(x, stream):
+    """The kernel's stream: the one given (a loader's copy stream), else the current one; 0 on the CPU."""
+    if not x.is_cuda:
+        return 0
+    return stream if stream is not None else torch.cuda.current_stream(x.device).cuda_stream
+
+
+def _torch_ops_on(x, stream):
+    """torch's ops (the float path, the uint8 NCHW copy) where the kernel would run: on the stream
+    given (a loader's copy stream, right after its copy into x), else the current one."""
+    if not x.is_cuda or stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=x.device))
