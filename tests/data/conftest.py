@@ -216,9 +216,6 @@ class FakeCuda:
             def empty(self, shape, dtype):
                 return torch.empty(shape, dtype=dtype)  # "device" memory is host memory here
 
-            def transform_output(self, tf, shape):
-                return tf.empty_output(shape, "cpu")
-
             def run_transform(self, tf, src, mem, stream):
                 tf.run(src, mem)
 

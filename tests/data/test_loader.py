@@ -536,8 +536,9 @@ def test_normalize_cpu_matches_torch():
             assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                ref.view(torch.int16 if dtype != torch.float32 else torch.int32))
             assert torch.equal(got, tf.reference(x))
-    with pytest.raises(ValueError, match=r"expected a uint8 tensor \[n, h, w, 3\]"):
-        tf(torch.zeros(2, 3, 4, 4))
+    with pytest.raises(ValueError, match=r"image batch \[n, 3, h, w\] or \[n, h, w, 3\], got torch.uint8 of shape "
+                                         r"\[2, 4, 4, 4\]"):
+        tf(torch.zeros(2, 4, 4, 4, dtype=torch.uint8))  # no dim of 3 channels (float NCHW: tests/data/test_normalize.py)
     with pytest.raises(TypeError, match="dtype"):
         hotloop.Normalize((0.5,), (0.5,), dtype=torch.int32)
 

@@ -24,8 +24,22 @@ def program_name() -> str:
     return "python -m hotloop" if name in ("__main__.py", "-c", "-m", "") else name
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose subcommands (made with its class) refuse what they do not know
+    themselves, with their own usage: argparse hands a subparser's unknown arguments back to the top
+    parser, whose message then shows the top-level usage (`hotloop demo --nosuch` listed the
+    commands, not demo's options). Everything after a subcommand's name is that subcommand's, so
+    nothing it refuses could have been the parent's."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=program_name(), description="hotloop: keep the GPU busy.")
+    parser = CommandParser(prog=program_name(), description="hotloop: keep the GPU busy.")
     parser.add_argument("--version", action="version", version=f"hotloop {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module, help_text) in COMMANDS.items():

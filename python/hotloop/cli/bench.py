@@ -3,6 +3,7 @@ and torch's way of each job in one process (hotloop ÷ torch per figure; the row
 train, loop and inference measure whole models (hotloop/bench/train.py, loop.py, inference.py); distributed
 a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py)."""
 import importlib
+import os
 import sys
 import time
 
@@ -160,10 +161,38 @@ SUBCOMMANDS = {"components": _components, "train": _train, "loop": _loop, "infer
                "distributed": _distributed}
 
 
+OUTPUT_FILES = ("csv", "json", "plot")  # the options that name a file written once the benchmark ends
+
+
+def unwritable_output(args):
+    """(option, error) for the first output file that cannot be written, or None. Checked before the
+    benchmark runs, not after it (minutes later, its figures lost): opened for appending, which
+    changes no file that exists, and removed again if this made it."""
+    for option in OUTPUT_FILES:
+        path = getattr(args, option, None)
+        if not path:
+            continue
+        existed = os.path.lexists(path)
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as err:
+            return option, err
+        if not existed:
+            os.unlink(path)
+    return None
+
+
 def main(args) -> int:
     from ..bench.workloads import BenchError
 
     command = f"hotloop bench {args.what}" if args.what != "components" else "hotloop bench"
+    bad = unwritable_output(args)
+    if bad is not None:
+        option, err = bad
+        print(f"{command}: --{option} {getattr(args, option)}: cannot write it: {err.strerror or err}",
+              file=sys.stderr)
+        return 1
     device = _device(args, command)
     if device is None:
         return 2

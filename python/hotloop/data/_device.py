@@ -68,9 +68,6 @@ class CudaCalls:
     def empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def transform_output(self, tf, shape):
-        return tf.empty_output(shape, self.device)
-
     def run_transform(self, tf, src, mem, stream):
         tf.run(src, mem, stream)
 
@@ -228,15 +225,17 @@ class DeviceCopies:
         images = self.loader.image_stage
         parts = encoded_parts(spec) if images is not None else None
         packed = {s[1] for s in parts if s[0] == "T"} if parts is not None else ()
+        # which leaves are images to normalise: ValueError (before any copy) for one it cannot take
+        normalized = tf.image_leaves(leaf[1:] for leaf in leaves) if tf is not None else [False] * len(leaves)
         for k, (off, dtype, shape) in enumerate(leaves):
             size = torch.Size(shape).numel() * dtype.itemsize
             if k in packed:  # read where it lies, in the slot (image_stage.py)
                 outs.append(None)
                 continue
             nbytes += size
-            if tf is not None and tf.applies_to(dtype, shape):
-                staging = cuda.empty(shape, torch.uint8)
-                out, mem = cuda.transform_output(tf, shape)
+            if normalized[k]:
+                staging = cuda.empty(shape, dtype)
+                out, mem = tf.empty_output(dtype, shape, self.device, cuda.empty)
                 staged.append((staging, mem))
                 keep.append(staging)
                 triples += (off, staging.data_ptr(), size)

@@ -3,7 +3,7 @@ dataclass each, dispatched with isinstance (as torch's _utils/worker.py does wit
 
 Main process -> worker, over the worker's task pipe: Fetch, UseRing, Place, Discard, Setup,
 NewEpoch, Exit; over its ring socket, the ring's memfd (SCM_RIGHTS) before UseRing, unless inherited. Worker -> main process, over its result pipe (plain pickle, never ForkingPickler,
-which would move tensors through /dev/shm): Layout, EpochStarted, Result, Overflow. Launcher -> main
+which would move tensors through /dev/shm): Started, Layout, EpochStarted, Result, Overflow. Launcher -> main
 process, over its status pipe: WorkerStarted, WorkerExited.
 
 A task's outcome is one of SlotBatch, WholeBatch, Failed, Ended. It is pickled at the start of the
@@ -97,6 +97,15 @@ class Exit:
 
 
 # -- worker -> main process --
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """A worker's first message: its process is past its start (a spawned or forkserver one has
+    imported the main module again and unpickled its arguments), so a death from here on is its
+    dataset's, not its start's."""
+
+    worker_id: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ._inherited_garbage import forking_a_worker
 from .image_stage import encoded_parts
 from ._launcher import LaunchedWorker, Launcher
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
-                        Result, Setup, UseRing)
+                        Result, Setup, Started, UseRing)
 from ._shutdown import WORKER_POOLS, close_at_exit, forget
 from ._worker import worker_main
 
@@ -38,6 +38,16 @@ _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and sid
 LEASE_SLOTS = 2
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 USE_LAUNCHER = True  # fork workers 1.. through a launcher process (tests turn it off to cover both ways)
+
+
+def never_started(method) -> str:
+    """Why a worker started with `method` (spawn or forkserver) died before its first message."""
+    return (f", before it started running (multiprocessing_context={method!r} starts each worker as a new "
+            "Python process that imports the main module again and unpickles the dataset). If the script that "
+            "makes and iterates the DataLoader does so at its top level, without an `if __name__ == \"__main__\":` "
+            "guard, each worker runs it again and dies trying to start workers of its own (Python's message above "
+            "about the \"bootstrapping phase\"): put that code under `if __name__ == \"__main__\":`. Otherwise the "
+            "worker's traceback above says what failed in its start (for example a dataset class it cannot import)")
 
 
 @dataclasses.dataclass(eq=False)
@@ -116,6 +126,7 @@ class Pool:
         self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
         self.leases = None  # CPU batches lent out as views of their slots (copy_out)
         self.started = [False] * self.n
+        self.running = set()  # workers whose current process sent Started
         self.ended = [(None, None)] * self.n  # (pid, exit code) of each worker's last process once it is gone
         self.launcher = None  # the process that forked the first workers (_launcher.py)
         close_at_exit(self, WORKER_POOLS)
@@ -266,6 +277,8 @@ class Pool:
         elif isinstance(msg, Layout):
             self.layouts[msg.task_id] = msg
             self.place_layouts()
+        elif isinstance(msg, Started):
+            self.running.add(msg.worker_id)
         elif isinstance(msg, EpochStarted):
             self.resumed.add(msg.worker_id)
             self.resumed_rng[msg.worker_id] = msg.rng
@@ -336,6 +349,10 @@ class Pool:
         # the launcher's death takes every worker it had not yet seen exit with it: one event, which
         # does not use up max_worker_restarts (it cannot recur: restarts are forked from here)
         orphaned = isinstance(proc, LaunchedWorker) and proc.launcher.lost
+        method = self.ctx.get_start_method()
+        if wid not in self.running and method != "fork" and not orphaned:
+            self.close()  # its successor would die in its start the same way
+            raise RuntimeError(desc + never_started(method))
         if orphaned:
             desc += " (its launcher process had died)"
         elif again:
@@ -507,6 +524,7 @@ class Pool:
             except OSError:
                 pass
         self.ring_conns[wid] = None
+        self.running.discard(wid)
         proc = self.procs[wid]
         proc.join(0)
         self.ended[wid] = (proc.pid, proc.exitcode)
@@ -716,10 +734,15 @@ class Pool:
         if packed is not None:
             return self.images_out(slot, spec, leaves, images, packed, pin)
         tf = self.loader.gpu_transform
+        try:  # which leaves are images to normalise: ValueError for one it cannot take
+            normalized = tf.image_leaves(leaf[1:] for leaf in leaves) if tf is not None else [False] * len(leaves)
+        except ValueError:
+            self.release_slot(slot)
+            raise
         outs, triples = [], []
         view = parts = None
-        lent = [(off, torch.Size(shape).numel() * dtype.itemsize) for off, dtype, shape in leaves
-                if tf is None or not tf.applies_to(dtype, shape)]
+        lent = [(off, torch.Size(shape).numel() * dtype.itemsize)
+                for (off, dtype, shape), image in zip(leaves, normalized) if not image]
         if not pin and lent:
             self.collect_leases()
             if self.leases is None:
@@ -728,13 +751,12 @@ class Pool:
                 # one capsule per leaf: each tensor gets a storage of its own bytes, as collated ones do
                 parts = iter(self.leases.lease(slot, array.array("q", [x for p in lent for x in p]).tobytes()))
         try:
-            for off, dtype, shape in leaves:
-                if tf is not None and tf.applies_to(dtype, shape):
+            for (off, dtype, shape), image in zip(leaves, normalized):
+                if image:
                     if view is None:
                         view = self.ring.view(slot)
-                    nbytes = torch.Size(shape).numel()
-                    src = torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=off).view(shape)
-                    out, mem = tf.empty_output(shape, "cpu")
+                    src = torch.frombuffer(view, dtype=dtype, count=torch.Size(shape).numel(), offset=off).view(shape)
+                    out, mem = tf.empty_output(dtype, shape, "cpu")
                     tf.run(src, mem)
                     del src
                     outs.append(out)

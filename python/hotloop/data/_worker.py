@@ -26,7 +26,7 @@ from .. import _C
 from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout, sample_plan,
                      write_fast, write_general)
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
-                        Result, Setup, SlotBatch, UseRing, WholeBatch)
+                        Result, Setup, SlotBatch, Started, UseRing, WholeBatch)
 from ._resume import dataset_state, load_dataset_state
 from ._rng import rng_state, seed_like_torch, set_rng_state
 from ._rows import SlotRows
@@ -61,6 +61,7 @@ def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid,
     process it started with, a forkserver). ring_conn: the socket the ring's memfd comes over,
     unless this worker inherited it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    result_conn.send_bytes(pickle.dumps(Started(worker_id), protocol=pickle.HIGHEST_PROTOCOL))
     if parent_pid is None:
         parent_pid = os.getppid()
     for fd in inherited_fds:
@@ -314,7 +315,10 @@ class _WorkerLoop:
         try:
             return SlotBatch(write_fast(samples, writer, placed), writer.leaves)
         except FastPathDeclined:
-            return self.write_collated(collate_no_shm(samples), slot)
+            pass
+        # default_collate's general way, outside the handler: the error it raises (ragged shapes)
+        # reaches the user alone, not chained to the fast path's internal refusal
+        return self.write_collated(collate_no_shm(samples), slot)
 
     def write_collated(self, batch, slot):
         writer = SlotWriter(self.slot_tensor(slot), self.layout)

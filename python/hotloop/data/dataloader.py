@@ -16,8 +16,9 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 * without a device (and without pin_memory) a batch's tensors are views of its slot, not copies: the
   slot goes back to the workers once the last tensor, view or numpy array made from them is gone
   (a consumer that keeps many batches gets copies past a few, so the workers never starve);
-* `gpu_transform=hotloop.Normalize(mean, std)` turns uint8 HWC image batches into normalised
-  float16/bfloat16/float32 NCHW or channels_last in one kernel, on the copy stream.
+* `gpu_transform=hotloop.Normalize(mean, std)` turns uint8 or float, NHWC or NCHW image batches
+  into normalised float16/bfloat16/float32 NCHW or channels_last on the copy stream (uint8 in one
+  kernel).
 
 Extras: `stats` (batches, samples, seconds waited in `__next__`, stall fraction, host-to-device bytes
 and seconds, worker busy seconds, ring bytes; `stats.gather()` brings every rank's to rank 0 under
@@ -111,8 +112,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         torch.distributed, once it called torch.cuda.set_device), as .to("cuda") would pick.
     prefetch_batches: batches copied to the device ahead of the one being consumed (default 2); with
         num_workers=0, batches made and queued ahead of the one returned (0: one at a time).
-    gpu_transform: e.g. hotloop.Normalize(mean, std): applied to image leaves on the way (on the CPU
-        too when device is None).
+    gpu_transform: e.g. hotloop.Normalize(mean, std): applied to the batch's image leaves on the way
+        (on the CPU too when device is None): every uint8 or float leaf of 4 dimensions or more is one
+        (see hotloop.Normalize for what it takes); a batch with none, or with one it cannot take,
+        raises ValueError. Not with gpu_decode, whose kernel normalises.
     max_worker_restarts: dead workers replaced (their batches redone) before a RuntimeError.
     gpu_decode: True, a backend name or a hotloop.GpuDecode: for a torchvision ImageFolder /
         DatasetFolder (default loader) or a hotloop.EncodedImageDataset whose transform is made of
@@ -180,6 +183,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
         self.gpu_decode = GpuDecode.from_argument(gpu_decode)  # the argument, for a loader made again from vars()
         images = ImagePipeline.make(self.gpu_decode, dataset, collate_fn, self.batch_size, kind)
+        if images is not None and gpu_transform is not None:  # its images never reach the transform
+            raise ValueError("DataLoader: gpu_transform does not apply to gpu_decode's images, which its kernel "
+                             "normalises already: put the Normalize in the dataset's transform (v1 or v2) instead")
         self._hl_images = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
         expected = _expected_device(self._hl_device) if self._hl_images is not None else None
         if expected is not None:
@@ -461,11 +467,13 @@ def _host_batch_out(loader, batch, pin):
         return batch
     tensors = []
     spec = flatten(batch, tensors)
+    # which leaves are images to normalise: ValueError for one it cannot take, or for none
+    images = tf.image_leaves((t.dtype, t.shape) for t in tensors) if tf is not None else [False] * len(tensors)
     outs = []
-    for t in tensors:
+    for t, image in zip(tensors, images):
         if device is not None:
             t = t.to(device)
-        if tf is not None and tf.applies_to(t.dtype, tuple(t.shape)):
+        if image:
             t = tf(t)
         elif pin and device is None:
             t = t.pin_memory()
