@@ -124,6 +124,12 @@ def _device_type(device):
     return kind
 
 
+def _threads(device):
+    """CPU threads for a pass over gradients on `device`: torch's intra-op count, as torch's own CPU
+    ops use (0 on CUDA, where C picks the grid)."""
+    return torch.get_num_threads() if device.type == "cpu" else 0
+
+
 def _number(name, value):
     return expect_number("GradScaler", name, value)
 
@@ -399,7 +405,8 @@ class GradScaler:
                      mode, p, max_norm, aux.data_ptr(), t.index_ptr if t else 0,
                      dg.report.data_ptr() if report else 0, self._updates,
                      extra.data_ptr() if extra is not None else 0,
-                     extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, 0, dg.stream)
+                     extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, _threads(dg.device),
+                     dg.stream)
         return aux
 
     def _run_check(self, cache, write, mode, p, max_norm, unscale):
@@ -481,7 +488,7 @@ class GradScaler:
             t = dg.table
             if t is not None:
                 _C.amp_apply(t.device_index, t.table_ptr, t.count, t.total_chunks, aux.data_ptr(),
-                             1 if pending.unscale else 0, 1 if pending.clip else 0, t.stream)
+                             1 if pending.unscale else 0, 1 if pending.clip else 0, t.stream, _threads(dg.device))
             if dg.others:
                 device_grads.apply(cache.params, dg, aux, pending.unscale, pending.clip)
 
