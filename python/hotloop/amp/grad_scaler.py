@@ -42,9 +42,12 @@ _logger = logging.getLogger(__name__)
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
-try:  # torch's own enum, so that code comparing a stage with torch's OptState works with this scaler
+try:  # torch's own enum and class, so that code comparing a stage with torch's OptState, or checking
+    # isinstance(scaler, torch.amp.GradScaler), works with this scaler
+    from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
     from torch.amp.grad_scaler import OptState
-except ImportError:  # torch < 2.3 keeps it under torch.cuda.amp
+except ImportError:  # torch < 2.3 keeps them under torch.cuda.amp
+    from torch.cuda.amp.grad_scaler import GradScaler as _TorchGradScaler
     from torch.cuda.amp.grad_scaler import OptState
 
 
@@ -124,6 +127,23 @@ def _device_type(device):
     return kind
 
 
+# NOTE [ A watched fused step ]
+# A fused optimizer (_step_supports_amp_scaling) is always called, with found_inf, and skips inside its
+# own kernel: no host sync, as torch's scaler does. Code that learns whether a step was skipped by
+# replacing optimizer.step on the instance and watching whether it runs (Accelerate's
+# AcceleratedOptimizer.step_was_skipped, which then holds the LR scheduler back) would read every
+# skipped fused step as taken. So while optimizer.step is such an instance attribute, the scaler
+# decides on the host as it does for any other optimizer: one .item() (the sync torch's scaler makes
+# for a non-fused optimizer), and the optimizer is called only when the step is not skipped, which
+# leaves its state as the kernel's own skip would. torch's LR schedulers also wrap optimizer.step on the
+# instance, only to warn about call order (_wrapped_by_lr_sched): that wrapper alone adds no sync.
+
+
+def _step_is_watched(optimizer):
+    step = getattr(optimizer, "__dict__", {}).get("step")
+    return step is not None and not getattr(step, "_wrapped_by_lr_sched", False)
+
+
 def _threads(device):
     """CPU threads for a pass over gradients on `device`: torch's intra-op count, as torch's own CPU
     ops use (0 on CUDA, where C picks the grid)."""
@@ -155,8 +175,14 @@ def _check_factors(growth_factor, backoff_factor, growth_interval):
     _interval("growth_interval", growth_interval)
 
 
-class GradScaler:
+class GradScaler(_TorchGradScaler):
     """A drop-in for :class:`torch.amp.GradScaler` with fused CUDA kernels and no host syncs.
+
+    A subclass of torch's (``isinstance(scaler, torch.amp.GradScaler)`` holds) that overrides every
+    method torch's defines; torch's ``__init__`` is not called, since this one sets every attribute
+    torch's methods read, with torch's meanings: ``_scale`` (0-dim float32) and ``_growth_tracker``
+    (0-dim int32) on the scale's device, created by the first ``scale()``, ``_per_optimizer_states``,
+    ``_enabled``, the factors and interval, ``_init_scale``/``_init_growth_tracker``.
 
     Args are those of torch's GradScaler (same names and defaults), plus keyword-only:
 
@@ -220,6 +246,8 @@ class GradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: float | None = None, max_scale: float | None = None,
                  named_parameters=None, process_group=None) -> None:
+        # torch's __init__ is not called: it would warn a second time about a missing CUDA and set
+        # nothing that is not set here
         kind = _device_type(device)
         self._process_group = sharded.expect_process_group(process_group)
         self._device = kind
@@ -651,7 +679,10 @@ class GradScaler:
                     grad_scale = self._scale if user_scale is None else self._scale * user_scale
                 optimizer.grad_scale = grad_scale
                 optimizer.found_inf = found_inf
-            retval = optimizer.step(*args, **kwargs_)
+            retval = None
+            # see NOTE [ A watched fused step ]
+            if has_grad_scaler_kwarg or not _step_is_watched(optimizer) or not found_inf.item():
+                retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
             if not has_grad_scaler_kwarg:
                 del optimizer.grad_scale
