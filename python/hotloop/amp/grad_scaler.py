@@ -37,6 +37,7 @@ import torch
 from .. import _C
 from .._arguments import expect_count, expect_number
 from . import device_grads, sharded
+from .tensor_table import runs_eagerly
 
 _logger = logging.getLogger(__name__)
 
@@ -538,6 +539,7 @@ class GradScaler(_TorchGradScaler):
 
     # ---- torch's public methods ----
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, now (one launch for all dtypes).
 
@@ -558,6 +560,7 @@ class GradScaler(_TorchGradScaler):
             self._record(optimizer_state, found)
         optimizer_state["stage"] = OptState.UNSCALED
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients; the one-line replacement for
@@ -615,6 +618,7 @@ class GradScaler(_TorchGradScaler):
                 "set `error_if_nonfinite=False`")
         return total_norm
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def finalize_grads_(self, optimizer) -> None:
         """Write the unscaled (and, after clip_grad_norm_, clipped) gradients now, in one read-write
         pass, rather than inside step(): for code that reads the optimizer's gradients between
@@ -632,6 +636,7 @@ class GradScaler(_TorchGradScaler):
             retval = optimizer.step(*args, **kwargs)
         return retval
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def step(self, optimizer, *args, **kwargs):
         """Unscale (and clip, after clip_grad_norm_) the gradients and run ``optimizer.step(*args,
         **kwargs)`` unless a gradient held inf/NaN; returns its return value (None when skipped).
@@ -700,6 +705,7 @@ class GradScaler(_TorchGradScaler):
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def update(self, new_scale=None) -> None:
         """Update the scale on the device: back off when a step was skipped, grow after
         ``growth_interval`` clean steps in a row (as torch), with hysteresis and min/max when set."""
@@ -791,6 +797,7 @@ class GradScaler(_TorchGradScaler):
         values = self._amp_state.tolist()
         return values[_C.AMP_STATE_SKIPPED], values[_C.AMP_STATE_HYSTERESIS]
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def state_dict(self) -> dict:
         """torch's five entries (loadable by torch.amp.GradScaler), plus "hysteresis",
         "_hysteresis_tracker", "min_scale", "max_scale" only where they differ from the defaults."""
@@ -812,6 +819,7 @@ class GradScaler(_TorchGradScaler):
             state["max_scale"] = self._max_scale
         return state
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of torch.amp.GradScaler (settings it lacks are kept)."""
         if not self._enabled:
@@ -863,6 +871,7 @@ class GradScaler(_TorchGradScaler):
         self.__dict__.update(state)
         self._caches = weakref.WeakKeyDictionary()
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def _check_inf_per_device(self, optimizer):
         """Find inf/NaN in the optimizer's (still scaled) gradients: one read-only pass."""
         self._check_scale_growth_tracker("_check_inf_per_device")
@@ -872,6 +881,7 @@ class GradScaler(_TorchGradScaler):
             self._record(optimizer_state, found)
         return optimizer_state["found_inf_per_device"]
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's private hook, for code that calls it directly (torch's own tests do): multiply every
         gradient of `optimizer` by `inv_scale` in place and return {device: a copy of `found_inf`, set to
@@ -918,6 +928,7 @@ class GradScaler(_TorchGradScaler):
         """Names for overflow_report(): an iterable of (name, parameter), e.g. model.named_parameters()."""
         self._names = {id(p): name for name, p in named_parameters}
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def overflow_report(self, named_parameters=None):
         """The first parameter whose gradient was non-finite in the last skipped step, as an
         OverflowReport (str() reads as a sentence), or None if no step was skipped. Waits for the device."""

@@ -5,6 +5,7 @@ from .. import _C
 from . import tensor_table
 
 
+@tensor_table.runs_eagerly  # see NOTE [ hotloop under torch.compile ]
 def non_finite_check(tensors) -> torch.Tensor:
     """A one-element float32 tensor on the tensors' device: 1.0 if any element of any tensor is inf
     or NaN, else 0.0.
