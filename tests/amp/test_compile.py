@@ -57,17 +57,17 @@ def torch_step(model, opt, scaler):
     return step
 
 
-def train(make_step, opt_class, scaler_class, compiled, **opt_kwargs):
+def train(make_step, opt_class, scaler_class, compiled, device="cpu", **opt_kwargs):
     torch._dynamo.reset()
-    model = tiny_model()
+    model = tiny_model().to(device)
     opt = opt_class(model.parameters(), lr=0.05, **opt_kwargs)
-    scaler = scaler_class("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = scaler_class(device, init_scale=2.0**10, growth_interval=2)
     step = make_step(model, opt, scaler)
     if compiled:
         step = torch.compile(step, backend="inductor")
     record = []
     for x, y in batches():
-        loss, norm = step(x, y)
+        loss, norm = step(x.to(device), y.to(device))
         record.append((loss.item(), norm.item(), scaler.get_scale()))
     return record, [p.detach().clone() for p in model.parameters()]
 
@@ -94,9 +94,10 @@ def test_compiled_step_with_hotloop_scaler_and_optim_matches_eager_and_torch():
     assert_same_run(ours_compiled, torch_compiled, 1e-5)
 
 
-def test_compiled_step_with_hotloop_scaler_and_torch_fused_adamw():
-    ours = train(hotloop_step, torch.optim.AdamW, hotloop.GradScaler, True, fused=True)
-    theirs = train(torch_step, torch.optim.AdamW, torch.amp.GradScaler, False, fused=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_step_with_hotloop_scaler_and_torch_fused_adamw(device):
+    ours = train(hotloop_step, torch.optim.AdamW, hotloop.GradScaler, True, device, fused=True)
+    theirs = train(torch_step, torch.optim.AdamW, torch.amp.GradScaler, True, device, fused=True)
     assert_same_run(ours, theirs, 1e-5)
 
 
