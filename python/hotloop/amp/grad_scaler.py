@@ -206,8 +206,15 @@ class GradScaler(_TorchGradScaler):
         scaler.update()
 
     Host syncs: none with a fused optimizer (``fused=True``), as with torch's scaler; one ``.item()``
-    in ``step`` for any other optimizer (torch's scaler makes the same one). Reading ``get_scale()``,
-    ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits for the device.
+    in ``step`` for any other optimizer (torch's scaler makes the same one), and for a fused one whose
+    ``step`` something has replaced on the instance to see whether it runs (Accelerate's
+    ``step_was_skipped``), which then runs only when the step is taken (see NOTE [ A watched fused
+    step ]). Reading ``get_scale()``, ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits
+    for the device.
+
+    torch.compile: a compiled function may call every method; ``scale`` is traced into the graph, the
+    methods that reach hotloop's C extension run eagerly (a graph break, as torch's scaler takes one
+    at its ``.item()``), with eager's results.
 
     Gradients: dense float32, float16 and bfloat16 ones (contiguous in some order of their
     dimensions) take the fused kernels, one launch per device; sparse ones, views with gaps and
