@@ -7,30 +7,11 @@
 #include "half_convert.h"
 #include "tensor.h"
 #include "amp_math.h"
+#include "amp_cpu.h"
 #ifdef HOTLOOP_WITH_CUDA
 #include "kernels.h"
 #include "launch.h"
 #endif
-
-/* C reference: does any element of any table entry hold an inf or NaN? (float32/16, bfloat16) */
-static int cpu_has_non_finite(const hl_table *table) {
-    for (int64_t t = 0; t < table->count; t++) {
-        const hl_table_entry *e = &table->entries[t];
-        if (e->dtype == HL_FLOAT32) {
-            const uint32_t *x = (const uint32_t *)(uintptr_t)e->data;
-            for (int64_t i = 0; i < e->numel; i++)
-                if ((x[i] & 0x7f800000u) == 0x7f800000u)
-                    return 1;
-        } else {
-            const uint16_t exponent = e->dtype == HL_FLOAT16 ? 0x7c00u : 0x7f80u;
-            const uint16_t *x = (const uint16_t *)(uintptr_t)e->data;
-            for (int64_t i = 0; i < e->numel; i++)
-                if ((x[i] & exponent) == exponent)
-                    return 1;
-        }
-    }
-    return 0;
-}
 
 /* The scratch tensor that receives the table on the device must be uint8, on the table's device
    and large enough. */
@@ -47,21 +28,23 @@ static int take_table_scratch(PyObject *obj, const hl_table *table, hl_tensor *s
 }
 
 PyDoc_STRVAR(non_finite_check_doc,
-             "non_finite_check(packed_table, found, table_scratch, stream)\n\n"
+             "non_finite_check(packed_table, found, table_scratch, stream, threads=0)\n\n"
              "Set found[0] = 1.0 if any element of any tensor in the packed table is inf or NaN (float32,\n"
              "float16, bfloat16, mixed). `found` is a float32 tensor on the tensors' device; it is never\n"
              "cleared. On CUDA the table goes to `table_scratch` (uint8, TABLE_ENTRY_BYTES per tensor) and\n"
              "one kernel runs on `stream` (a cudaStream_t as int); nothing waits for it. CPU tensors take\n"
-             "the C reference (table_scratch may be None).");
+             "the C reference on up to `threads` threads (0: one per CPU; table_scratch may be None).");
 
 static PyObject *non_finite_check(PyObject *module, PyObject *args) {
     PyObject *packed, *found_obj, *scratch_obj;
     unsigned long long stream = 0;
+    int threads = 0;
     hl_table table = {0};
     hl_tensor found = {0}, scratch = {0};
     PyObject *result = NULL;
 
-    if (!PyArg_ParseTuple(args, "OOOK:non_finite_check", &packed, &found_obj, &scratch_obj, &stream))
+    if (!PyArg_ParseTuple(args, "OOOK|i:non_finite_check", &packed, &found_obj, &scratch_obj, &stream,
+                          &threads))
         return NULL;
     if (hl_table_parse(packed, "tensors", HL_FLOATING_MASK, &table) < 0)
         return NULL;
@@ -77,7 +60,7 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
     if (table.device < 0) {
         int bad;
         Py_BEGIN_ALLOW_THREADS
-        bad = cpu_has_non_finite(&table);
+        bad = hl_cpu_has_non_finite(table.entries, table.count, table.total_chunks, threads);
         Py_END_ALLOW_THREADS
         if (bad)
             *(float *)found.data = 1.0f;
@@ -119,52 +102,6 @@ error:
    never waits for the device and keeps the buffer until the copy is done.
    --------------------------------------------------------------------------------------------- */
 
-static float load_elem(const hl_table_entry *e, int64_t i) {
-    const void *base = (const void *)(uintptr_t)e->data;
-    switch (e->dtype) {
-    case HL_FLOAT32:
-        return ((const float *)base)[i];
-    case HL_FLOAT16:
-        return hl_half_to_float(((const uint16_t *)base)[i]);
-    default:
-        return hl_bf16_to_float(((const uint16_t *)base)[i]);
-    }
-}
-
-static void store_elem(const hl_table_entry *e, int64_t i, float v) {
-    void *base = (void *)(uintptr_t)e->data;
-    switch (e->dtype) {
-    case HL_FLOAT32:
-        ((float *)base)[i] = v;
-        break;
-    case HL_FLOAT16:
-        ((uint16_t *)base)[i] = hl_float_to_half(v);
-        break;
-    default:
-        ((uint16_t *)base)[i] = hl_float_to_bf16(v);
-        break;
-    }
-}
-
-/* a value as the gradient's dtype would hold it */
-static float round_elem(int dtype, float v) {
-    switch (dtype) {
-    case HL_FLOAT32:
-        return v;
-    case HL_FLOAT16:
-        return hl_half_to_float(hl_float_to_half(v));
-    default:
-        return hl_bf16_to_float(hl_float_to_bf16(v));
-    }
-}
-
-static int finite_float(float v) { return (hl_float_to_bits(v) & 0x7f800000u) != 0x7f800000u; }
-
-static void chunk_range(const hl_table_entry *e, int64_t chunk, int64_t *begin, int64_t *end) {
-    *begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-    *end = *begin + HL_CHUNK_ELEMS < e->numel ? *begin + HL_CHUNK_ELEMS : e->numel;
-}
-
 /* The arguments of each pass, as grad_scaler.py passes them (addresses of tensors it keeps alive). */
 typedef struct {
     const hl_table_entry *table;
@@ -184,7 +121,7 @@ typedef struct {
     const hl_table_entry *table;
     int64_t count, total_chunks;
     const float *aux;
-    int unscale, clip, device;
+    int unscale, clip, device, threads;
 } apply_args;
 
 typedef struct {
@@ -198,46 +135,30 @@ typedef struct {
     int adjust, device;
 } update_args;
 
-/* C reference of the check pass and the epilogue: the same chunks and maths as kernels/amp.cu,
-   each chunk added in order in double, the partials then in chunk order */
+/* C reference of the check pass and the epilogue: the chunks of kernels/amp.cu (spread over `blocks`
+   threads, 0: one per CPU), then the partials added in chunk order, so that the result is the same
+   whatever the thread count */
 static void cpu_check(const void *args) {
     const check_args *a = args;
     const float inv = a->scale != NULL ? (float)(1.0 / (double)*a->scale) : 1.0f;
-    /* locals, so that the stores into gradients cannot make the compiler re-read them per element */
-    const int mode = a->mode, write = a->write;
-    const float p = a->p;
-    int64_t t = 0, first_bad = -1;
+    hl_cpu_amp_check(a->table, a->count, a->total_chunks, a->partials, inv, a->write, a->mode, a->p, a->blocks);
+    int64_t first_bad = -1;
     double total = 0.0;
     for (int64_t chunk = 0; chunk < a->total_chunks; chunk++) {
-        while (t + 1 < a->count && a->table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_table_entry e = a->table[t];
-        int64_t begin, end;
-        chunk_range(&e, chunk, &begin, &end);
-        double acc = 0.0;
-        int bad = 0;
-        for (int64_t i = begin; i < end; i++) {
-            float u = round_elem(e.dtype, load_elem(&e, i) * inv);
-            bad |= !finite_float(u);
-            acc = hl_norm_combine(mode, acc, hl_norm_term(mode, u, p));
-            if (write)
-                store_elem(&e, i, u);
-        }
-        a->partials[2 * chunk] = (float)acc;
-        a->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
-        total = hl_norm_combine(mode, total, (double)a->partials[2 * chunk]);
-        if (bad && first_bad < 0)
+        total = hl_norm_combine(a->mode, total, (double)a->partials[2 * chunk]);
+        if (a->partials[2 * chunk + 1] != 0.0f && first_bad < 0)
             first_bad = chunk;
     }
     int found = first_bad >= 0;
     int64_t param = -1;
     if (found) {
+        int64_t t;
         for (t = 0; t + 1 < a->count && a->table[t + 1].first_chunk <= first_bad; t++)
             ;
         param = a->param_index != NULL ? a->param_index[t] : t;
     }
-    total = hl_amp_fold_extra(mode, total, a->extra, a->n_extra, &found, &param);
-    hl_amp_finish(total, found, param, mode, p, a->max_norm, a->scale, a->aux);
+    total = hl_amp_fold_extra(a->mode, total, a->extra, a->n_extra, &found, &param);
+    hl_amp_finish(total, found, param, a->mode, a->p, a->max_norm, a->scale, a->aux);
     if (found && a->report != NULL) {
         a->report[HL_REPORT_PARAM] = param;
         a->report[HL_REPORT_STEP] = a->step;
@@ -249,18 +170,8 @@ static void cpu_apply(const void *args) {
     const apply_args *a = args;
     if (a->aux[HL_AUX_FOUND] != 0.0f)
         return;
-    const float inv = a->aux[HL_AUX_INV_SCALE], coef = a->aux[HL_AUX_CLIP];
-    for (int64_t t = 0; t < a->count; t++) {
-        const hl_table_entry *e = &a->table[t];
-        for (int64_t i = 0; i < e->numel; i++) {
-            float u = load_elem(e, i);
-            if (a->unscale) /* torch's unscale_ rounds to the gradient's dtype, then its clip multiplies */
-                u = round_elem(e->dtype, u * inv);
-            if (a->clip)
-                u = round_elem(e->dtype, u * coef);
-            store_elem(e, i, u);
-        }
-    }
+    hl_cpu_amp_apply(a->table, a->count, a->total_chunks, a->aux[HL_AUX_INV_SCALE], a->aux[HL_AUX_CLIP], a->unscale,
+                     a->clip, a->threads);
 }
 
 static void cpu_update(const void *args) {
@@ -389,7 +300,8 @@ PyDoc_STRVAR(amp_check_doc,
              "The GradScaler's check pass and epilogue over a table from amp_table_pack (addresses as ints;\n"
              "0 for absent optional ones: scale, param_index, report, extra). partials: 2 * total_chunks float32;\n"
              "aux: AMP_AUX_LEN float32; extra: n_extra * AMP_EXTRA_LEN float32 partials folded in after the\n"
-             "table's (count 0 and table 0: the epilogue alone, on them). device -1 runs the C reference.\n"
+             "table's (count 0 and table 0: the epilogue alone, on them). device -1 runs the C reference, on\n"
+             "up to `blocks` threads (0: one per CPU; the result is the same for any count).\n"
              "Internal to hotloop.amp.");
 
 static PyObject *amp_check(PyObject *module, PyObject *args) {
@@ -424,16 +336,18 @@ static PyObject *amp_check(PyObject *module, PyObject *args) {
 }
 
 PyDoc_STRVAR(amp_apply_doc,
-             "amp_apply(device, table, count, total_chunks, aux, unscale, clip, stream)\n\n"
+             "amp_apply(device, table, count, total_chunks, aux, unscale, clip, stream, threads=0)\n\n"
              "Multiply every gradient of the table by aux's inverse scale and/or clip coefficient, in place,\n"
-             "unless aux says the step is skipped. Internal to hotloop.amp.");
+             "unless aux says the step is skipped. The C reference runs on up to `threads` threads (0: one\n"
+             "per CPU). Internal to hotloop.amp.");
 
 static PyObject *amp_apply(PyObject *module, PyObject *args) {
     apply_args a;
     unsigned long long table, aux, stream;
     long long count, total_chunks;
-    if (!PyArg_ParseTuple(args, "iKLLKiiK:amp_apply", &a.device, &table, &count, &total_chunks, &aux, &a.unscale,
-                          &a.clip, &stream))
+    a.threads = 0;
+    if (!PyArg_ParseTuple(args, "iKLLKiiK|i:amp_apply", &a.device, &table, &count, &total_chunks, &aux, &a.unscale,
+                          &a.clip, &stream, &a.threads))
         return NULL;
     if (count < 1 || table == 0 || aux == 0) {
         PyErr_SetString(PyExc_ValueError, "amp_apply: a required address or count is missing");

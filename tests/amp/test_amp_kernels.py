@@ -182,6 +182,33 @@ def test_check_is_deterministic(device):
         assert same_bits(first[:5].cpu(), again[:5].cpu())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", [0, L2, INF, P])
+def test_cpu_results_do_not_depend_on_the_thread_count(dtype, mode):
+    """The C reference spreads whole chunks over threads: partials, factors, the found flag and
+    the gradients written are bit for bit those of one thread, for every dtype and norm."""
+    def fresh():
+        gen = torch.Generator().manual_seed(11)
+        grads = [(torch.randn(n, generator=gen) * 30).to(dtype) for n in [2**20 + 3, 5, 2**19 + 1]]
+        grads[2][-1] = float("inf")  # in the last chunk: the last thread's run
+        return grads
+
+    scale = torch.full((), 8.0)
+    runs = []
+    for threads in [1, 3, 7]:
+        grads = fresh()
+        aux, report, table = run_check(grads, scale=scale, write=mode == 0, mode=mode, p=1.5, max_norm=1.0,
+                                       blocks=threads)
+        aux[_C.AMP_AUX_FOUND] = 0.0  # apply anyway, to compare what each thread count writes
+        _C.amp_apply(-1, table.table_ptr, table.count, table.total_chunks, aux.data_ptr(), 1, 1, 0, threads)
+        runs.append((aux, report, table.partials.clone(), grads))
+    for aux, report, partials, grads in runs[1:]:
+        assert same_bits(aux, runs[0][0]) and torch.equal(report, runs[0][1])
+        assert same_bits(partials, runs[0][2])
+        assert all(same_bits(g, e) for g, e in zip(grads, runs[0][3]))
+    assert report[0].item() == 2  # the inf's parameter, found by another thread than the caller's
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_tensors_and_one_element(device):
     dev = torch.device(device)

@@ -69,6 +69,25 @@ def test_single_tensor_argument():
     assert ops.non_finite_check(t).item() == 1.0
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_cpu_any_thread_count_finds_the_last_chunk(threads):
+    """The CPU check is cut into runs of chunks, one per thread: a bad value in the last chunk (another
+    thread's run) and in a float16/bfloat16 tensor is found whatever the thread count."""
+    tensors = [(torch.randn(2**20 + 7) * 100).to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    threads_before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert ops.non_finite_check(tensors).item() == 0.0
+        for t in tensors:
+            for bad in BAD:
+                saved = t[-1].clone()
+                t[-1] = bad
+                assert ops.non_finite_check(tensors).item() == torch_says_non_finite(tensors) == 1.0
+                t[-1] = saved
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", SIZES)
 def test_gpu_finds_every_position(size):

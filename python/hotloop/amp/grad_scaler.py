@@ -37,14 +37,18 @@ import torch
 from .. import _C
 from .._arguments import expect_count, expect_number
 from . import device_grads, sharded
+from .tensor_table import runs_eagerly
 
 _logger = logging.getLogger(__name__)
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
-try:  # torch's own enum, so that code comparing a stage with torch's OptState works with this scaler
+try:  # torch's own enum and class, so that code comparing a stage with torch's OptState, or checking
+    # isinstance(scaler, torch.amp.GradScaler), works with this scaler
+    from torch.amp.grad_scaler import GradScaler as _TorchGradScaler
     from torch.amp.grad_scaler import OptState
-except ImportError:  # torch < 2.3 keeps it under torch.cuda.amp
+except ImportError:  # torch < 2.3 keeps them under torch.cuda.amp
+    from torch.cuda.amp.grad_scaler import GradScaler as _TorchGradScaler
     from torch.cuda.amp.grad_scaler import OptState
 
 
@@ -124,6 +128,29 @@ def _device_type(device):
     return kind
 
 
+# NOTE [ A watched fused step ]
+# A fused optimizer (_step_supports_amp_scaling) is always called, with found_inf, and skips inside its
+# own kernel: no host sync, as torch's scaler does. Code that learns whether a step was skipped by
+# replacing optimizer.step on the instance and watching whether it runs (Accelerate's
+# AcceleratedOptimizer.step_was_skipped, which then holds the LR scheduler back) would read every
+# skipped fused step as taken. So while optimizer.step is such an instance attribute, the scaler
+# decides on the host as it does for any other optimizer: one .item() (the sync torch's scaler makes
+# for a non-fused optimizer), and the optimizer is called only when the step is not skipped, which
+# leaves its state as the kernel's own skip would. torch's LR schedulers also wrap optimizer.step on the
+# instance, only to warn about call order (_wrapped_by_lr_sched): that wrapper alone adds no sync.
+
+
+def _step_is_watched(optimizer):
+    step = getattr(optimizer, "__dict__", {}).get("step")
+    return step is not None and not getattr(step, "_wrapped_by_lr_sched", False)
+
+
+def _threads(device):
+    """CPU threads for a pass over gradients on `device`: torch's intra-op count, as torch's own CPU
+    ops use (0 on CUDA, where C picks the grid)."""
+    return torch.get_num_threads() if device.type == "cpu" else 0
+
+
 def _number(name, value):
     return expect_number("GradScaler", name, value)
 
@@ -149,8 +176,14 @@ def _check_factors(growth_factor, backoff_factor, growth_interval):
     _interval("growth_interval", growth_interval)
 
 
-class GradScaler:
+class GradScaler(_TorchGradScaler):
     """A drop-in for :class:`torch.amp.GradScaler` with fused CUDA kernels and no host syncs.
+
+    A subclass of torch's (``isinstance(scaler, torch.amp.GradScaler)`` holds) that overrides every
+    method torch's defines; torch's ``__init__`` is not called, since this one sets every attribute
+    torch's methods read, with torch's meanings: ``_scale`` (0-dim float32) and ``_growth_tracker``
+    (0-dim int32) on the scale's device, created by the first ``scale()``, ``_per_optimizer_states``,
+    ``_enabled``, the factors and interval, ``_init_scale``/``_init_growth_tracker``.
 
     Args are those of torch's GradScaler (same names and defaults), plus keyword-only:
 
@@ -173,8 +206,15 @@ class GradScaler:
         scaler.update()
 
     Host syncs: none with a fused optimizer (``fused=True``), as with torch's scaler; one ``.item()``
-    in ``step`` for any other optimizer (torch's scaler makes the same one). Reading ``get_scale()``,
-    ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits for the device.
+    in ``step`` for any other optimizer (torch's scaler makes the same one), and for a fused one whose
+    ``step`` something has replaced on the instance to see whether it runs (Accelerate's
+    ``step_was_skipped``), which then runs only when the step is taken (see NOTE [ A watched fused
+    step ]). Reading ``get_scale()``, ``skipped_steps``, ``state_dict()`` or ``overflow_report()`` waits
+    for the device.
+
+    torch.compile: a compiled function may call every method; ``scale`` is traced into the graph, the
+    methods that reach hotloop's C extension run eagerly (a graph break, as torch's scaler takes one
+    at its ``.item()``), with eager's results.
 
     Gradients: dense float32, float16 and bfloat16 ones (contiguous in some order of their
     dimensions) take the fused kernels, one launch per device; sparse ones, views with gaps and
@@ -214,6 +254,8 @@ class GradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: float | None = None, max_scale: float | None = None,
                  named_parameters=None, process_group=None) -> None:
+        # torch's __init__ is not called: it would warn a second time about a missing CUDA and set
+        # nothing that is not set here
         kind = _device_type(device)
         self._process_group = sharded.expect_process_group(process_group)
         self._device = kind
@@ -399,7 +441,8 @@ class GradScaler:
                      mode, p, max_norm, aux.data_ptr(), t.index_ptr if t else 0,
                      dg.report.data_ptr() if report else 0, self._updates,
                      extra.data_ptr() if extra is not None else 0,
-                     extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, 0, dg.stream)
+                     extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, _threads(dg.device),
+                     dg.stream)
         return aux
 
     def _run_check(self, cache, write, mode, p, max_norm, unscale):
@@ -481,7 +524,7 @@ class GradScaler:
             t = dg.table
             if t is not None:
                 _C.amp_apply(t.device_index, t.table_ptr, t.count, t.total_chunks, aux.data_ptr(),
-                             1 if pending.unscale else 0, 1 if pending.clip else 0, t.stream)
+                             1 if pending.unscale else 0, 1 if pending.clip else 0, t.stream, _threads(dg.device))
             if dg.others:
                 device_grads.apply(cache.params, dg, aux, pending.unscale, pending.clip)
 
@@ -503,6 +546,7 @@ class GradScaler:
 
     # ---- torch's public methods ----
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, now (one launch for all dtypes).
 
@@ -523,6 +567,7 @@ class GradScaler:
             self._record(optimizer_state, found)
         optimizer_state["stage"] = OptState.UNSCALED
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def clip_grad_norm_(self, optimizer, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
         """Unscale and clip the optimizer's gradients; the one-line replacement for
@@ -580,6 +625,7 @@ class GradScaler:
                 "set `error_if_nonfinite=False`")
         return total_norm
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def finalize_grads_(self, optimizer) -> None:
         """Write the unscaled (and, after clip_grad_norm_, clipped) gradients now, in one read-write
         pass, rather than inside step(): for code that reads the optimizer's gradients between
@@ -597,6 +643,7 @@ class GradScaler:
             retval = optimizer.step(*args, **kwargs)
         return retval
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def step(self, optimizer, *args, **kwargs):
         """Unscale (and clip, after clip_grad_norm_) the gradients and run ``optimizer.step(*args,
         **kwargs)`` unless a gradient held inf/NaN; returns its return value (None when skipped).
@@ -644,7 +691,10 @@ class GradScaler:
                     grad_scale = self._scale if user_scale is None else self._scale * user_scale
                 optimizer.grad_scale = grad_scale
                 optimizer.found_inf = found_inf
-            retval = optimizer.step(*args, **kwargs_)
+            retval = None
+            # see NOTE [ A watched fused step ]
+            if has_grad_scaler_kwarg or not _step_is_watched(optimizer) or not found_inf.item():
+                retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
             if not has_grad_scaler_kwarg:
                 del optimizer.grad_scale
@@ -662,6 +712,7 @@ class GradScaler:
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def update(self, new_scale=None) -> None:
         """Update the scale on the device: back off when a step was skipped, grow after
         ``growth_interval`` clean steps in a row (as torch), with hysteresis and min/max when set."""
@@ -753,6 +804,7 @@ class GradScaler:
         values = self._amp_state.tolist()
         return values[_C.AMP_STATE_SKIPPED], values[_C.AMP_STATE_HYSTERESIS]
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def state_dict(self) -> dict:
         """torch's five entries (loadable by torch.amp.GradScaler), plus "hysteresis",
         "_hysteresis_tracker", "min_scale", "max_scale" only where they differ from the defaults."""
@@ -774,6 +826,7 @@ class GradScaler:
             state["max_scale"] = self._max_scale
         return state
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of torch.amp.GradScaler (settings it lacks are kept)."""
         if not self._enabled:
@@ -825,6 +878,7 @@ class GradScaler:
         self.__dict__.update(state)
         self._caches = weakref.WeakKeyDictionary()
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def _check_inf_per_device(self, optimizer):
         """Find inf/NaN in the optimizer's (still scaled) gradients: one read-only pass."""
         self._check_scale_growth_tracker("_check_inf_per_device")
@@ -834,6 +888,7 @@ class GradScaler:
             self._record(optimizer_state, found)
         return optimizer_state["found_inf_per_device"]
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's private hook, for code that calls it directly (torch's own tests do): multiply every
         gradient of `optimizer` by `inv_scale` in place and return {device: a copy of `found_inf`, set to
@@ -880,6 +935,7 @@ class GradScaler:
         """Names for overflow_report(): an iterable of (name, parameter), e.g. model.named_parameters()."""
         self._names = {id(p): name for name, p in named_parameters}
 
+    @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def overflow_report(self, named_parameters=None):
         """The first parameter whose gradient was non-finite in the last skipped step, as an
         OverflowReport (str() reads as a sentence), or None if no step was skipped. Waits for the device."""

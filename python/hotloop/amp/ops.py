@@ -5,6 +5,7 @@ from .. import _C
 from . import tensor_table
 
 
+@tensor_table.runs_eagerly  # see NOTE [ hotloop under torch.compile ]
 def non_finite_check(tensors) -> torch.Tensor:
     """A one-element float32 tensor on the tensors' device: 1.0 if any element of any tensor is inf
     or NaN, else 0.0.
@@ -12,7 +13,7 @@ def non_finite_check(tensors) -> torch.Tensor:
     `tensors` is a tensor or an iterable of float32, float16 and bfloat16 tensors (mixed is fine),
     all on one device and dense (contiguous in some order of their dimensions, channels_last
     included). On CUDA one kernel on the current stream reads them all and the host does not wait
-    for it; on the CPU a C loop does the same. Tensors that require grad are
+    for it; on the CPU vectorised C loops on torch's intra-op threads do the same. Tensors that require grad are
     read as they are (nothing is recorded for autograd).
     """
     tensors = tensor_table.as_tensor_list(tensors)
@@ -27,5 +28,6 @@ def non_finite_check(tensors) -> torch.Tensor:
         stream = torch.cuda.current_stream(device).cuda_stream
     else:
         scratch, stream = None, 0
-    _C.non_finite_check(packed, found, scratch, stream)
+    # on the CPU as many threads as torch's own ops use
+    _C.non_finite_check(packed, found, scratch, stream, torch.get_num_threads() if device.type == "cpu" else 0)
     return found

@@ -4,6 +4,7 @@ One bytes object per call lets one kernel launch walk any number of tensors. Onl
 from a pointer is checked here (layout, density); C checks dtypes, devices and pointers.
 GradientTable is the GradScaler's form of it: uploaded to the device once, reused every step.
 """
+import functools
 import struct
 
 import torch
@@ -12,6 +13,41 @@ from .. import _C
 
 # enum hl_dtype of kernels/tensor_table.h, as C exports it: torch dtype -> code
 DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
+
+
+def runs_eagerly(fn):
+    """Mark a function that reads tensors' addresses or calls hotloop._C: torch.compile runs it, and what
+    it calls, as plain Python (a graph break, as torch's own GradScaler and optimizers take where they
+    leave the graph), since a graph cannot hold an address. See NOTE [ hotloop under torch.compile ]."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _disabled(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+_DISABLED = {}
+
+
+def _disabled(fn):
+    # made on first use under torch.compile: torch.compiler.disable imports Dynamo, seconds that a
+    # program which never compiles should not pay at `import hotloop`
+    disabled = _DISABLED.get(fn)
+    if disabled is None:
+        disabled = _DISABLED[fn] = torch.compiler.disable(fn, reason="hotloop calls its C extension with "
+                                                                      "tensors' addresses")
+    return disabled
+
+
+# NOTE [ hotloop under torch.compile ]
+# Dynamo cannot trace what hotloop does to tensors: it packs their data_ptr()s into bytes and hands
+# them to C, which a graph of fake tensors has no address for (tracing struct.pack over them recursed
+# until Python gave up). So every entry point that reaches _C through addresses is marked runs_eagerly:
+# the scaler's unscale_, clip_grad_norm_, step, update and the rest, the table packers here (so that
+# any caller of them, hotloop.optim included, breaks the graph there rather than fail). The model's
+# forward and backward and scale(loss) stay in the compiled graph, and a compiled training step gives
+# the numbers of the eager one.
 
 
 def as_tensor_list(tensors, argname="tensors"):
@@ -56,6 +92,7 @@ def pack(tensors, argname="tensors"):
     return packed_bytes(tensors)
 
 
+@runs_eagerly
 def packed_bytes(tensors):
     """The packed table of tensors the caller has already checked (strided and dense)."""
     fields = []
@@ -77,6 +114,7 @@ class GradientTable:
     __slots__ = ("key", "count", "total_chunks", "device", "device_index", "table", "table_ptr", "index_ptr",
                  "partials", "partials_ptr", "stream")
 
+    @runs_eagerly
     def __init__(self, key, grads, param_index, device, stream):
         count = len(grads)
         packed = packed_bytes(grads)  # the scaler checked them, naming parameters
