@@ -200,6 +200,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_device = self.__dict__["device"] = device
 
     @property
+    def _is_accelerate_prepared(self):
+        """Accelerate's first question to a loader in accelerator.prepare(): False, as for any loader it
+        has not prepared, with a warning, since what it does next is build a torch DataLoader from the
+        16 arguments torch knows and hand that back in place of this one: the ring, the workers, stats,
+        state_dict, device=, gpu_decode and gpu_transform would be gone in silence (batches as the
+        dataset makes them: uint8 images where gpu_transform gave normalised floats).
+        hotloop.integrations.accelerate.prepare_data_loader keeps this loader, sharded as Accelerate
+        shards it."""
+        warnings.warn("accelerator.prepare() replaces a hotloop.DataLoader with a torch DataLoader made from torch's "
+                      "arguments alone: hotloop's ring, workers, stats, state_dict, device=, gpu_decode and "
+                      "gpu_transform are dropped. Keep it with `loader = hotloop.integrations.accelerate."
+                      "prepare_data_loader(accelerator, loader)` before accelerator.prepare(...)", stacklevel=2)
+        return False
+
+    @property
     def image_stage(self):
         """gpu_decode's image path for this loader (image_stage.ImageStage: the decoder and the work
         per batch), or None when gpu_decode is off or declined the dataset; what ran is in stats."""
