@@ -151,7 +151,17 @@ def test_each_process_gets_accelerates_shard_through_hotloops_loader(tmp_path, n
     assert set(seen[0]) | set(seen[1]) == set(range(37)) and set(seen[0]) != set(seen[1])
 
 
-def test_bare_loader_warns_when_accelerate_replaces_it():
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate's state is one per process (AcceleratorState, PartialState): each test in this process
+    starts and ends without one, as its own tests do."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bare_loader_warns_when_accelerate_replaces_it(fresh_accelerate_state):
     """Accelerate's own prepare still replaces a hotloop.DataLoader (its class, stats and transform
     gone), now with a warning that names the helper."""
     from accelerate import Accelerator
@@ -163,7 +173,7 @@ def test_bare_loader_warns_when_accelerate_replaces_it():
     assert next(iter(prepared))[2].dtype == torch.uint8  # what the warning is about
 
 
-def test_bad_arguments():
+def test_bad_arguments(fresh_accelerate_state):
     from accelerate import Accelerator
 
     from hotloop.integrations.accelerate import prepare_data_loader
@@ -171,3 +181,28 @@ def test_bad_arguments():
         prepare_data_loader(Accelerator(cpu=True), TorchDataLoader(Rows()))
     with pytest.raises(TypeError, match="accelerate.Accelerator"):
         prepare_data_loader(object(), hotloop.DataLoader(Rows()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nw", [0, 2])
+def test_loader_on_the_gpu_keeps_its_device_and_transform(fresh_accelerate_state, nw):
+    """device="cuda" and gpu_transform through Accelerate on the GPU: batches come from hotloop's ring
+    copies, normalised on the device (float16), Accelerate's send_to_device left out; the samples are
+    those of Accelerate's prepare of torch's loader, and the images its, normalised by the same Normalize."""
+    from accelerate import Accelerator
+
+    from hotloop.integrations.accelerate import prepare_data_loader
+    norm = hotloop.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    acc = Accelerator()
+    assert acc.device.type == "cuda"
+    want = list(acc.prepare(TorchDataLoader(Rows(), batch_size=3, num_workers=nw)))
+    ours = prepare_data_loader(acc, hotloop.DataLoader(Rows(), batch_size=3, num_workers=nw, device="cuda",
+                                                       gpu_transform=norm))
+    assert ours.device is None  # Accelerate's own placement is off: hotloop's copies put them there
+    got = list(ours)
+    assert len(got) == len(want)
+    for j, (a, b) in enumerate(zip(want, got)):
+        assert b[0].tolist() == a[0].tolist(), j
+        assert b[2].device == acc.device and b[2].dtype == torch.float16, (b[2].device, b[2].dtype)
+        torch.testing.assert_close(b[2], norm(a[2].to(acc.device)), rtol=0, atol=0)
+    assert ours.stats.h2d_bytes > 0 and ours.stats.batches == len(got)
