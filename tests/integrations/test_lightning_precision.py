@@ -243,3 +243,55 @@ def test_cuda_fused_clip_equals_lightnings_plain_clip(tmp_path, fused):
     ours, ckpt_ours = fit(plugin, make_fused, seed, tmp_path, "ours", accelerator="gpu", gradient_clip_val=0.05)
     assert (calls.unscale, calls.clip) == (0, len(ours.losses))
     assert_same_runs(theirs, ours, ckpt_theirs, ckpt_ours, **FUSED_TOLERANCE)
+
+
+class ManualRegression(Regression):
+    """Manual optimization: the step clips by norm itself (Lightning's way: self.clip_gradients)."""
+
+    def __init__(self, make_optimizer, seed):
+        super().__init__(make_optimizer, seed)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(loss.detach().clone())
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def test_manual_optimization_clips_as_torchs_own_loop(tmp_path):
+    """Manual optimization, clip_gradients(norm) then opt.step(): the unscaled gradients are clipped,
+    as in torch's own loop (scaler.unscale_, clip_grad_norm_, scaler.step, scaler.update). (Lightning's
+    own plugin clips there before unscaling: the scaled gradients.)"""
+    seed = torch.randint(1 << 20, ()).item()
+    model = ManualRegression(sgd(foreach=False), seed)
+    plugin = hotloop_plugin(**SCALER)
+    pl.Trainer(accelerator="cpu", devices=1, plugins=[plugin], max_epochs=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(
+        model, torch.utils.data.DataLoader(data(seed), batch_size=8))
+
+    reference = Regression(sgd(foreach=False), seed)
+    opt = reference.configure_optimizers()
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    losses, scales = [], []
+    for x, y in torch.utils.data.DataLoader(data(seed), batch_size=8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = torch.nn.functional.mse_loss(reference.net(x).float(), y)
+        losses.append(loss.detach())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert model.scales == scales
+    for j, (a, b) in enumerate(zip(losses, model.losses)):
+        if math.isfinite(a):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {j}: {m}")
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

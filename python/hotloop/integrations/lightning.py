@@ -3,6 +3,7 @@ the scaler's fused clip (one read pass, the factor applied inside the optimizer 
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -24,7 +25,7 @@ class MixedPrecision(_LightningMixedPrecision):
     updates) with a hotloop.GradScaler, and with gradient clipping by norm done by the scaler.
 
     Lightning's own plugin unscales the gradients in one read-write pass, then clips them with
-    torch.nn.utils.clip_grad_norm_ (a read pass, a host-side loop of multiplies), and refuses
+    torch.nn.utils.clip_grad_norm_ (a read pass for the norm, a read-write pass to scale), and refuses
     `gradient_clip_val` with a fused optimizer (it unscales inside its step, so there is nothing to
     clip in between). Here `Trainer(gradient_clip_val=v)` (algorithm "norm", Lightning's default)
     becomes `scaler.clip_grad_norm_(optimizer, v)`: one read-only pass finds inf/NaN and the norm,
@@ -98,6 +99,8 @@ class MixedPrecision(_LightningMixedPrecision):
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if self.scaler is None:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        if isinstance(optimizer, LightningOptimizer):  # manual optimization's self.optimizers(): the scaler
+            optimizer = optimizer.optimizer  # keys its state by the optimizer that step() gets
         if clip_val <= 0 or self._stage.get(id(optimizer)) == "no backward":
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
