@@ -82,6 +82,7 @@ def _shards(rank, world_size, seed, nw, tmp):
         model, again = acc.prepare(model, ours)  # the user's line, unchanged: the prepared loader passes through
     assert not [str(w.message) for w in caught if "hotloop" in str(w.message)]
     assert again is ours and issubclass(type(ours), DataLoaderShard)
+    assert prepare_data_loader(acc, ours) is ours  # prepared once
     assert isinstance(ours, hotloop.DataLoader) and type(ours.base_dataloader) is hotloop.DataLoader
     got = epochs(ours, 2)
     for e in range(2):

@@ -47,6 +47,8 @@ def prepare_data_loader(accelerator, loader, device_placement=None):
     """
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"prepare_data_loader: expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if issubclass(type(loader), DataLoaderShard) and isinstance(loader.base_dataloader, DataLoader):
+        return loader  # prepared by this function already (type(): an adapter answers __class__ with its loader's)
     if not isinstance(loader, DataLoader):
         raise TypeError(f"prepare_data_loader: expected a hotloop.DataLoader, got {type(loader).__name__} (a torch "
                         "DataLoader needs none of this: accelerator.prepare(loader))")
