@@ -64,12 +64,13 @@ def test_no_module_uses_another_modules_underscore_names():
 
 def test_a_folder_per_component():
     top = {p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists())}
-    assert {"data", "amp", "memory", "optim", "cli", "bench", "rtc"} <= top
+    components = {"data", "amp", "memory", "optim", "cli", "bench", "rtc", "integrations"}
+    assert components <= top
     # the top level holds the package's entry points and what components publish to each other or share
     # (argument checks; rtc: the kernels' run-time compilation, which every component's kernels use), no
     # component
-    assert top - {"data", "amp", "memory", "optim", "cli", "bench", "rtc"} == {"__init__.py", "__main__.py", "_version.py",
-                                                              "input_wait.py", "_arguments.py"}
+    assert top - components == {"__init__.py", "__main__.py", "_version.py",
+                                "input_wait.py", "_arguments.py"}
 
 
 def test_every_subpackage_is_installed():

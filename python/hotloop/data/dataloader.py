@@ -191,6 +191,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if expected is not None:
             self._hl_images.open_early(expected)
         self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
+        self._hl_epoch_at_load = None  # the epoch sampler's epoch when a state was loaded (_resume_sampler_epoch)
 
     @property
     def device(self):
@@ -208,6 +209,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     @device.setter
     def device(self, device):
         self._hl_device = self.__dict__["device"] = device
+
+    @property
+    def _is_accelerate_prepared(self):
+        """Accelerate's first question to a loader in accelerator.prepare(): False, as for any loader it
+        has not prepared, with a warning, since what it does next is build a torch DataLoader from the
+        16 arguments torch knows and hand that back in place of this one: the ring, the workers, stats,
+        state_dict, device=, gpu_decode and gpu_transform would be gone in silence (batches as the
+        dataset makes them: uint8 images where gpu_transform gave normalised floats).
+        hotloop.integrations.accelerate.prepare_data_loader keeps this loader, sharded as Accelerate
+        shards it."""
+        warnings.warn("accelerator.prepare() replaces a hotloop.DataLoader with a torch DataLoader made from torch's "
+                      "arguments alone: hotloop's ring, workers, stats, state_dict, device=, gpu_decode and "
+                      "gpu_transform are dropped. Keep it with `loader = hotloop.integrations.accelerate."
+                      "prepare_data_loader(accelerator, loader)` before accelerator.prepare(...)", stacklevel=2)
+        return False
 
     @property
     def image_stage(self):
@@ -236,7 +252,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 self._hl_images.device = self._hl_device
         resume = self._hl_resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
-            _resume_sampler_epoch(self, resume["sampler_epoch"])
+            _resume_sampler_epoch(self, resume["sampler_epoch"], self._hl_epoch_at_load)
         if resume is not None and resume.get("epoch_done") and \
                 not resume.get("persistent", self.persistent_workers and self.num_workers):
             # the saved epoch had ended: the next one starts from the generator as it was then, and
@@ -358,6 +374,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                              f"state, {missing} are missing")
         check_loadable(state, self.num_workers, self._dataset_kind == _DatasetKind.Iterable)
         self._hl_resume = dict(state)
+        sampler = _epoch_sampler(self)  # its epoch now: a set_epoch after this one is the caller's word
+        self._hl_epoch_at_load = sampler.epoch if sampler is not None else None
 
     def _hl_begin_epoch(self, it):
         """Called by an iterator once its sampler iterator exists and before it draws from it: rewinds
@@ -413,17 +431,21 @@ def _epoch_sampler(loader):
     return None
 
 
-def _resume_sampler_epoch(loader, epoch):
+def _resume_sampler_epoch(loader, epoch, epoch_at_load):
     """A state taken mid-epoch resumes that epoch's order: its sampler is set back to the epoch it
-    had (a DistributedSampler draws its permutation from seed + epoch), whatever set_epoch said since."""
+    had (a DistributedSampler draws its permutation from seed + epoch), whatever set_epoch said since.
+    The warning is for a set_epoch(other) called after load_state_dict: a sampler still at the epoch
+    it had then was told nothing since (Lightning loads the state into a fresh sampler, at epoch 0,
+    and calls iter() before its set_epoch(the saved epoch)), so the state's epoch is taken silently."""
     sampler = _epoch_sampler(loader)
     if sampler is None:
         warnings.warn(f"DataLoader: the state was taken with a sampler at epoch {epoch} (set_epoch), this "
                       "loader's sampler has no set_epoch: the resumed epoch may draw another order", stacklevel=3)
         return
     if sampler.epoch != epoch:
-        warnings.warn(f"DataLoader: the state was taken in the sampler's epoch {epoch}, the sampler is at epoch "
-                      f"{sampler.epoch}: the resumed epoch runs as epoch {epoch} (set_epoch({epoch}))", stacklevel=3)
+        if sampler.epoch != epoch_at_load:
+            warnings.warn(f"DataLoader: the state was taken in the sampler's epoch {epoch}, the sampler is at epoch "
+                          f"{sampler.epoch}: the resumed epoch runs as epoch {epoch} (set_epoch({epoch}))", stacklevel=3)
         sampler.set_epoch(epoch)
 
 
