@@ -157,7 +157,7 @@ def test_c_reference_lr_tensor():
 
 
 def test_bad_input_raises_before_any_work():
-    with pytest.raises(TypeError, match="float32 parameter"):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16 parameter"):
         hotloop.optim.SGD([torch.ones(3, dtype=torch.float64)])
     with pytest.raises(ValueError, match="Nesterov"):
         hotloop.optim.SGD([torch.nn.Parameter(torch.ones(3))], momentum=0.9, dampening=0.1, nesterov=True)

@@ -25,9 +25,10 @@ from .step_table import refuse_in_capture
 _STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
 
 
-class Adam(FusedOptimizer):
-    """torch.optim.Adam(fused=True), updated by hotloop's kernel. ``foreach``, ``fused`` and
-    ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is refused."""
+class Adam(FusedOptimizer, torch.optim.Adam):
+    """torch.optim.Adam(fused=True), updated by hotloop's kernel; an instance of torch.optim.Adam. ``foreach``,
+    ``fused`` and ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is
+    refused."""
 
     _name = "Adam"
 
@@ -122,11 +123,12 @@ class Adam(FusedOptimizer):
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
-                      param_table.stream_of(device))
+                      param_table.stream_of(device), param_table.threads_of(device))
 
 
-class AdamW(Adam):
-    """torch.optim.AdamW(fused=True), updated by hotloop's kernel: Adam with decoupled weight decay."""
+class AdamW(Adam, torch.optim.AdamW):
+    """torch.optim.AdamW(fused=True), updated by hotloop's kernel: Adam with decoupled weight decay; an
+    instance of torch.optim.AdamW (and so of torch.optim.Adam, as torch's AdamW is)."""
 
     _name = "AdamW"
 
@@ -135,3 +137,9 @@ class AdamW(Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True)
+
+    def __setstate__(self, state):
+        # torch's AdamW.__setstate__: whatever was pickled, an AdamW decouples its weight decay
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

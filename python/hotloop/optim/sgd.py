@@ -18,8 +18,9 @@ from .fused import FusedOptimizer
 from .step_table import refuse_in_capture
 
 
-class SGD(FusedOptimizer):
-    """torch.optim.SGD(fused=True), updated by hotloop's kernel; ``differentiable=True`` is refused."""
+class SGD(FusedOptimizer, torch.optim.SGD):
+    """torch.optim.SGD(fused=True), updated by hotloop's kernel; an instance of torch.optim.SGD.
+    ``differentiable=True`` is refused."""
 
     _name = "SGD"
 
@@ -89,4 +90,4 @@ class SGD(FusedOptimizer):
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         # made: _make_state's first_step, None when the step reused a checked plan (the buffers existed)
         _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, bool(made),
-                     scale, found, param_table.stream_of(device))
+                     scale, found, param_table.stream_of(device), param_table.threads_of(device))
