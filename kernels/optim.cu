@@ -4,7 +4,7 @@
 #include "table.cuh"
 
 /* A block owns whole chunks (HL_CHUNK_ELEMS elements of one tensor), as kernels/amp.cu's passes do;
-   the per-element maths is kernels/optim_math.h, shared with the C reference in csrc/optim.c, so the
+   the per-element maths is kernels/optim_math.h, shared with the C reference in csrc/optim_cpu.c, so the
    two do the same float operations. The grids are chosen in csrc/launch_optim.c, which launches the
    extern "C" entry points below with kernels/optim.h's block size. */
 

@@ -1,4 +1,4 @@
-/* The fused optimizers' per-element maths, one copy for kernels/optim.cu (device) and csrc/optim.c (C reference). */
+/* The fused optimizers' per-element maths, one copy for kernels/optim.cu (device) and csrc/optim_cpu.c (C reference). */
 #ifndef HOTLOOP_OPTIM_MATH_H
 #define HOTLOOP_OPTIM_MATH_H
 

@@ -2,8 +2,11 @@
 
 Same arguments and defaults, the same param_groups and the same state per parameter (``step`` a
 float32 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with
-amsgrad), so checkpoints load both ways. One C call per device updates every parameter (the C
-reference on CPU tensors, two kernel launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
+amsgrad, in the parameter's dtype), so checkpoints load both ways. Parameters may be float32, float16 or
+bfloat16, with gradients of their dtype (float32 ones also take float16/bfloat16 gradients); every value is
+updated in float and rounded once on store, as torch's fused kernels do. One C call per device updates every
+parameter (the C reference on CPU tensors, vectorised and on torch.get_num_threads() threads; two kernel
+launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
 the gradients are divided by ``grad_scale`` inside the update and never written back, and a non-zero
 ``found_inf`` leaves parameters, moments and step counts as they were; both are decided on the device.
 

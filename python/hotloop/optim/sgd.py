@@ -1,8 +1,8 @@
 """hotloop.optim.SGD: a drop-in for torch.optim.SGD(fused=True) (momentum, dampening, nesterov, weight decay,
 maximize).
 
-Same arguments, defaults, param_groups and state (``momentum_buffer`` per parameter with momentum, none
-without), one C call per device, and the GradScaler's ``grad_scale`` / ``found_inf`` taken inside the
+Same arguments, defaults, param_groups and state (``momentum_buffer`` per parameter with momentum, in its
+dtype, none without; float32, float16 or bfloat16 parameters as hotloop.optim.Adam takes them), one C call per device, and the GradScaler's ``grad_scale`` / ``found_inf`` taken inside the
 update as hotloop.optim.Adam takes them. The buffers of a first step take the gradient as it is, as
 torch's; they are zero-filled when made, so a first step that found_inf skips leaves zeros (torch's are
 uninitialised then), and the next step is not a first step.
