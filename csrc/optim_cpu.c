@@ -69,6 +69,7 @@ static void sgd_scalar(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, 
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HL_CPU_AVX2 1
+#include <cpuid.h>
 #include <immintrin.h>
 
 /* compiled for AVX2, FMA and F16C whatever the build's -march; called only where the CPU has them */
@@ -220,8 +221,18 @@ AVX2_FN int64_t sgd_avx2(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e
     return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
 }
 
+/* AVX2, FMA and F16C, asked once (cpuid is a VM exit under a hypervisor); F16C by cpuid itself, since not
+   every compiler's __builtin_cpu_supports knows its name */
 static int cpu_has_avx2(void) {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    static _Atomic int known = -1;
+    int has = atomic_load(&known);
+    if (has < 0) {
+        unsigned int a, b, c, d;
+        has = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) && __builtin_cpu_supports("avx2") &&
+              __builtin_cpu_supports("fma");
+        atomic_store(&known, has);
+    }
+    return has;
 }
 #else
 static int cpu_has_avx2(void) { return 0; }
