@@ -14,7 +14,7 @@ PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.
 ADAM = [dict(amsgrad=False), dict(amsgrad=True, maximize=True, decoupled=False, weight_decay=0.05),
         dict(amsgrad=False, weight_decay=0.0)]
 SGD = [dict(), dict(nesterov=False, dampening=0.25, maximize=True), dict(first_step=True, weight_decay=0.0)]
-N = 8 * 37 + 5  # the vector body and a tail
+N = 16 * 18 + 8 + 5  # 16 at a time (AVX-512), 8 (AVX2), then a scalar tail: each path the CPU has
 
 
 def spread(n, gen, lo=-9, hi=3):
