@@ -1,66 +1,15 @@
-/* Fused optimizer entry points: argument checks, the CUDA launch, and the C reference for CPU tensors. */
+/* Fused optimizer entry points: argument checks, then the CUDA launch or the C reference for CPU tensors (optim_cpu.c). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda.h"
-#include "half_convert.h"
+#include "optim_cpu.h"
 #include "optim_math.h"
 #include "tensor.h"
 #ifdef HOTLOOP_WITH_CUDA
 #include "kernels.h"
 #include "launch.h"
 #endif
-
-/* element i of a gradient of dtype `dtype` as float, widened exactly as the kernel widens it */
-static float load_grad(int dtype, uint64_t grad, int64_t i) {
-    const void *g = (const void *)(uintptr_t)grad;
-    if (dtype == HL_FLOAT32)
-        return ((const float *)g)[i];
-    if (dtype == HL_FLOAT16)
-        return hl_half_to_float(((const uint16_t *)g)[i]);
-    return hl_bf16_to_float(((const uint16_t *)g)[i]);
-}
-
-/* C reference of kernels/optim.cu: the same per-element maths (kernels/optim_math.h), tensor by
-   tensor, then the step counts. Reads the skip flag and the factor as the kernel does. */
-static void cpu_adam(const hl_adam_entry *table, int64_t count, const hl_adam_hyper *hyper, const float *lr_ptr,
-                     const float *grad_scale, const float *found_inf) {
-    if (found_inf != NULL && *found_inf != 0.0f)
-        return;
-    const int has_scale = grad_scale != NULL;
-    const float scale = has_scale ? *grad_scale : 1.0f;
-    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr;
-    for (int64_t t = 0; t < count; t++) {
-        const hl_adam_entry *e = &table[t];
-        const hl_adam_scalars s = hl_adam_scalars_for(hyper, lr, *(const float *)(uintptr_t)e->step);
-        float *p = (float *)(uintptr_t)e->param, *m = (float *)(uintptr_t)e->exp_avg;
-        float *v = (float *)(uintptr_t)e->exp_avg_sq, *vmax = (float *)(uintptr_t)e->max_exp_avg_sq;
-        for (int64_t i = 0; i < e->numel; i++)
-            hl_adam_element(&s, load_grad(e->grad_dtype, e->grad, i), scale, has_scale, p + i, m + i, v + i,
-                            vmax != NULL ? vmax + i : NULL);
-    }
-    for (int64_t t = 0; t < count; t++) {
-        float *step = (float *)(uintptr_t)table[t].step;
-        *step = *step + 1.0f;
-    }
-}
-
-/* C reference of the SGD kernel */
-static void cpu_sgd(const hl_sgd_entry *table, int64_t count, const hl_sgd_hyper *hyper, const float *lr_ptr,
-                    const float *grad_scale, const float *found_inf) {
-    if (found_inf != NULL && *found_inf != 0.0f)
-        return;
-    const int has_scale = grad_scale != NULL;
-    const float scale = has_scale ? *grad_scale : 1.0f;
-    const double lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr;
-    for (int64_t t = 0; t < count; t++) {
-        const hl_sgd_entry *e = &table[t];
-        float *p = (float *)(uintptr_t)e->param, *buf = (float *)(uintptr_t)e->momentum_buffer;
-        for (int64_t i = 0; i < e->numel; i++)
-            hl_sgd_element(hyper, lr, load_grad(e->grad_dtype, e->grad, i), scale, has_scale, p + i,
-                           buf != NULL ? buf + i : NULL);
-    }
-}
 
 /* `tables[k]` must match the parameters entry for entry: same count, device and element counts
    (`numel1`: one element each, for the step counts). */
@@ -90,13 +39,37 @@ static int check_matches(const hl_table *params, const hl_table *other, const ch
     return 0;
 }
 
-/* `obj` parsed as a table of `dtypes` that matches `params` (check_matches); None is an empty table
-   where `optional`, else hl_table_parse's TypeError */
+/* how a table's dtypes must follow the parameters': not at all (the step counts, float32 whatever the
+   parameter's), as a state tensor (the parameter's own: torch's fused optimizers keep the moments and
+   buffers in it), or as a gradient (the parameter's, or any of the three for a float32 parameter) */
+enum dtype_rule { DTYPE_FREE, DTYPE_OF_PARAM, DTYPE_OF_GRAD };
+
+static int check_dtypes(const hl_table *params, const hl_table *other, const char *argname, enum dtype_rule rule) {
+    if (rule == DTYPE_FREE)
+        return 0;
+    for (int64_t i = 0; i < params->count; i++) {
+        const int want = params->entries[i].dtype, got = other->entries[i].dtype;
+        if (got == want || (rule == DTYPE_OF_GRAD && want == HL_FLOAT32))
+            continue;
+        PyErr_Format(PyExc_TypeError, "%s: tensor %lld: expected %s (its parameter's dtype%s), got %s", argname,
+                     (long long)i, hl_dtype_name(want),
+                     rule == DTYPE_OF_GRAD ? "; only a float32 parameter takes a gradient of another" : "",
+                     hl_dtype_name(got));
+        return -1;
+    }
+    return 0;
+}
+
+/* `obj` parsed as a table of `dtypes` that matches `params` (check_matches, check_dtypes by `rule`); None
+   is an empty table where `optional`, else hl_table_parse's TypeError */
 static int take_matching(PyObject *obj, const char *argname, unsigned int dtypes, const hl_table *params, int numel1,
-                         int optional, hl_table *out) {
+                         int optional, enum dtype_rule rule, hl_table *out) {
     if (optional && obj == Py_None)
         return 0;
-    return hl_table_parse(obj, argname, dtypes, out) < 0 || check_matches(params, out, argname, numel1) < 0 ? -1 : 0;
+    return hl_table_parse(obj, argname, dtypes, out) < 0 || check_matches(params, out, argname, numel1) < 0 ||
+                   check_dtypes(params, out, argname, rule) < 0
+               ? -1
+               : 0;
 }
 
 /* lr / grad_scale / found_inf: None, or one float32 element on the parameters' device */
@@ -151,9 +124,10 @@ static void *host_entries(const hl_tensor *table, size_t nbytes) {
 PyDoc_STRVAR(optim_adam_table_doc,
              "optim_adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, dst)\n"
              "    -> (count, total_chunks, device)\n\n"
-             "Check packed tensor tables, one entry per parameter (params, exp_avgs, exp_avg_sqs,\n"
-             "max_exp_avg_sqs (None without amsgrad) float32; grads float32, float16 or bfloat16; steps one\n"
-             "float32 each, the steps taken so far), all on one device, and write the Adam kernel's entries into\n"
+             "Check packed tensor tables, one entry per parameter (params float32, float16 or bfloat16;\n"
+             "exp_avgs, exp_avg_sqs, max_exp_avg_sqs (None without amsgrad) of their parameter's dtype; grads\n"
+             "of it too, or float32, float16 or bfloat16 for a float32 parameter; steps one float32 each, the\n"
+             "steps taken so far), all on one device, and write the Adam kernel's entries into\n"
              "`dst`, a host uint8 tensor of at least OPTIM_ADAM_ENTRY_BYTES per parameter (pinned when the\n"
              "caller copies it to a GPU). The entries hold addresses: they are valid while those tensors are.\n"
              "`device` is the tensors' CUDA device, -1 for the CPU. Internal to hotloop.optim.");
@@ -169,14 +143,14 @@ static PyObject *optim_adam_table(PyObject *module, PyObject *args) {
                           &steps_obj, &dst_obj))
         return NULL;
     const int amsgrad = vmax_obj != Py_None;
-    if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
+    if (hl_table_parse(params_obj, "params", HL_FLOATING_MASK, &params) < 0)
         return NULL;
-    const unsigned int f32 = HL_DTYPE_BIT(HL_FLOAT32);
-    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, &grads) < 0 ||
-        take_matching(m_obj, "exp_avgs", f32, &params, 0, 0, &m) < 0 ||
-        take_matching(v_obj, "exp_avg_sqs", f32, &params, 0, 0, &v) < 0 ||
-        take_matching(vmax_obj, "max_exp_avg_sqs", f32, &params, 0, 1, &vmax) < 0 ||
-        take_matching(steps_obj, "steps", f32, &params, 1, 0, &steps) < 0)
+    const unsigned int floating = HL_FLOATING_MASK;
+    if (take_matching(grads_obj, "grads", floating, &params, 0, 0, DTYPE_OF_GRAD, &grads) < 0 ||
+        take_matching(m_obj, "exp_avgs", floating, &params, 0, 0, DTYPE_OF_PARAM, &m) < 0 ||
+        take_matching(v_obj, "exp_avg_sqs", floating, &params, 0, 0, DTYPE_OF_PARAM, &v) < 0 ||
+        take_matching(vmax_obj, "max_exp_avg_sqs", floating, &params, 0, 1, DTYPE_OF_PARAM, &vmax) < 0 ||
+        take_matching(steps_obj, "steps", HL_DTYPE_BIT(HL_FLOAT32), &params, 1, 0, DTYPE_FREE, &steps) < 0)
         goto error;
     if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_adam_entry), params.count, &dst) < 0)
         goto error;
@@ -191,6 +165,7 @@ static PyObject *optim_adam_table(PyObject *module, PyObject *args) {
         e.numel = params.entries[i].numel;
         e.first_chunk = params.entries[i].first_chunk;
         e.grad_dtype = grads.entries[i].dtype;
+        e.param_dtype = params.entries[i].dtype;
         memcpy(dst.data + i * (int64_t)sizeof(e), &e, sizeof(e));
     }
     result = Py_BuildValue("(LLi)", (long long)params.count, (long long)params.total_chunks, params.device);
@@ -251,7 +226,7 @@ static void release_step_scalars(step_scalars *s) {
 
 /* run the C reference (device < 0) or the kernels on `stream` over the entries in `table` */
 static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64_t count, int64_t total_chunks,
-                    const void *hyper, const step_scalars *s, int device, unsigned long long stream) {
+                    const void *hyper, const step_scalars *s, int device, unsigned long long stream, int threads) {
     const size_t nbytes = (size_t)count * (is_adam ? sizeof(hl_adam_entry) : sizeof(hl_sgd_entry));
     if (device < 0) {
         void *entries = host_entries(table, nbytes);
@@ -259,9 +234,9 @@ static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64
             return -1;
         Py_BEGIN_ALLOW_THREADS
         if (is_adam)
-            cpu_adam(entries, count, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr);
+            hl_cpu_adam(entries, count, total_chunks, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr, threads);
         else
-            cpu_sgd(entries, count, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr);
+            hl_cpu_sgd(entries, count, total_chunks, hyper, s->lr_ptr, s->scale_ptr, s->found_ptr, threads);
         Py_END_ALLOW_THREADS
         free(entries);
         return 0;
@@ -274,7 +249,6 @@ static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64
     return hl_cuda_run(module, device, is_adam ? launch_adam : launch_sgd, &launch);
 #else
     (void)module;
-    (void)total_chunks;
     (void)stream;
     PyErr_SetString(PyExc_RuntimeError, "hotloop was built without CUDA");
     return -1;
@@ -284,7 +258,7 @@ static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64
 /* optim_adam's and optim_sgd's common part: the table and scalars checked, then run_step */
 static PyObject *step_call(PyObject *module, int is_adam, PyObject *table_obj, long long count, long long total_chunks,
                            int device, const void *hyper, PyObject *lr_obj, PyObject *scale_obj, PyObject *found_obj,
-                           unsigned long long stream) {
+                           unsigned long long stream, int threads) {
     hl_tensor table = {0};
     step_scalars s = {0};
     PyObject *result = NULL;
@@ -292,11 +266,15 @@ static PyObject *step_call(PyObject *module, int is_adam, PyObject *table_obj, l
         PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
         return NULL;
     }
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "threads: expected >= 1, got %d", threads);
+        return NULL;
+    }
     const int64_t entry_bytes = is_adam ? (int64_t)sizeof(hl_adam_entry) : (int64_t)sizeof(hl_sgd_entry);
     if (take_table(table_obj, device, count * entry_bytes, &table) < 0 ||
         take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
         goto error;
-    if (run_step(module, is_adam, &table, count, total_chunks, hyper, &s, device, stream) < 0)
+    if (run_step(module, is_adam, &table, count, total_chunks, hyper, &s, device, stream, threads) < 0)
         goto error;
     result = Py_NewRef(Py_None);
 error:
@@ -307,14 +285,15 @@ error:
 
 PyDoc_STRVAR(optim_adam_doc,
              "optim_adam(table, count, total_chunks, device, lr, lr_tensor, beta1, beta2, eps, weight_decay,\n"
-             "           decoupled, maximize, grad_scale, found_inf, stream)\n\n"
+             "           decoupled, maximize, grad_scale, found_inf, stream, threads=1)\n\n"
              "One Adam (decoupled=False) or AdamW (decoupled=True) step over the `count` entries that\n"
              "optim_adam_table wrote, now in `table` (uint8, on `device`: a GPU's memory, or the host for -1);\n"
              "amsgrad where the entries have max_exp_avg_sqs. The learning rate is lr_tensor (None or one float32\n"
              "on `device`, read when the kernel runs) or else `lr`. grad_scale (None or one float32 on `device`)\n"
              "divides every gradient, read once and never written; when found_inf (None or one float32) is\n"
              "non-zero nothing changes. CUDA: two kernels on `stream`, nothing waits for them and nothing is\n"
-             "copied from the host, so a graph can capture the call. Internal to hotloop.optim.");
+             "copied from the host, so a graph can capture the call. CPU: the C reference on up to `threads`\n"
+             "threads. Internal to hotloop.optim.");
 
 static PyObject *optim_adam(PyObject *module, PyObject *args) {
     PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
@@ -322,20 +301,22 @@ static PyObject *optim_adam(PyObject *module, PyObject *args) {
     int device, decoupled, maximize;
     hl_adam_hyper hyper = {0};
     unsigned long long stream = 0;
+    int threads = 1;
 
-    if (!PyArg_ParseTuple(args, "OLLidOddddppOOK:optim_adam", &table_obj, &count, &total_chunks, &device, &hyper.lr,
+    if (!PyArg_ParseTuple(args, "OLLidOddddppOOK|i:optim_adam", &table_obj, &count, &total_chunks, &device, &hyper.lr,
                           &lr_obj, &hyper.beta1, &hyper.beta2, &hyper.eps, &hyper.weight_decay, &decoupled, &maximize,
-                          &scale_obj, &found_obj, &stream))
+                          &scale_obj, &found_obj, &stream, &threads))
         return NULL;
     hyper.decoupled = decoupled;
     hyper.maximize = maximize;
-    return step_call(module, 1, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream);
+    return step_call(module, 1, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream,
+                     threads);
 }
 
 PyDoc_STRVAR(optim_sgd_table_doc,
              "optim_sgd_table(params, grads, momentum_buffers, dst) -> (count, total_chunks, device)\n\n"
-             "Check packed tensor tables, one entry per parameter (params float32; grads float32, float16 or\n"
-             "bfloat16; momentum_buffers float32, None without momentum) on one device and write the SGD\n"
+             "Check packed tensor tables, one entry per parameter (params, grads and momentum_buffers, None\n"
+             "without momentum, with optim_adam_table's dtypes) on one device and write the SGD\n"
              "kernel's entries into `dst` (OPTIM_SGD_ENTRY_BYTES per parameter), as optim_adam_table does.");
 
 static PyObject *optim_sgd_table(PyObject *module, PyObject *args) {
@@ -348,10 +329,10 @@ static PyObject *optim_sgd_table(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOO:optim_sgd_table", &params_obj, &grads_obj, &buf_obj, &dst_obj))
         return NULL;
     const int has_bufs = buf_obj != Py_None;
-    if (hl_table_parse(params_obj, "params", HL_DTYPE_BIT(HL_FLOAT32), &params) < 0)
+    if (hl_table_parse(params_obj, "params", HL_FLOATING_MASK, &params) < 0)
         return NULL;
-    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, &grads) < 0 ||
-        take_matching(buf_obj, "momentum_buffers", HL_DTYPE_BIT(HL_FLOAT32), &params, 0, 1, &bufs) < 0)
+    if (take_matching(grads_obj, "grads", HL_FLOATING_MASK, &params, 0, 0, DTYPE_OF_GRAD, &grads) < 0 ||
+        take_matching(buf_obj, "momentum_buffers", HL_FLOATING_MASK, &params, 0, 1, DTYPE_OF_PARAM, &bufs) < 0)
         goto error;
     if (take_dst(dst_obj, params.count * (int64_t)sizeof(hl_sgd_entry), params.count, &dst) < 0)
         goto error;
@@ -363,6 +344,7 @@ static PyObject *optim_sgd_table(PyObject *module, PyObject *args) {
         e.numel = params.entries[i].numel;
         e.first_chunk = params.entries[i].first_chunk;
         e.grad_dtype = grads.entries[i].dtype;
+        e.param_dtype = params.entries[i].dtype;
         memcpy(dst.data + i * (int64_t)sizeof(e), &e, sizeof(e));
     }
     result = Py_BuildValue("(LLi)", (long long)params.count, (long long)params.total_chunks, params.device);
@@ -376,10 +358,10 @@ error:
 
 PyDoc_STRVAR(optim_sgd_doc,
              "optim_sgd(table, count, total_chunks, device, lr, lr_tensor, momentum, dampening, weight_decay,\n"
-             "          nesterov, maximize, first_step, grad_scale, found_inf, stream)\n\n"
+             "          nesterov, maximize, first_step, grad_scale, found_inf, stream, threads=1)\n\n"
              "One SGD step over the entries optim_sgd_table wrote, now in `table`; momentum where the entries\n"
              "have buffers, which take the gradient as it is when first_step. lr, lr_tensor, grad_scale,\n"
-             "found_inf and stream as optim_adam takes them; one kernel. Internal to hotloop.optim.");
+             "found_inf, stream and threads as optim_adam takes them; one kernel. Internal to hotloop.optim.");
 
 static PyObject *optim_sgd(PyObject *module, PyObject *args) {
     PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
@@ -388,16 +370,18 @@ static PyObject *optim_sgd(PyObject *module, PyObject *args) {
     double dampening;
     hl_sgd_hyper hyper = {0};
     unsigned long long stream = 0;
+    int threads = 1;
 
-    if (!PyArg_ParseTuple(args, "OLLidOdddpppOOK:optim_sgd", &table_obj, &count, &total_chunks, &device, &hyper.lr,
+    if (!PyArg_ParseTuple(args, "OLLidOdddpppOOK|i:optim_sgd", &table_obj, &count, &total_chunks, &device, &hyper.lr,
                           &lr_obj, &hyper.momentum, &dampening, &hyper.weight_decay, &nesterov, &maximize, &first_step,
-                          &scale_obj, &found_obj, &stream))
+                          &scale_obj, &found_obj, &stream, &threads))
         return NULL;
     hyper.one_minus_dampening = (double)(1.0f - (float)dampening); /* in float, as torch's (1 - dampening) */
     hyper.nesterov = nesterov;
     hyper.maximize = maximize;
     hyper.first_step = first_step;
-    return step_call(module, 0, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream);
+    return step_call(module, 0, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream,
+                     threads);
 }
 
 static PyMethodDef optim_methods[] = {

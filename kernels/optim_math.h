@@ -1,4 +1,4 @@
-/* The fused optimizers' per-element maths, one copy for kernels/optim.cu (device) and csrc/optim.c (C reference). */
+/* The fused optimizers' per-element maths, one copy for kernels/optim.cu (device) and csrc/optim_cpu.c (C reference). */
 #ifndef HOTLOOP_OPTIM_MATH_H
 #define HOTLOOP_OPTIM_MATH_H
 
@@ -45,18 +45,20 @@
 
 /* One parameter tensor as the Adam kernel walks it: the addresses of everything it reads and writes.
    max_exp_avg_sq is 0 without amsgrad (that is the switch). Chunks are tensor_table.h's
-   (HL_CHUNK_ELEMS elements). */
+   (HL_CHUNK_ELEMS elements). The moments have the parameter's dtype, as torch's fused Adam keeps them;
+   a float16 or bfloat16 parameter has a gradient of its own dtype, a float32 one any of the three.
+   Every element is widened to float, updated in float and rounded once when stored (torch's opmath). */
 typedef struct {
-    uint64_t param;          /* float32, updated in place */
+    uint64_t param;          /* float32, float16 or bfloat16 (param_dtype), updated in place */
     uint64_t grad;           /* float32, float16 or bfloat16 (grad_dtype), only read */
-    uint64_t exp_avg;        /* float32 */
-    uint64_t exp_avg_sq;     /* float32 */
-    uint64_t max_exp_avg_sq; /* float32, or 0 */
+    uint64_t exp_avg;        /* param_dtype */
+    uint64_t exp_avg_sq;     /* param_dtype */
+    uint64_t max_exp_avg_sq; /* param_dtype, or 0 */
     uint64_t step;           /* one float32: steps taken before this one */
     int64_t numel;
     int64_t first_chunk;
-    int32_t grad_dtype; /* enum hl_dtype */
-    int32_t reserved;
+    int32_t grad_dtype;  /* enum hl_dtype */
+    int32_t param_dtype; /* enum hl_dtype: of the parameter and its moments */
 } hl_adam_entry;
 
 /* The hyperparameters of one call (one param group on one device), as torch's CUDA kernel takes them.
@@ -128,15 +130,16 @@ HL_OPT_FN void hl_adam_element(const hl_adam_scalars *s, float g, float grad_sca
     *v = v1;
 }
 
-/* One parameter tensor as the SGD kernel walks it; momentum_buffer is 0 without momentum. */
+/* One parameter tensor as the SGD kernel walks it; momentum_buffer is 0 without momentum. Dtypes as
+   hl_adam_entry's: the buffer has the parameter's. */
 typedef struct {
-    uint64_t param;           /* float32, updated in place */
+    uint64_t param;           /* float32, float16 or bfloat16 (param_dtype), updated in place */
     uint64_t grad;            /* float32, float16 or bfloat16 (grad_dtype), only read */
-    uint64_t momentum_buffer; /* float32, or 0 */
+    uint64_t momentum_buffer; /* param_dtype, or 0 */
     int64_t numel;
     int64_t first_chunk;
-    int32_t grad_dtype; /* enum hl_dtype */
-    int32_t reserved;
+    int32_t grad_dtype;  /* enum hl_dtype */
+    int32_t param_dtype; /* enum hl_dtype: of the parameter and its buffer */
 } hl_sgd_entry;
 
 /* The hyperparameters of one SGD call, as torch's CUDA kernel takes them (double; it rounds them to

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hotloop.bench.models import MODEL_TINY, transformer_shapes
-from hotloop.bench.optim import FLOOR_BYTES_PER_ELEMENT
+from hotloop.bench.optim import FLOOR_BYTES_PER_ELEMENT, STEP_CASES
 
 
 def bench(*args, timeout=600):
@@ -59,14 +59,23 @@ def check_rows(rows, numel):
     return copy
 
 
+def check_step_rows(rows, tag):
+    """The rows of each optimizer's step alone, in STEP_CASES' order, `tag` formatted with the dtype's name."""
+    for r, (name, kwargs, dtype) in zip(rows, STEP_CASES, strict=True):
+        args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        assert r["figure"] == f"{name}({args}).step(), " + tag.format(dtype), r
+        assert r["unit"] == "ms" and f"against torch.optim.{name}(fused=True)" in r["note"]
+
+
 def test_optim_component_quick_on_the_cpu():
     rows = table(bench("components", "--quick", "--only", "optim", "--device", "cpu"))
     shapes = transformer_shapes(*MODEL_TINY)
     numel = sum(math.prod(s) for s in shapes)
-    assert len(rows) == 6
+    assert len(rows) == 6 + len(STEP_CASES)
     check_rows(rows, numel)
+    check_step_rows(rows[6:], f"tiny {{}} params ({len(shapes)} tensors, {numel / 1e6:.0f} M)")
     assert f"({len(shapes)} tensors, {numel / 1e6:.0f} M)" in rows[0]["figure"]
-    assert [r["figure"] for r in rows[4:]] == [f"host time unscale+clip+AdamW+update, tiny model ({len(shapes)} tensors)",
+    assert [r["figure"] for r in rows[4:6]] == [f"host time unscale+clip+AdamW+update, tiny model ({len(shapes)} tensors)",
                                               f"host time AdamW.step() alone, tiny model ({len(shapes)} tensors)"]
     assert "host syncs" not in rows[0]["note"]  # counted on a GPU only
 
@@ -96,7 +105,7 @@ def test_optim_component_on_the_gpu():
     out = bench("components", "--only", "optim")
     print(out)
     rows = table(out)
-    assert len(rows) == 10
+    assert len(rows) == 10 + len(STEP_CASES)
     for block, (size, label) in zip((rows[0:4], rows[4:8]), ((MODEL_1_3B, "1.3 B"), (MODEL_353M, "353 M"))):
         shapes = transformer_shapes(*size)
         numel = sum(math.prod(s) for s in shapes)
@@ -107,3 +116,6 @@ def test_optim_component_on_the_gpu():
         # step that skipped its work (a few % for timing noise)
         assert float(block[3]["hotloop"]) < 1.05 * copy and float(block[3]["torch"]) < 1.05 * copy
     assert "2,000-tensor model (1993 tensors)" in rows[8]["figure"]
+    shapes = transformer_shapes(*MODEL_353M)
+    numel = sum(math.prod(s) for s in shapes)
+    check_step_rows(rows[10:], f"353 M {{}} params ({len(shapes)} tensors, {numel / 1e6:.0f} M)")

@@ -19,9 +19,9 @@ def _stream(device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def adam(params, grads, states, grad_scale=None, found_inf=None, amsgrad=False, lr_tensor=None, **hyper):
+def adam(params, grads, states, grad_scale=None, found_inf=None, amsgrad=False, lr_tensor=None, threads=1, **hyper):
     """One step of the C reference (CPU tensors) or the kernels (CUDA tensors); states are dicts as
-    torch's (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad, step)."""
+    torch's (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad, step). `threads`: the C reference's most."""
     h = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
     h.update(hyper)
     device = params[0].device
@@ -30,14 +30,14 @@ def adam(params, grads, states, grad_scale=None, found_inf=None, amsgrad=False, 
     table, count, chunks, dev = _table(lambda dst: _C.optim_adam_table(*packed, dst), len(params),
                                        _C.OPTIM_ADAM_ENTRY_BYTES, device)
     _C.optim_adam(table, count, chunks, dev, h["lr"], lr_tensor, h["beta1"], h["beta2"], h["eps"], h["weight_decay"],
-                  h["decoupled"], h["maximize"], grad_scale, found_inf, _stream(device))
+                  h["decoupled"], h["maximize"], grad_scale, found_inf, _stream(device), threads)
 
 
 def sgd(params, grads, bufs, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=True, maximize=False,
-        first_step=False, grad_scale=None, found_inf=None, lr_tensor=None):
+        first_step=False, grad_scale=None, found_inf=None, lr_tensor=None, threads=1):
     device = params[0].device
     packed = (pack(params), pack(grads), pack(bufs) if bufs is not None else None)
     table, count, chunks, dev = _table(lambda dst: _C.optim_sgd_table(*packed, dst), len(params),
                                        _C.OPTIM_SGD_ENTRY_BYTES, device)
     _C.optim_sgd(table, count, chunks, dev, lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize,
-                 first_step, grad_scale, found_inf, _stream(device))
+                 first_step, grad_scale, found_inf, _stream(device), threads)

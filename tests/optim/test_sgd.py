@@ -9,7 +9,7 @@ import hotloop.optim
 from hotloop.amp import GradScaler
 
 from . import c_calls
-from .test_adam import DEVICES, INJECT, SHAPES, STEPS, assert_mostly_identical, assert_same_tensors
+from .test_adam import DEVICES, INJECT, SHAPES, STEPS, assert_mostly_identical, assert_same_tensors, shapes_for
 
 CASES = [
     dict(lr=1e-2),
@@ -41,7 +41,7 @@ def rounded_one_way_by_torch(params, scaled):
 
 def make_pair(kwargs, device, seed):
     gen = torch.Generator().manual_seed(seed)
-    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    init = [torch.randn(s, generator=gen) for s in shapes_for(device)]
     ours_params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
     ref_params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
     return hotloop.optim.SGD(ours_params, **kwargs), torch.optim.SGD(ref_params, fused=True, **kwargs), \
@@ -77,7 +77,7 @@ def test_matches_torch_under_grad_scaler(kwargs, device):
     ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)
     gen = torch.Generator().manual_seed(seed + 1)
     for step in range(STEPS):
-        sources = [torch.randn(s, generator=gen).to(device) for s in SHAPES]
+        sources = [torch.randn(s, generator=gen).to(device) for s in shapes_for(device)]
         if step in INJECT:
             t, e, value = INJECT[step]
             flat = sources[t].view(-1)
@@ -157,7 +157,7 @@ def test_c_reference_lr_tensor():
 
 
 def test_bad_input_raises_before_any_work():
-    with pytest.raises(TypeError, match="float32 parameter"):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16 parameter"):
         hotloop.optim.SGD([torch.ones(3, dtype=torch.float64)])
     with pytest.raises(ValueError, match="Nesterov"):
         hotloop.optim.SGD([torch.nn.Parameter(torch.ones(3))], momentum=0.9, dampening=0.1, nesterov=True)

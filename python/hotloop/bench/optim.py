@@ -4,7 +4,9 @@ step must move against the copy rate; host time per step.
 
 The gradient sets are the scaler benchmark's (scaler.parameters_with_grads): float32 parameters with
 float32 gradients shaped like GPT models, 1.3 B parameters (481 tensors) and 353 M (289 tensors), and
-a 2,000-tensor model for the host time; MODEL_TINY with --quick or on the CPU. As in scaler.py the
+a 2,000-tensor model for the host time; MODEL_TINY with --quick or on the CPU. Then each optimizer's step
+alone (AdamW, Adam with amsgrad, SGD with momentum, AdamW over bfloat16 parameters) against torch's fused
+one: on the CPU, hotloop's C reference (vectorised, threaded) against torch's fused CPU kernels. As in scaler.py the
 scale is 1.0, max_norm too large to bite and lr 1e-12, so that repeated steps keep the same values
 (never time on zeros) while every pass still reads and writes what it would at an fp16 scale of 2**16.
 The three ways of a step share the parameters and gradients (each optimizer has its own moments) and
@@ -118,6 +120,45 @@ def rows(ctx):
             torch.cuda.empty_cache()
 
     yield from _host_rows(ctx, GradScaler, AdamW)
+    yield from _step_rows(ctx)
+
+
+# each optimizer's step alone: (name, keyword arguments, parameter dtype)
+STEP_CASES = [("AdamW", {}, "float32"), ("Adam", {"amsgrad": True}, "float32"), ("SGD", {"momentum": 0.9}, "float32"),
+              ("AdamW", {}, "bfloat16")]
+
+
+def _step_rows(ctx):
+    """The optimizer step alone, hotloop's against torch's fused one of the same class and dtype, over the
+    same parameters and gradients (each with its own state, made by a first step outside the timing)."""
+    torch = ctx.torch
+    from .. import optim
+
+    small = ctx.quick or not ctx.is_cuda
+    hidden, layers = MODEL_TINY if small else MODEL_353M
+    base = parameters_with_grads(torch, transformer_shapes(hidden, layers), ctx.device)
+    numel = sum(p.numel() for p in base)
+    where = "CPU, torch.get_num_threads() = %d" % torch.get_num_threads() if not ctx.is_cuda else str(ctx.device)
+    for name, kwargs, dtype_name in STEP_CASES:
+        dtype = getattr(torch, dtype_name)
+        params = base
+        if dtype is not torch.float32:
+            params = [torch.nn.Parameter(p.detach().to(dtype)) for p in base]
+            for p, b in zip(params, base):
+                p.grad = b.grad.to(dtype)
+        ours = getattr(optim, name)(params, lr=LR, **kwargs)
+        theirs = getattr(torch.optim, name)(params, lr=LR, fused=True, **kwargs)
+        ours.step()
+        theirs.step()
+        ms, torch_ms = ctx.compare(ours.step, theirs.step)
+        args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        yield Row("optim", f"{name}({args}).step(), {'tiny' if small else '353 M'} {dtype_name} params "
+                  f"({len(params)} tensors, {numel / 1e6:.0f} M)", ms, torch_ms, "ms",
+                  note=f"hotloop.optim.{name} against torch.optim.{name}(fused=True), no scaler; {where}")
+        del ours, theirs, params
+    del base
+    if ctx.is_cuda:
+        torch.cuda.empty_cache()
 
 
 def _host_rows(ctx, GradScaler, AdamW):

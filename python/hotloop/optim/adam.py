@@ -2,8 +2,11 @@
 
 Same arguments and defaults, the same param_groups and the same state per parameter (``step`` a
 float32 tensor on the parameter's device, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with
-amsgrad), so checkpoints load both ways. One C call per device updates every parameter (the C
-reference on CPU tensors, two kernel launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
+amsgrad, in the parameter's dtype), so checkpoints load both ways. Parameters may be float32, float16 or
+bfloat16, with gradients of their dtype (float32 ones also take float16/bfloat16 gradients); every value is
+updated in float and rounded once on store, as torch's fused kernels do. One C call per device updates every
+parameter (the C reference on CPU tensors, vectorised and on torch.get_num_threads() threads; two kernel
+launches on CUDA). With a GradScaler (``_step_supports_amp_scaling``)
 the gradients are divided by ``grad_scale`` inside the update and never written back, and a non-zero
 ``found_inf`` leaves parameters, moments and step counts as they were; both are decided on the device.
 
@@ -25,9 +28,10 @@ from .step_table import refuse_in_capture
 _STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
 
 
-class Adam(FusedOptimizer):
-    """torch.optim.Adam(fused=True), updated by hotloop's kernel. ``foreach``, ``fused`` and
-    ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is refused."""
+class Adam(FusedOptimizer, torch.optim.Adam):
+    """torch.optim.Adam(fused=True), updated by hotloop's kernel; an instance of torch.optim.Adam. ``foreach``,
+    ``fused`` and ``capturable`` are kept in param_groups for torch's sake; ``differentiable=True`` is
+    refused."""
 
     _name = "Adam"
 
@@ -122,11 +126,12 @@ class Adam(FusedOptimizer):
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
-                      param_table.stream_of(device))
+                      param_table.stream_of(device), param_table.threads_of(device))
 
 
-class AdamW(Adam):
-    """torch.optim.AdamW(fused=True), updated by hotloop's kernel: Adam with decoupled weight decay."""
+class AdamW(Adam, torch.optim.AdamW):
+    """torch.optim.AdamW(fused=True), updated by hotloop's kernel: Adam with decoupled weight decay; an
+    instance of torch.optim.AdamW (and so of torch.optim.Adam, as torch's AdamW is)."""
 
     _name = "AdamW"
 
@@ -135,3 +140,9 @@ class AdamW(Adam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True)
+
+    def __setstate__(self, state):
+        # torch's AdamW.__setstate__: whatever was pickled, an AdamW decouples its weight decay
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

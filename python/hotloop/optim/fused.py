@@ -1,6 +1,7 @@
 """What hotloop's optimizers share: torch's fused-optimizer protocol (a GradScaler hands grad_scale and
-found_inf to step()), float32-only param groups, the step itself (checks, state, the kernels' tables, one
-C call per device), and the param-group keys a pickle from an older torch may lack.
+found_inf to step()), param groups of float32, float16 and bfloat16 parameters, the step itself (checks,
+state, the kernels' tables, one C call per device), and the param-group keys a pickle from an older torch
+may lack.
 
 A step's host time is mostly reading tensors' attributes, a few per parameter. So a step first reads
 each group's key (group_key.py: addresses, shapes, strides, dtypes and state identities, in one pass);
@@ -15,11 +16,17 @@ from .step_table import StepTables, capturing
 
 
 class FusedOptimizer(torch.optim.Optimizer):
+    """The base of hotloop's optimizers. Each also subclasses the torch optimizer it replaces (Adam(
+    FusedOptimizer, torch.optim.Adam)), so that code dispatching on type takes torch's path for it; this
+    class comes first in the MRO and owns __init__, __setstate__, add_param_group and step, calling
+    torch.optim.Optimizer's own __init__ and __setstate__ (torch's subclasses' ones would check their
+    arguments for their own kernels and convert state in their own way)."""
+
     _step_supports_amp_scaling = True
     _name = "FusedOptimizer"
 
     def __init__(self, params, defaults):
-        super().__init__(params, defaults)
+        torch.optim.Optimizer.__init__(self, params, defaults)
         self._reset_caches()
 
     def _reset_caches(self):
@@ -57,7 +64,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def add_param_group(self, param_group):
-        """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32."""
+        """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32, float16
+        and bfloat16."""
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error names it
             # read once, here: a generator (module.parameters()) would be empty when torch's turn came
@@ -66,7 +74,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def __setstate__(self, state):
-        super().__setstate__(state)
+        torch.optim.Optimizer.__setstate__(self, state)
         self._reset_caches()
         defaults = self._group_defaults()
         for group in self.param_groups:

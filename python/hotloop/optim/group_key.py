@@ -4,8 +4,8 @@ from, read in one pass of a few attribute reads per parameter (the step's host t
 
 def group_key(state, params, keys):
     """A tuple that changes whenever the checks or the table of a step over `params` could: per parameter
-    None without a gradient, else the address, shape and strides of the parameter and of its gradient,
-    the gradient's dtype, and the identity and address of each state tensor named in `keys` (a tensor
+    None without a gradient, else the address, dtype, shape and strides of the parameter, those of its
+    gradient, and the identity and address of each state tensor named in `keys` (a tensor
     replaced, or moved by ``.data =``, changes it). None when a parameter with a gradient lacks that state
     or holds something else there (the step then makes or converts it), or a gradient has no strides
     (sparse: check_param says why it is refused)."""
@@ -16,7 +16,7 @@ def group_key(state, params, keys):
             if g is None:
                 out.append(None)
                 continue
-            out += (p.data_ptr(), p.shape, p.stride(), g.data_ptr(), g.shape, g.stride(), g.dtype)
+            out += (p.data_ptr(), p.dtype, p.shape, p.stride(), g.data_ptr(), g.shape, g.stride(), g.dtype)
             st = state.get(p)
             for k in keys:
                 t = st[k]

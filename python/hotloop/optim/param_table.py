@@ -4,7 +4,10 @@ import torch
 
 from ..amp import tensor_table
 
-GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# what the kernels update: a parameter of one of these dtypes, its moments or buffer of its dtype (as torch's
+# fused optimizers keep them), its gradient of its dtype, or of any of them for a float32 parameter
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GRAD_DTYPES = PARAM_DTYPES
 
 
 def _layout(t):
@@ -12,26 +15,36 @@ def _layout(t):
     return tuple(stride for stride, size in zip(t.stride(), t.shape) if size != 1)
 
 
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+_EXPECTED_PARAM = "expected a float32, float16 or bfloat16 parameter"
+
+
 def check_group_dtypes(name, param_group):
-    """TypeError for a parameter of a new param group that the kernels cannot update: anything but float32."""
+    """TypeError for a parameter of a new param group that the kernels cannot update: anything but float32,
+    float16 or bfloat16."""
     params = param_group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     for i, p in enumerate(params):
         t = p[1] if isinstance(p, tuple) else p  # named parameters come as (name, tensor)
-        if isinstance(t, torch.Tensor) and t.dtype is not torch.float32:
-            raise TypeError(f"{name}: params[{i}]: expected a float32 parameter, got {t.dtype} "
-                            f"(bfloat16/float16/float64 parameters are not supported yet)")
+        if isinstance(t, torch.Tensor) and t.dtype not in _PARAM_DTYPE_SET:
+            raise TypeError(f"{name}: params[{i}]: {_EXPECTED_PARAM}, got {t.dtype}")
     return params
 
 
+_PARAM_DTYPE_SET = frozenset(PARAM_DTYPES)
 _GRAD_DTYPE_SET = frozenset(GRAD_DTYPES)
 
 
 def param_and_grad_plain(p, g) -> bool:
     """True for the common case that check_param would accept, found in a few attribute reads (a step
-    over 2,000 parameters reads this for each): a contiguous float32 parameter and a gradient of a
-    kernel dtype with its shape, strides and device. False says nothing: check_param decides."""
-    return (p.dtype is torch.float32 and g.dtype in _GRAD_DTYPE_SET and g.layout is torch.strided
+    over 2,000 parameters reads this for each): a contiguous parameter of a kernel dtype and a gradient
+    of its dtype (or of a kernel dtype, for float32) with its shape, strides and device. False says
+    nothing: check_param decides."""
+    return ((g.dtype is p.dtype or (p.dtype is torch.float32 and g.dtype in _GRAD_DTYPE_SET))
+            and p.dtype in _PARAM_DTYPE_SET and g.layout is torch.strided
             and p.layout is torch.strided and g.device == p.device and g.shape == p.shape
             and g.stride() == p.stride() and p.is_contiguous())
 
@@ -39,9 +52,8 @@ def param_and_grad_plain(p, g) -> bool:
 def check_param(name, index, p):
     """TypeError/ValueError for a parameter the kernel cannot update; nothing is changed."""
     where = f"{name}: param_groups[{index[0]}]['params'][{index[1]}]"
-    if p.dtype is not torch.float32:
-        raise TypeError(f"{where}: expected a float32 parameter, got {p.dtype} "
-                        f"(bfloat16/float16 parameters are not supported yet)")
+    if p.dtype not in _PARAM_DTYPE_SET:
+        raise TypeError(f"{where}: {_EXPECTED_PARAM}, got {p.dtype}")
     if p.layout is not torch.strided or not tensor_table.is_dense(p):
         raise ValueError(f"{where}: expected a dense (strided, gap-free) parameter")
     g = p.grad
@@ -49,6 +61,9 @@ def check_param(name, index, p):
         raise TypeError(f"{where}: {name} does not support sparse gradients (got layout {g.layout})")
     if g.dtype not in GRAD_DTYPES:
         raise TypeError(f"{where}: expected a float32, float16 or bfloat16 gradient, got {g.dtype}")
+    if p.dtype is not torch.float32 and g.dtype is not p.dtype:
+        raise TypeError(f"{where}: expected a {_dtype_name(p.dtype)} gradient (the parameter's dtype; only a float32 "
+                        f"parameter takes a gradient of another), got {g.dtype}")
     if g.shape != p.shape:
         raise ValueError(f"{where}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
     if g.device != p.device:
@@ -59,9 +74,10 @@ def check_param(name, index, p):
 
 
 def check_state(name, p, tensor, key):
-    if tensor.dtype is not torch.float32 or tensor.shape != p.shape or tensor.device != p.device or \
+    """ValueError unless a state tensor has its parameter's dtype, shape, layout and device"""
+    if tensor.dtype is not p.dtype or tensor.shape != p.shape or tensor.device != p.device or \
             _layout(tensor) != _layout(p) or not tensor_table.is_dense(tensor):
-        raise ValueError(f"{name}: state '{key}' must be a float32 tensor laid out as its parameter "
+        raise ValueError(f"{name}: state '{key}' must be a {_dtype_name(p.dtype)} tensor laid out as its parameter "
                          f"({tuple(p.shape)}, strides {p.stride()}, {p.device}); got {tensor.dtype} "
                          f"{tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.device}")
 
@@ -134,6 +150,11 @@ def by_device(params):
     for p in params:
         out.setdefault(p.device, []).append(p)
     return out
+
+
+def threads_of(device):
+    """the threads the C reference may use for CPU tensors: torch's intra-op count (torch.set_num_threads)"""
+    return torch.get_num_threads() if device.type == "cpu" else 1
 
 
 def stream_of(device):

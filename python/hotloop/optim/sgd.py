@@ -1,8 +1,8 @@
 """hotloop.optim.SGD: a drop-in for torch.optim.SGD(fused=True) (momentum, dampening, nesterov, weight decay,
 maximize).
 
-Same arguments, defaults, param_groups and state (``momentum_buffer`` per parameter with momentum, none
-without), one C call per device, and the GradScaler's ``grad_scale`` / ``found_inf`` taken inside the
+Same arguments, defaults, param_groups and state (``momentum_buffer`` per parameter with momentum, in its
+dtype, none without; float32, float16 or bfloat16 parameters as hotloop.optim.Adam takes them), one C call per device, and the GradScaler's ``grad_scale`` / ``found_inf`` taken inside the
 update as hotloop.optim.Adam takes them. The buffers of a first step take the gradient as it is, as
 torch's; they are zero-filled when made, so a first step that found_inf skips leaves zeros (torch's are
 uninitialised then), and the next step is not a first step.
@@ -18,8 +18,9 @@ from .fused import FusedOptimizer
 from .step_table import refuse_in_capture
 
 
-class SGD(FusedOptimizer):
-    """torch.optim.SGD(fused=True), updated by hotloop's kernel; ``differentiable=True`` is refused."""
+class SGD(FusedOptimizer, torch.optim.SGD):
+    """torch.optim.SGD(fused=True), updated by hotloop's kernel; an instance of torch.optim.SGD.
+    ``differentiable=True`` is refused."""
 
     _name = "SGD"
 
@@ -89,4 +90,4 @@ class SGD(FusedOptimizer):
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         # made: _make_state's first_step, None when the step reused a checked plan (the buffers existed)
         _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, bool(made),
-                     scale, found, param_table.stream_of(device))
+                     scale, found, param_table.stream_of(device), param_table.threads_of(device))

@@ -1,0 +1,510 @@
+/* The fused optimizers' C reference on host memory: kernels/optim_math.h's per-element maths over a step's table, 16 or 8 elements at a time with AVX-512 or AVX2 where the CPU has them, the chunks shared among threads. */
+#include "optim_cpu.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "half_convert.h"
+#include "tensor_table.h"
+
+/* NOTE [ The C reference's vector path ]
+   The AVX2 path does hl_adam_element's and hl_sgd_element's operations in their order on 8 lanes. IEEE
+   add, sub, mul, div, sqrt and fma round each lane as the scalar operation rounds it (C99's fmaf rounds
+   once, and -std=c11 contracts nothing), the float16/bfloat16 conversions are those of half_convert.h,
+   NaNs included, and the lane-wise max is the scalar `old < new ? new : old`. So a lane holds the bits the
+   scalar code gives (tests/optim/test_cpu_step.py compares the two on the same data), which are the GPU
+   kernel's. The AVX-512 path (adam16, sgd16) is the same on 16 lanes. The scalar code takes each chunk's
+   last elements (fewer than 8) and CPUs without AVX2. */
+
+/* a thread takes at least this many chunks (HL_CHUNK_ELEMS elements each): below that, starting it costs
+   about what it saves */
+#define MIN_CHUNKS_PER_THREAD 4
+#define MAX_THREADS 256
+
+static inline float load_elem(int dtype, uint64_t base, int64_t i) {
+    const void *a = (const void *)(uintptr_t)base;
+    if (dtype == HL_FLOAT32)
+        return ((const float *)a)[i];
+    if (dtype == HL_FLOAT16)
+        return hl_half_to_float(((const uint16_t *)a)[i]);
+    return hl_bf16_to_float(((const uint16_t *)a)[i]);
+}
+
+/* rounded once to the dtype, to nearest even */
+static inline void store_elem(int dtype, uint64_t base, int64_t i, float x) {
+    void *a = (void *)(uintptr_t)base;
+    if (dtype == HL_FLOAT32)
+        ((float *)a)[i] = x;
+    else if (dtype == HL_FLOAT16)
+        ((uint16_t *)a)[i] = hl_float_to_half(x);
+    else
+        ((uint16_t *)a)[i] = hl_float_to_bf16(x);
+}
+
+static void adam_scalar(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end, float scale,
+                        int has_scale) {
+    const int pd = e->param_dtype, gd = e->grad_dtype, amsgrad = e->max_exp_avg_sq != 0;
+    for (int64_t i = begin; i < end; i++) {
+        float p = load_elem(pd, e->param, i), m = load_elem(pd, e->exp_avg, i), v = load_elem(pd, e->exp_avg_sq, i);
+        float vmax = amsgrad ? load_elem(pd, e->max_exp_avg_sq, i) : 0.0f;
+        hl_adam_element(s, load_elem(gd, e->grad, i), scale, has_scale, &p, &m, &v, amsgrad ? &vmax : NULL);
+        store_elem(pd, e->param, i, p);
+        store_elem(pd, e->exp_avg, i, m);
+        store_elem(pd, e->exp_avg_sq, i, v);
+        if (amsgrad)
+            store_elem(pd, e->max_exp_avg_sq, i, vmax);
+    }
+}
+
+static void sgd_scalar(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
+                       float scale, int has_scale) {
+    const int pd = e->param_dtype, gd = e->grad_dtype, momentum = e->momentum_buffer != 0;
+    for (int64_t i = begin; i < end; i++) {
+        float p = load_elem(pd, e->param, i), buf = momentum ? load_elem(pd, e->momentum_buffer, i) : 0.0f;
+        hl_sgd_element(h, lr, load_elem(gd, e->grad, i), scale, has_scale, &p, momentum ? &buf : NULL);
+        store_elem(pd, e->param, i, p);
+        if (momentum)
+            store_elem(pd, e->momentum_buffer, i, buf);
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HL_CPU_AVX2 1
+#include <cpuid.h>
+#include <immintrin.h>
+
+/* compiled for AVX2, FMA and F16C whatever the build's -march; called only where the CPU has them */
+#define AVX2_FN static __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+AVX2_INLINE __m256 load8(int dtype, uint64_t base, int64_t i) {
+    if (dtype == HL_FLOAT32)
+        return _mm256_loadu_ps((const float *)(uintptr_t)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)(uintptr_t)base + i));
+    if (dtype == HL_FLOAT16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16: a float's top half */
+}
+
+/* 8 lanes that each hold 16 bits, in order */
+AVX2_INLINE __m128i pack16(__m256i x) {
+    return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+}
+
+/* hl_float_to_half on 8 lanes: the hardware's round to nearest even, and a NaN as sign | 0x7e00 */
+AVX2_INLINE __m128i half8(__m256 f) {
+    const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m128i nan = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q))),
+                                        _mm256_extracti128_si256(_mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)), 1));
+    const __m128i quiet = _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16((short)0x8000)), _mm_set1_epi16(0x7e00));
+    return _mm_blendv_epi8(h, quiet, nan);
+}
+
+/* hl_float_to_bf16 on 8 lanes, NaNs included */
+AVX2_INLINE __m128i bf16x8(__m256 f) {
+    const __m256i x = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan =
+        _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+    return pack16(_mm256_blendv_epi8(rounded, quiet, nan));
+}
+
+AVX2_INLINE void store8(int dtype, uint64_t base, int64_t i, __m256 x) {
+    if (dtype == HL_FLOAT32) {
+        _mm256_storeu_ps((float *)(uintptr_t)base + i, x);
+        return;
+    }
+    __m128i *dst = (__m128i *)((uint16_t *)(uintptr_t)base + i);
+    _mm_storeu_si128(dst, dtype == HL_FLOAT16 ? half8(x) : bf16x8(x));
+}
+
+/* hl_adam_element on elements [begin, begin + 8k) of one tensor, k as large as fits before `end`; returns
+   where it stopped. `pd` and `gd` are constants where it is inlined, so each dtype pair is its own loop. */
+AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd, int64_t begin,
+                          int64_t end, float scale, int has_scale) {
+    const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
+    const __m256 neg_lr_decay = _mm256_set1_ps(-s->lr_decay), wd = _mm256_set1_ps(s->weight_decay);
+    const __m256 b1 = _mm256_set1_ps(s->beta1), neg_b1 = _mm256_set1_ps(-s->beta1);
+    const __m256 b2 = _mm256_set1_ps(s->beta2), neg_b2 = _mm256_set1_ps(-s->beta2);
+    const __m256 bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt), eps = _mm256_set1_ps(s->eps);
+    const __m256 step_size = _mm256_set1_ps(s->step_size);
+    const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 g = load8(gd, e->grad, i);
+        if (has_scale)
+            g = _mm256_div_ps(g, vscale);
+        if (s->maximize)
+            g = _mm256_xor_ps(g, sign);
+        __m256 p = load8(pd, e->param, i);
+        if (decay) {
+            if (s->decoupled)
+                p = _mm256_fmadd_ps(neg_lr_decay, p, p);
+            else
+                g = _mm256_fmadd_ps(p, wd, g);
+        }
+        const __m256 m1 = _mm256_fmadd_ps(b1, load8(pd, e->exp_avg, i), _mm256_fmadd_ps(neg_b1, g, g));
+        const __m256 gg = _mm256_mul_ps(g, g);
+        const __m256 v1 = _mm256_fmadd_ps(b2, load8(pd, e->exp_avg_sq, i), _mm256_fmadd_ps(neg_b2, gg, gg));
+        __m256 second = v1;
+        if (amsgrad) {
+            const __m256 old = load8(pd, e->max_exp_avg_sq, i);
+            second = _mm256_blendv_ps(old, v1, _mm256_cmp_ps(old, v1, _CMP_LT_OQ));
+            store8(pd, e->max_exp_avg_sq, i, second);
+        }
+        const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(second), bc2_sqrt), eps);
+        p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m1), denom));
+        store8(pd, e->param, i, p);
+        store8(pd, e->exp_avg, i, m1);
+        store8(pd, e->exp_avg_sq, i, v1);
+    }
+    return i;
+}
+
+/* the dtype pairs a table may hold (csrc/optim.c checks them): a half parameter has a gradient of its dtype */
+AVX2_FN int64_t adam_avx2(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end, float scale,
+                          int has_scale) {
+    if (e->param_dtype == HL_FLOAT16)
+        return adam8(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->param_dtype == HL_BFLOAT16)
+        return adam8(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_FLOAT16)
+        return adam8(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_BFLOAT16)
+        return adam8(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
+    return adam8(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+}
+
+/* hl_sgd_element on 8 lanes, as adam8 */
+AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
+                         int64_t begin, int64_t end, float scale, int has_scale) {
+    const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
+    const float wd_f = (float)h->weight_decay;
+    const __m256 wd = _mm256_set1_ps(wd_f), momentum = _mm256_set1_ps((float)h->momentum);
+    const __m256 one_minus_dampening = _mm256_set1_ps((float)h->one_minus_dampening);
+    const __m256 neg_lr = _mm256_set1_ps(-(float)lr);
+    const int has_buf = e->momentum_buffer != 0;
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256 g = load8(gd, e->grad, i);
+        if (has_scale)
+            g = _mm256_div_ps(g, vscale);
+        if (h->maximize)
+            g = _mm256_xor_ps(g, sign);
+        const __m256 p = load8(pd, e->param, i);
+        if (wd_f != 0.0f)
+            g = _mm256_fmadd_ps(wd, p, g);
+        if (has_buf) {
+            const __m256 b = h->first_step ? g
+                                           : _mm256_fmadd_ps(one_minus_dampening, g,
+                                                             _mm256_mul_ps(momentum, load8(pd, e->momentum_buffer, i)));
+            store8(pd, e->momentum_buffer, i, b);
+            g = h->nesterov ? _mm256_fmadd_ps(momentum, b, g) : b;
+        }
+        store8(pd, e->param, i, _mm256_fmadd_ps(neg_lr, g, p));
+    }
+    return i;
+}
+
+AVX2_FN int64_t sgd_avx2(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
+                         float scale, int has_scale) {
+    if (e->param_dtype == HL_FLOAT16)
+        return sgd8(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->param_dtype == HL_BFLOAT16)
+        return sgd8(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_FLOAT16)
+        return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_BFLOAT16)
+        return sgd8(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
+    return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+}
+
+/* The same on 16 lanes with AVX-512 (F, BW, VL): half the instructions an element, which the half-width
+   dtypes' conversions need to keep up with the memory. A chunk's elements go 16 at a time here, then 8
+   at a time (at most once) by AVX2, then one at a time: all three give the same bits (NOTE above). */
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+#define AVX512_FN static __attribute__((target(AVX512_TARGET)))
+#define AVX512_INLINE static inline __attribute__((always_inline, target(AVX512_TARGET)))
+
+AVX512_INLINE __m512 load16(int dtype, uint64_t base, int64_t i) {
+    if (dtype == HL_FLOAT32)
+        return _mm512_loadu_ps((const float *)(uintptr_t)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)(uintptr_t)base + i));
+    if (dtype == HL_FLOAT16)
+        return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AVX512_INLINE void store16(int dtype, uint64_t base, int64_t i, __m512 x) {
+    if (dtype == HL_FLOAT32) {
+        _mm512_storeu_ps((float *)(uintptr_t)base + i, x);
+        return;
+    }
+    __m256i *dst = (__m256i *)((uint16_t *)(uintptr_t)base + i);
+    if (dtype == HL_FLOAT16) { /* half8's rounding, and a NaN as sign | 0x7e00 */
+        const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i quiet = _mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16((short)0x8000)),
+                                              _mm256_set1_epi16(0x7e00));
+        _mm256_storeu_si256(dst, _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), h, quiet));
+        return;
+    }
+    /* bf16x8's integer rounding, NaNs included; every lane then holds 16 bits, which the narrowing keeps */
+    const __m512i v = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan =
+        _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+
+/* -x on 16 lanes: the sign bit flipped, as the scalar negation */
+AVX512_INLINE __m512 negate16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* adam8 on 16 lanes */
+AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd,
+                             int64_t begin, int64_t end, float scale, int has_scale) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 neg_lr_decay = _mm512_set1_ps(-s->lr_decay), wd = _mm512_set1_ps(s->weight_decay);
+    const __m512 b1 = _mm512_set1_ps(s->beta1), neg_b1 = _mm512_set1_ps(-s->beta1);
+    const __m512 b2 = _mm512_set1_ps(s->beta2), neg_b2 = _mm512_set1_ps(-s->beta2);
+    const __m512 bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt), eps = _mm512_set1_ps(s->eps);
+    const __m512 step_size = _mm512_set1_ps(s->step_size);
+    const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512 g = load16(gd, e->grad, i);
+        if (has_scale)
+            g = _mm512_div_ps(g, vscale);
+        if (s->maximize)
+            g = negate16(g);
+        __m512 p = load16(pd, e->param, i);
+        if (decay) {
+            if (s->decoupled)
+                p = _mm512_fmadd_ps(neg_lr_decay, p, p);
+            else
+                g = _mm512_fmadd_ps(p, wd, g);
+        }
+        const __m512 m1 = _mm512_fmadd_ps(b1, load16(pd, e->exp_avg, i), _mm512_fmadd_ps(neg_b1, g, g));
+        const __m512 gg = _mm512_mul_ps(g, g);
+        const __m512 v1 = _mm512_fmadd_ps(b2, load16(pd, e->exp_avg_sq, i), _mm512_fmadd_ps(neg_b2, gg, gg));
+        __m512 second = v1;
+        if (amsgrad) {
+            const __m512 old = load16(pd, e->max_exp_avg_sq, i);
+            second = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, v1, _CMP_LT_OQ), old, v1);
+            store16(pd, e->max_exp_avg_sq, i, second);
+        }
+        const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(second), bc2_sqrt), eps);
+        p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m1), denom));
+        store16(pd, e->param, i, p);
+        store16(pd, e->exp_avg, i, m1);
+        store16(pd, e->exp_avg_sq, i, v1);
+    }
+    return i;
+}
+
+AVX512_FN int64_t adam_avx512(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end,
+                              float scale, int has_scale) {
+    if (e->param_dtype == HL_FLOAT16)
+        return adam16(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->param_dtype == HL_BFLOAT16)
+        return adam16(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_FLOAT16)
+        return adam16(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_BFLOAT16)
+        return adam16(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
+    return adam16(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+}
+
+/* sgd8 on 16 lanes */
+AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
+                            int64_t begin, int64_t end, float scale, int has_scale) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const float wd_f = (float)h->weight_decay;
+    const __m512 wd = _mm512_set1_ps(wd_f), momentum = _mm512_set1_ps((float)h->momentum);
+    const __m512 one_minus_dampening = _mm512_set1_ps((float)h->one_minus_dampening);
+    const __m512 neg_lr = _mm512_set1_ps(-(float)lr);
+    const int has_buf = e->momentum_buffer != 0;
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512 g = load16(gd, e->grad, i);
+        if (has_scale)
+            g = _mm512_div_ps(g, vscale);
+        if (h->maximize)
+            g = negate16(g);
+        const __m512 p = load16(pd, e->param, i);
+        if (wd_f != 0.0f)
+            g = _mm512_fmadd_ps(wd, p, g);
+        if (has_buf) {
+            const __m512 b = h->first_step ? g
+                                           : _mm512_fmadd_ps(one_minus_dampening, g,
+                                                             _mm512_mul_ps(momentum, load16(pd, e->momentum_buffer, i)));
+            store16(pd, e->momentum_buffer, i, b);
+            g = h->nesterov ? _mm512_fmadd_ps(momentum, b, g) : b;
+        }
+        store16(pd, e->param, i, _mm512_fmadd_ps(neg_lr, g, p));
+    }
+    return i;
+}
+
+AVX512_FN int64_t sgd_avx512(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
+                             float scale, int has_scale) {
+    if (e->param_dtype == HL_FLOAT16)
+        return sgd16(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->param_dtype == HL_BFLOAT16)
+        return sgd16(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_FLOAT16)
+        return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+    if (e->grad_dtype == HL_BFLOAT16)
+        return sgd16(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
+    return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+}
+
+/* The widest vector path the CPU has, asked once (cpuid is a VM exit under a hypervisor): 2 for AVX-512
+   (F, BW, VL) with AVX2, 1 for AVX2, FMA and F16C, 0 for none. F16C by cpuid itself, since not every
+   compiler's __builtin_cpu_supports knows its name. */
+static int cpu_vector_level(void) {
+    static _Atomic int known = -1;
+    int level = atomic_load(&known);
+    if (level < 0) {
+        unsigned int a, b, c, d;
+        level = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) && __builtin_cpu_supports("avx2") &&
+                __builtin_cpu_supports("fma");
+        if (level && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl"))
+            level = 2;
+        atomic_store(&known, level);
+    }
+    return level;
+}
+#else
+static int cpu_vector_level(void) { return 0; }
+#endif
+
+/* One step's work, shared by its threads: each takes the next chunk until none is left. */
+typedef struct {
+    int is_adam;
+    const void *table;
+    int64_t count, total_chunks;
+    const void *hyper;
+    double lr;
+    float scale;
+    int has_scale;
+    int vector; /* cpu_vector_level() */
+    _Atomic int64_t next_chunk;
+} step_work;
+
+/* the entry that holds `chunk`, following on from entry `t` (a thread's chunks come in increasing order):
+   the last one whose first_chunk <= chunk, which skips empty tensors (they share the next one's) */
+#define FOLLOW(table, count, t, chunk)                                          \
+    while ((t) + 1 < (count) && (table)[(t) + 1].first_chunk <= (chunk))        \
+        (t)++
+
+static void adam_chunks(step_work *w) {
+    const hl_adam_entry *table = w->table;
+    int64_t t = 0, scalars_of = -1;
+    hl_adam_scalars s = {0};
+    for (;;) {
+        const int64_t chunk = atomic_fetch_add(&w->next_chunk, 1);
+        if (chunk >= w->total_chunks)
+            return;
+        FOLLOW(table, w->count, t, chunk);
+        const hl_adam_entry *e = &table[t];
+        if (scalars_of != t) { /* the bias corrections once per tensor per thread (powf) */
+            s = hl_adam_scalars_for(w->hyper, w->lr, *(const float *)(uintptr_t)e->step);
+            scalars_of = t;
+        }
+        const int64_t begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
+        const int64_t end = begin + HL_CHUNK_ELEMS < e->numel ? begin + HL_CHUNK_ELEMS : e->numel;
+        int64_t i = begin;
+#ifdef HL_CPU_AVX2
+        if (w->vector >= 2)
+            i = adam_avx512(&s, e, i, end, w->scale, w->has_scale);
+        if (w->vector >= 1)
+            i = adam_avx2(&s, e, i, end, w->scale, w->has_scale);
+#endif
+        adam_scalar(&s, e, i, end, w->scale, w->has_scale);
+    }
+}
+
+static void sgd_chunks(step_work *w) {
+    const hl_sgd_entry *table = w->table;
+    int64_t t = 0;
+    for (;;) {
+        const int64_t chunk = atomic_fetch_add(&w->next_chunk, 1);
+        if (chunk >= w->total_chunks)
+            return;
+        FOLLOW(table, w->count, t, chunk);
+        const hl_sgd_entry *e = &table[t];
+        const int64_t begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
+        const int64_t end = begin + HL_CHUNK_ELEMS < e->numel ? begin + HL_CHUNK_ELEMS : e->numel;
+        int64_t i = begin;
+#ifdef HL_CPU_AVX2
+        if (w->vector >= 2)
+            i = sgd_avx512(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+        if (w->vector >= 1)
+            i = sgd_avx2(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+#endif
+        sgd_scalar(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+    }
+}
+
+static void *run_chunks(void *arg) {
+    step_work *w = arg;
+    if (w->is_adam)
+        adam_chunks(w);
+    else
+        sgd_chunks(w);
+    return NULL;
+}
+
+/* the chunks of `w` on up to `threads` threads, this one included; a thread that cannot be started
+   leaves its share to the others */
+static void run_step(step_work *w, int threads) {
+    int64_t n = w->total_chunks / MIN_CHUNKS_PER_THREAD;
+    if (n > threads)
+        n = threads;
+    if (n > MAX_THREADS)
+        n = MAX_THREADS;
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    for (int64_t k = 1; k < n; k++)
+        if (pthread_create(&ids[started], NULL, run_chunks, w) == 0)
+            started++;
+    run_chunks(w);
+    for (int k = 0; k < started; k++)
+        pthread_join(ids[k], NULL);
+}
+
+void hl_cpu_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks, const hl_adam_hyper *hyper,
+                 const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
+    if (found_inf != NULL && *found_inf != 0.0f)
+        return;
+    step_work w = {.is_adam = 1, .table = table, .count = count, .total_chunks = total_chunks, .hyper = hyper,
+                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
+                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
+    atomic_init(&w.next_chunk, 0);
+    run_step(&w, threads);
+    /* after every thread has read its tensors' step counts */
+    for (int64_t t = 0; t < count; t++) {
+        float *step = (float *)(uintptr_t)table[t].step;
+        *step = *step + 1.0f;
+    }
+}
+
+void hl_cpu_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, const hl_sgd_hyper *hyper,
+                const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
+    if (found_inf != NULL && *found_inf != 0.0f)
+        return;
+    step_work w = {.is_adam = 0, .table = table, .count = count, .total_chunks = total_chunks, .hyper = hyper,
+                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
+                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
+    atomic_init(&w.next_chunk, 0);
+    run_step(&w, threads);
+}
