@@ -1,0 +1,124 @@
+/* Reading a process's and the machine's memory from Linux's /proc: plain read(2) into stack buffers,
+   no stdio and no Python, so the host sampler's thread calls it without the GIL. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "proc_memory.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* The whole of a small /proc file into `buf` (NUL-terminated); its length, or -1. */
+static long read_small_file(const char *path, char *buf, size_t size) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t n = 0;
+    while (n + 1 < size) {
+        ssize_t got = read(fd, buf + n, size - 1 - n);
+        if (got < 0) {
+            close(fd);
+            return -1;
+        }
+        if (got == 0)
+            break;
+        n += (size_t)got;
+    }
+    close(fd);
+    buf[n] = '\0';
+    return (long)n;
+}
+
+/* The value of "key:   123 kB" in `text`, in bytes; 0 where the key is absent. */
+static uint64_t kib_field(const char *text, const char *key) {
+    size_t len = strlen(key);
+    for (const char *p = text; p != NULL;) {
+        if (strncmp(p, key, len) == 0 && p[len] == ':')
+            return strtoull(p + len + 1, NULL, 10) * 1024;
+        p = strchr(p, '\n');
+        if (p != NULL)
+            p++;
+    }
+    return 0;
+}
+
+int hl_read_proc_memory(int pid, hl_proc_memory *out) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", pid);
+    /* an empty file: a zombie, or a process whose memory is already gone */
+    if (read_small_file(path, buf, sizeof(buf)) <= 0 || strstr(buf, "Rss:") == NULL)
+        return -1;
+    out->rss = kib_field(buf, "Rss");
+    out->pss = kib_field(buf, "Pss");
+    out->uss = kib_field(buf, "Private_Clean") + kib_field(buf, "Private_Dirty");
+    out->swap = kib_field(buf, "SwapPss");
+    out->locked = kib_field(buf, "Locked");
+    return 0;
+}
+
+int hl_read_machine_memory(hl_machine_memory *out) {
+    char buf[8192];
+    if (read_small_file("/proc/meminfo", buf, sizeof(buf)) <= 0)
+        return -1;
+    out->total = kib_field(buf, "MemTotal");
+    out->available = kib_field(buf, "MemAvailable");
+    out->swap_total = kib_field(buf, "SwapTotal");
+    out->swap_free = kib_field(buf, "SwapFree");
+    return 0;
+}
+
+int hl_read_proc_stat(int pid, hl_proc_stat *out) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    if (read_small_file(path, buf, sizeof(buf)) <= 0)
+        return -1;
+    /* the command name, in parentheses, may hold spaces and parentheses itself: fields follow the last ')' */
+    const char *p = strrchr(buf, ')');
+    if (p == NULL)
+        return -1;
+    char state;
+    int ppid;
+    unsigned long long utime = 0, stime = 0;
+    /* state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime stime */
+    if (sscanf(p + 1, " %c %d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &state, &ppid, &utime, &stime) != 4)
+        return -1;
+    if (state == 'Z' || state == 'X') /* exited, not yet reaped: no memory left to read */
+        return -1;
+    out->pid = pid;
+    out->ppid = ppid;
+    out->cpu_ticks = utime + stime;
+    return 0;
+}
+
+long hl_scan_processes(hl_proc_stat **stats, size_t *capacity) {
+    DIR *dir = opendir("/proc");
+    if (dir == NULL)
+        return -1;
+    long n = 0;
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        int pid = atoi(e->d_name);
+        hl_proc_stat s;
+        if (pid <= 0 || hl_read_proc_stat(pid, &s) < 0)
+            continue; /* gone meanwhile, or a zombie */
+        if ((size_t)n == *capacity) {
+            size_t grown = *capacity ? *capacity * 2 : 256;
+            hl_proc_stat *more = realloc(*stats, grown * sizeof(hl_proc_stat));
+            if (more == NULL) {
+                closedir(dir);
+                return -1;
+            }
+            *stats = more;
+            *capacity = grown;
+        }
+        (*stats)[n++] = s;
+    }
+    closedir(dir);
+    return n;
+}
