@@ -15,11 +15,18 @@
 #include <unistd.h>
 
 /* NOTE [ Host sampling rate ]
-   The default tick is 50 ms (20 Hz), slower than the GPU sampler's 1 kHz, for two reasons. A read of
-   /proc/PID/smaps_rollup walks every page table of that process under its memory-map lock: its cost
-   grows with the process's resident memory, and while it runs the process's own page faults wait.
-   And host memory moves at the pace of batches and of copy-on-read growth, steps tens of milliseconds
-   apart and trends over seconds, so 10-100 Hz sees all of it; faster ticks add cost and no finding.
+   The default tick is 50 ms (20 Hz), slower than the GPU sampler's 1 kHz: host memory moves at the
+   pace of batches and of copy-on-read growth, steps tens of milliseconds apart and trends over
+   seconds, so 10-100 Hz sees all of it, and faster ticks add cost and no finding. Each tick reads
+   every watched process's RSS (/proc/PID/statm) and the machine's available memory and swap
+   (/proc/meminfo): small files, cheap at that rate.
+   PSS and USS, the figures that add up across processes and that show copy-on-read (a page copied
+   into a worker was already resident there: its RSS does not move, its USS does), come only from
+   /proc/PID/smaps_rollup, which walks every page table of the process under its memory-map lock:
+   its cost grows with the process's resident memory (a training process with torch loaded costs
+   milliseconds), and while it runs the process's own page faults wait. So smaps_rollup is read in
+   rounds, all watched processes at once, spaced so that the rounds take at most `pss_budget` of one
+   core (and never more often than the tick); a process seen for the first time is read at once.
    The list of processes (every descendant of this one: torch's DataLoader workers are its children,
    hotloop's are children of its launcher) comes from a scan of /proc, slower still (500 ms by
    default) because it reads one file per process of the machine; a worker that vanishes triggers a
@@ -35,12 +42,15 @@ typedef struct {
     double sum_t, sum_tt, sum_p, sum_tp, sum_pp;
     uint64_t first_cpu_ticks, last_cpu_ticks;
     uint64_t available_last; /* the machine's available memory at its last reading */
+    double seen_t;           /* its last tick (RSS), >= last_t (its last PSS reading) */
 } proc_record;
 
-/* one process's reading in a tick, taken without the lock */
+/* one process's reading in a tick, taken without the lock; `fresh`: smaps_rollup was read this tick
+   (otherwise pss, uss, swap and locked are its last round's) */
 typedef struct {
     hl_proc_stat stat;
     hl_proc_memory memory;
+    int fresh;
 } reading;
 
 typedef struct hl_host_sampler {
@@ -61,10 +71,11 @@ typedef struct hl_host_sampler {
     size_t descendants_n, descendants_cap;
     hl_proc_stat *scan;
     size_t scan_cap;
-    reading *readings;
-    size_t readings_cap;
-    int64_t next_scan;
+    reading *readings, *previous; /* this tick's and the last tick's */
+    size_t readings_cap, previous_cap, previous_n;
+    int64_t next_scan, next_round;
     int rescan;
+    double pss_budget; /* the share of one core smaps_rollup rounds may take */
 
     /* guarded by lock */
     int *given;
@@ -72,13 +83,13 @@ typedef struct hl_host_sampler {
     sample_ring host, procs;
     proc_record *table;
     size_t table_n, table_cap;
-    uint64_t ticks, ticks_missed, scans, errors;
+    uint64_t ticks, ticks_missed, scans, errors, rounds;
     uint64_t peak_tree_pss, peak_main_pss, peak_tree_rss;
     uint32_t peak_processes;
     double peak_t;
     uint64_t min_available, max_swap_used, total, swap_total;
     double min_available_t;
-    int64_t read_ns, scan_ns; /* time the thread spent reading /proc: its cost */
+    int64_t read_ns, scan_ns, round_ns; /* time the thread spent reading /proc (round_ns: smaps_rollup) */
     double started, stopped;
 } hl_host_sampler;
 
@@ -191,8 +202,16 @@ static proc_record *record_of(hl_host_sampler *s, int pid) {
     return r;
 }
 
-static void note(hl_host_sampler *s, proc_record *r, const reading *x, double t, uint64_t available) {
+static void note(proc_record *r, const reading *x, double t, uint64_t available) {
     const hl_proc_memory *m = &x->memory;
+    r->ppid = x->stat.ppid;
+    r->alive = 1;
+    r->seen_t = t;
+    r->available_last = available;
+    r->last_cpu_ticks = x->stat.cpu_ticks;
+    r->peak_rss = m->rss > r->peak_rss ? m->rss : r->peak_rss;
+    if (!x->fresh)
+        return;
     if (r->samples == 0) {
         r->first_t = t;
         r->first_pss = m->pss;
@@ -200,16 +219,11 @@ static void note(hl_host_sampler *s, proc_record *r, const reading *x, double t,
         r->first_rss = m->rss;
         r->first_cpu_ticks = x->stat.cpu_ticks;
     }
-    r->ppid = x->stat.ppid;
-    r->alive = 1;
     r->last_t = t;
     r->last_pss = m->pss;
     r->last_uss = m->uss;
     r->last_rss = m->rss;
     r->peak_pss = m->pss > r->peak_pss ? m->pss : r->peak_pss;
-    r->peak_rss = m->rss > r->peak_rss ? m->rss : r->peak_rss;
-    r->last_cpu_ticks = x->stat.cpu_ticks;
-    r->available_last = available;
     double dt = t - r->first_t, p = (double)m->pss / (1024.0 * 1024.0);
     r->sum_t += dt;
     r->sum_tt += dt * dt;
@@ -217,7 +231,13 @@ static void note(hl_host_sampler *s, proc_record *r, const reading *x, double t,
     r->sum_tp += dt * p;
     r->sum_pp += p * p;
     r->samples++;
-    (void)s;
+}
+
+static const reading *previous_of(const hl_host_sampler *s, int pid) {
+    for (size_t i = 0; i < s->previous_n; i++)
+        if (s->previous[i].stat.pid == pid)
+            return &s->previous[i];
+    return NULL;
 }
 
 /* One tick: read every watched process and the machine, then record it all under the lock. */
@@ -241,14 +261,40 @@ static void tick(hl_host_sampler *s) {
 
     size_t want = 1 + s->descendants_n + given_n, n = 0;
     int ok = grow((void **)&s->readings, &s->readings_cap, want, sizeof(reading)) == 0;
+    int round = t0 >= s->next_round;
+    int64_t round_ns = 0;
     for (size_t i = 0; ok && i < want; i++) {
         int pid = i == 0 ? s->main_pid : i <= s->descendants_n ? s->descendants[i - 1] : given[i - 1 - s->descendants_n];
         if (i > s->descendants_n && (pid == s->main_pid || contains(s->descendants, s->descendants_n, pid)))
             continue;
         reading *x = &s->readings[n];
-        if (hl_read_proc_stat(pid, &x->stat) < 0 || hl_read_proc_memory(pid, &x->memory) < 0)
+        uint64_t rss = 0;
+        if (hl_read_proc_stat(pid, &x->stat) < 0 || hl_read_proc_rss(pid, &rss) < 0)
             continue;
+        const reading *before = previous_of(s, pid);
+        x->fresh = round || before == NULL;
+        if (x->fresh) { /* NOTE [ Host sampling rate ]: smaps_rollup in rounds */
+            int64_t r0 = now_ns();
+            int rc = hl_read_proc_memory(pid, &x->memory);
+            round_ns += now_ns() - r0;
+            if (rc < 0)
+                continue;
+        } else {
+            x->memory = before->memory;
+        }
+        x->memory.rss = rss;
         n++;
+    }
+    if (round) {
+        int64_t gap = (int64_t)((double)round_ns / s->pss_budget);
+        s->next_round = now_ns() + (gap > s->interval_ns ? gap : s->interval_ns);
+    }
+    /* this tick's readings are the next tick's cache of PSS */
+    if (grow((void **)&s->previous, &s->previous_cap, n ? n : 1, sizeof(reading)) == 0) {
+        memcpy(s->previous, s->readings, n * sizeof(reading));
+        s->previous_n = n;
+    } else {
+        s->previous_n = 0;
     }
     hl_machine_memory machine = {0};
     int machine_ok = hl_read_machine_memory(&machine) == 0;
@@ -261,6 +307,8 @@ static void tick(hl_host_sampler *s) {
     s->read_ns += t1 - t0 - scan_ns;
     s->scan_ns += scan_ns;
     s->scans += scan_ns > 0;
+    s->round_ns += round_ns;
+    s->rounds += round;
     if (!ok || !machine_ok)
         s->errors++;
     for (size_t i = 0; i < n; i++) {
@@ -283,13 +331,13 @@ static void tick(hl_host_sampler *s) {
             continue;
         }
         r->given = contains(given, given_n, x->stat.pid);
-        note(s, r, x, t, machine.available);
+        note(r, x, t, machine.available);
     }
     h.processes = (uint32_t)n;
     /* a process read before and not now is gone: find its successor (a restarted worker) at once */
     for (size_t i = 0; i < s->table_n; i++) {
         proc_record *r = &s->table[i];
-        if (!r->alive || r->last_t == t)
+        if (!r->alive || r->seen_t == t)
             continue;
         r->alive = 0;
         r->gone_t = t;
@@ -342,12 +390,12 @@ static void reset_statistics(hl_host_sampler *s) {
     ring_clear(&s->host);
     ring_clear(&s->procs);
     s->table_n = 0;
-    s->ticks = s->ticks_missed = s->scans = s->errors = 0;
+    s->ticks = s->ticks_missed = s->scans = s->errors = s->rounds = 0;
     s->peak_tree_pss = s->peak_main_pss = s->peak_tree_rss = 0;
     s->peak_processes = 0;
     s->peak_t = s->min_available_t = 0.0;
     s->min_available = s->max_swap_used = s->total = s->swap_total = 0;
-    s->read_ns = s->scan_ns = 0;
+    s->read_ns = s->scan_ns = s->round_ns = 0;
     s->stopped = 0.0;
 }
 
@@ -368,8 +416,8 @@ static PyObject *sampler_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     pthread_mutex_unlock(&s->lock);
     atomic_store(&s->stop_requested, 0);
     s->started = seconds(now_ns());
-    s->next_scan = 0;
-    s->descendants_n = 0;
+    s->next_scan = s->next_round = 0;
+    s->descendants_n = s->previous_n = 0;
     tick(s); /* a first reading now and a last one in stop(): a run shorter than a tick has both */
     err = pthread_create(&s->thread, NULL, sampler_main, s);
     s->running = err == 0;
@@ -390,6 +438,7 @@ static PyObject *sampler_stop(PyObject *self, PyObject *Py_UNUSED(ignored)) {
         atomic_store(&s->stop_requested, 1);
         pthread_join(s->thread, NULL);
         s->running = 0;
+        s->next_round = 0; /* the last reading is a whole one */
         tick(s);
         s->stopped = seconds(now_ns());
         Py_END_ALLOW_THREADS
@@ -515,7 +564,7 @@ static PyObject *sampler_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) 
     }
     const hl_host_sampler *t = &c.stats;
     result = Py_BuildValue("{s:O, s:O, s:O, s:O, s:i, s:d, s:d, s:d, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:I, s:d,"
-                           " s:K, s:d, s:K, s:K, s:K, s:d, s:d, s:K, s:K}",
+                           " s:K, s:d, s:K, s:K, s:K, s:d, s:d, s:K, s:K, s:d, s:K, s:d}",
                            "host", host, "procs", procs, "processes", processes, "running",
                            s->running ? Py_True : Py_False, "main_pid", s->main_pid, "started", t->started, "stopped",
                            t->stopped, "interval_s", seconds(s->interval_ns), "ticks", (unsigned long long)t->ticks,
@@ -528,7 +577,8 @@ static PyObject *sampler_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) 
                            "max_swap_used", (unsigned long long)t->max_swap_used, "total",
                            (unsigned long long)t->total, "swap_total", (unsigned long long)t->swap_total, "read_s",
                            seconds(t->read_ns), "scan_s", seconds(t->scan_ns), "host_dropped",
-                           (unsigned long long)t->host.dropped, "procs_dropped", (unsigned long long)t->procs.dropped);
+                           (unsigned long long)t->host.dropped, "procs_dropped", (unsigned long long)t->procs.dropped, "pss_s", seconds(t->round_ns),
+                           "rounds", (unsigned long long)t->rounds, "pss_budget", s->pss_budget);
 error:
     Py_XDECREF(host);
     Py_XDECREF(procs);
@@ -572,12 +622,12 @@ static PyMethodDef sampler_methods[] = {
 };
 
 static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"interval_ms", "scan_interval_ms", "capacity", "tree", NULL};
-    double interval_ms = 50.0, scan_ms = 500.0;
+    static char *keywords[] = {"interval_ms", "scan_interval_ms", "capacity", "tree", "pss_budget", NULL};
+    double interval_ms = 50.0, scan_ms = 500.0, pss_budget = 0.02;
     Py_ssize_t capacity = 65536;
     int tree = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|ddnp:HostSampler", keywords, &interval_ms, &scan_ms, &capacity,
-                                     &tree))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|ddnpd:HostSampler", keywords, &interval_ms, &scan_ms, &capacity,
+                                     &tree, &pss_budget))
         return NULL;
     if (!(interval_ms >= 1.0 && interval_ms <= 3.6e6)) {
         char message[120];
@@ -587,6 +637,10 @@ static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     }
     if (!(scan_ms >= interval_ms && scan_ms <= 3.6e6)) {
         PyErr_SetString(PyExc_ValueError, "scan_interval_ms: expected at least interval_ms, at most 3600000");
+        return NULL;
+    }
+    if (!(pss_budget > 0.0 && pss_budget <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "pss_budget: expected a share of one core above 0, at most 1");
         return NULL;
     }
     if (capacity < 1 || capacity > ((Py_ssize_t)1 << 26)) {
@@ -601,6 +655,7 @@ static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     s->scan_interval_ns = (int64_t)(scan_ms * 1e6);
     s->capacity = (size_t)capacity;
     s->tree = tree;
+    s->pss_budget = pss_budget;
     s->main_pid = (int)getpid();
     pthread_mutex_init(&s->lock, NULL);
     atomic_init(&s->stop_requested, 0);
@@ -649,6 +704,7 @@ static void sampler_dealloc(PyObject *self) {
     free(s->descendants);
     free(s->scan);
     free(s->readings);
+    free(s->previous);
     free(s->table);
     freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
     tp_free(self);
@@ -656,12 +712,13 @@ static void sampler_dealloc(PyObject *self) {
 }
 
 PyDoc_STRVAR(sampler_doc,
-             "HostSampler(interval_ms=50.0, scan_interval_ms=500.0, capacity=65536, tree=True)\n\n"
-             "Host memory read by a C thread without the GIL: every interval_ms, /proc/PID/smaps_rollup (RSS, PSS,\n"
-             "USS, swap) of this process, of every descendant (tree=True: DataLoader workers; the list refreshed\n"
-             "every scan_interval_ms and whenever a watched process vanishes) and of the pids given to\n"
-             "set_pids(); and /proc/meminfo's available memory and swap. The ring keeps the newest `capacity`\n"
-             "ticks; peaks and per-process figures cover every tick. Linux only: elsewhere start() raises OSError.");
+             "HostSampler(interval_ms=50.0, scan_interval_ms=500.0, capacity=65536, tree=True, pss_budget=0.02)\n\n"
+             "Host memory read by a C thread without the GIL: every interval_ms, the RSS of this process, of every\n"
+             "descendant (tree=True: DataLoader workers; the list refreshed every scan_interval_ms and whenever a\n"
+             "watched process vanishes) and of the pids given to set_pids(), and /proc/meminfo's available memory\n"
+             "and swap; their PSS, USS and swap (/proc/PID/smaps_rollup, costly) in rounds that take at most\n"
+             "pss_budget of one core. The ring keeps the newest `capacity` ticks; peaks and per-process figures\n"
+             "cover every tick. Linux only: elsewhere start() raises OSError.");
 
 static PyType_Slot sampler_slots[] = {
     {Py_tp_new, sampler_new},

@@ -60,6 +60,16 @@ int hl_read_proc_memory(int pid, hl_proc_memory *out) {
     return 0;
 }
 
+int hl_read_proc_rss(int pid, uint64_t *rss) {
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/statm", pid);
+    unsigned long long size = 0, resident = 0;
+    if (read_small_file(path, buf, sizeof(buf)) <= 0 || sscanf(buf, "%llu %llu", &size, &resident) != 2)
+        return -1;
+    *rss = resident * (uint64_t)sysconf(_SC_PAGESIZE);
+    return 0;
+}
+
 int hl_read_machine_memory(hl_machine_memory *out) {
     char buf[8192];
     if (read_small_file("/proc/meminfo", buf, sizeof(buf)) <= 0)

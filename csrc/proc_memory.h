@@ -28,6 +28,8 @@ typedef struct {
 /* 0 and `out` filled, or -1 (the process is gone, or smaps_rollup cannot be read). */
 int hl_read_proc_memory(int pid, hl_proc_memory *out);
 int hl_read_machine_memory(hl_machine_memory *out);
+/* RSS alone from /proc/PID/statm: a small fraction of smaps_rollup's cost, which walks every page table */
+int hl_read_proc_rss(int pid, uint64_t *rss);
 int hl_read_proc_stat(int pid, hl_proc_stat *out);
 
 /* Every process readable in /proc now: fills `*stats` (grown with realloc; the caller
