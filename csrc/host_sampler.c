@@ -38,7 +38,9 @@ typedef struct {
     double first_t, last_t, gone_t;
     uint64_t first_pss, last_pss, peak_pss, first_uss, last_uss, first_rss, last_rss, peak_rss;
     uint64_t samples;
-    /* least squares of pss (MiB) over time (s since first_t): how steadily it grew */
+    /* least squares of uss (MiB) over time (s since first_t): how steadily it grew. USS, not PSS: a
+       page copied into a worker is the worker's alone, while its PSS also moves whenever another
+       process starts or stops sharing any of its pages */
     double sum_t, sum_tt, sum_p, sum_tp, sum_pp;
     uint64_t first_cpu_ticks, last_cpu_ticks;
     uint64_t available_last; /* the machine's available memory at its last reading */
@@ -224,7 +226,7 @@ static void note(proc_record *r, const reading *x, double t, uint64_t available)
     r->last_uss = m->uss;
     r->last_rss = m->rss;
     r->peak_pss = m->pss > r->peak_pss ? m->pss : r->peak_pss;
-    double dt = t - r->first_t, p = (double)m->pss / (1024.0 * 1024.0);
+    double dt = t - r->first_t, p = (double)m->uss / (1024.0 * 1024.0);
     r->sum_t += dt;
     r->sum_tt += dt * dt;
     r->sum_p += p;
@@ -532,7 +534,7 @@ PyDoc_STRVAR(snapshot_doc,
              "host: bytes of packed per-tick records (f8 t, u8 tree_pss, tree_rss, tree_uss, tree_swap, main_pss,\n"
              "main_rss, main_locked, available, swap_used, u4 processes, u4 unused); procs: one record per process\n"
              "per tick (f8 t, i4 pid, i4 ppid, u8 rss, pss, uss, swap); processes: a dict per process seen (first,\n"
-             "last and peak readings, least-squares sums of its PSS in MiB over seconds since its first reading,\n"
+             "last and peak readings, least-squares sums of its USS in MiB over seconds since its first reading,\n"
              "CPU seconds between them); and statistics over every tick, kept or dropped. Bytes, and\n"
              "time.monotonic() seconds. Works while running.");
 

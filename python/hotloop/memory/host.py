@@ -9,8 +9,10 @@ So a dataset that holds its samples as Python objects (a list of paths, a dict o
 floats) is copied into every worker page by page as __getitem__ touches it, and each worker's memory
 grows steadily with the samples it has served, until the machine runs out (PyTorch issue #13246).
 numpy arrays and tensors hold their data in one buffer with one reference count: reading them writes
-nothing, so they stay shared. The finding fires on steady growth of a worker's PSS (its share of
-every page it maps: the figures of all processes add up to the tree's real use).
+nothing, so they stay shared. The finding fires on steady growth of a worker's USS (the pages it
+alone holds: a copied page is one). The report's totals use PSS (each process's share of every page
+it maps), whose figures add up across processes to the tree's real use; a worker's PSS is a poor
+measure of its growth, since it also moves whenever another process starts or stops sharing a page.
 """
 import dataclasses
 import logging
@@ -41,8 +43,8 @@ class ProcessMemory:
     peak_pss: int
     first_uss: int
     last_uss: int
-    growth_bytes: int            # last_pss - first_pss
-    growth_bytes_per_s: float    # the least-squares slope of its PSS
+    growth_bytes: int            # last_uss - first_uss: the pages it came to hold alone
+    growth_bytes_per_s: float    # the least-squares slope of its USS
     steadiness: float            # r squared of that line (None with too few readings or a flat line)
     readings: int = 0            # host ticks that read it
     samples: float = None        # samples it served in its life (estimated: the run's rate over the workers alive)
@@ -83,7 +85,7 @@ class HostWatch:
 
 
 def _line(p):
-    """slope (bytes/s) and r squared of a process's PSS against time, from the sampler's sums (MiB, s)"""
+    """slope (bytes/s) and r squared of a process's USS against time, from the sampler's sums (MiB, s)"""
     n = p["samples"]
     if n < 3:
         return 0.0, None
@@ -113,7 +115,7 @@ def processes_of(snapshot, t0, samples_per_s):
         out.append(ProcessMemory(
             pid=p["pid"], ppid=p["ppid"], role=role, start_s=p["first_t"] - t0, end_s=p["last_t"] - t0,
             first_pss=p["first_pss"], last_pss=p["last_pss"], peak_pss=p["peak_pss"], first_uss=p["first_uss"],
-            last_uss=p["last_uss"], growth_bytes=p["last_pss"] - p["first_pss"], growth_bytes_per_s=slope,
+            last_uss=p["last_uss"], growth_bytes=p["last_uss"] - p["first_uss"], growth_bytes_per_s=slope,
             steadiness=r2, readings=p["samples"], cpu_s=p["cpu_s"], exited=exited,
             available_at_exit=p["available_last"] if exited else None,
             low_memory_exit=exited and p["available_last"] < low))

@@ -389,6 +389,8 @@ class MemoryMonitor:
         r.nvml = self._sampler is not None
         r.nvml_unavailable_reason = self.nvml_reason
         r.torch_cuda = self.torch_device is not None
+        if not r.nvml and not r.torch_cuda:
+            r.device = None  # no GPU: the GPU's fields stay None, the host's are filled
         if r.torch_cuda:
             dev = self.torch_device
             r.device_name = torch.cuda.get_device_name(dev)

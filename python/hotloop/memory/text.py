@@ -46,7 +46,7 @@ def format_report(r) -> str:
     elif not r.nvml and r.torch_cuda:
         rows.append(("NVML", f"not available: {r.nvml_unavailable_reason}"))
     if not gpu:
-        rows.append(("GPU", "none seen (no NVML device, no CUDA device in torch)"))
+        rows.append(("GPU", "none seen (NVML not available, no CUDA device in torch)"))
     elif r.torch_cuda:
         rows.append(("  torch peak reserved", format_size(r.peak_reserved)))
         rows.append(("    torch peak allocated", format_size(r.peak_allocated)))
@@ -174,11 +174,12 @@ def forecast_text(f) -> str:
 
 
 def format_processes(r) -> list:
-    """A line per process of the tree: its PSS at its first and last reading, and a worker's growth."""
+    """A line per process of the tree: its USS (what it alone holds) at its first and last reading, and
+    its growth."""
     shown = [p for p in r.host_processes if p.role == "main" or p.readings > 0]
     if len(shown) < 2:
         return []
-    lines = ["  processes (PSS, first reading -> last):"]
+    lines = ["  processes (USS: what each holds alone, first reading -> last):"]
     for p in shown[:17]:
         growth = f"{'+' if p.growth_bytes >= 0 else ''}{format_size(p.growth_bytes)}"
         if p.growth_mib_per_1k_samples is not None:
@@ -188,7 +189,7 @@ def format_processes(r) -> list:
         end = ""
         if p.exited:
             end = ", gone" + (" while available memory was near zero (OOM killer?)" if p.low_memory_exit else "")
-        lines.append(f"    {p.role:<8} pid {p.pid:<7} {format_size(p.first_pss):>10} -> {format_size(p.last_pss):>10}"
+        lines.append(f"    {p.role:<8} pid {p.pid:<7} {format_size(p.first_uss):>10} -> {format_size(p.last_uss):>10}"
                      f"  ({growth}; {p.start_s:.2f}-{p.end_s:.2f} s{end})")
     if len(shown) > 17:
         lines.append(f"    ... and {len(shown) - 17} more")
