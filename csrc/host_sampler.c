@@ -59,8 +59,9 @@ typedef struct hl_host_sampler {
     PyObject_HEAD
     int64_t interval_ns, scan_interval_ns;
     size_t capacity;
-    int tree; /* follow every descendant of main_pid */
-    int main_pid;
+    int tree;     /* follow every descendant of main_pid */
+    int main_pid; /* the root of the watched tree: `root`, else this process (as of start()) */
+    int root;
 
     pthread_mutex_t lock;
     pthread_t thread;
@@ -411,7 +412,7 @@ static PyObject *sampler_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
         PyErr_SetString(PyExc_RuntimeError, "HostSampler.start(): already running; call stop() first");
         return NULL;
     }
-    s->main_pid = (int)getpid(); /* after a fork, the child watches its own tree */
+    s->main_pid = s->root ? s->root : (int)getpid(); /* after a fork, the child watches its own tree */
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&s->lock);
     reset_statistics(s);
@@ -624,13 +625,17 @@ static PyMethodDef sampler_methods[] = {
 };
 
 static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"interval_ms", "scan_interval_ms", "capacity", "tree", "pss_budget", NULL};
+    static char *keywords[] = {"interval_ms", "scan_interval_ms", "capacity", "tree", "pss_budget", "root", NULL};
     double interval_ms = 50.0, scan_ms = 500.0, pss_budget = 0.02;
     Py_ssize_t capacity = 65536;
-    int tree = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|ddnpd:HostSampler", keywords, &interval_ms, &scan_ms, &capacity,
-                                     &tree, &pss_budget))
+    int tree = 1, root = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|ddnpdi:HostSampler", keywords, &interval_ms, &scan_ms, &capacity,
+                                     &tree, &pss_budget, &root))
         return NULL;
+    if (root < 0) {
+        PyErr_Format(PyExc_ValueError, "root: expected a process id (0: this process), got %d", root);
+        return NULL;
+    }
     if (!(interval_ms >= 1.0 && interval_ms <= 3.6e6)) {
         char message[120];
         snprintf(message, sizeof(message), "interval_ms: expected 1 to 3600000 milliseconds, got %g", interval_ms);
@@ -658,6 +663,7 @@ static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     s->capacity = (size_t)capacity;
     s->tree = tree;
     s->pss_budget = pss_budget;
+    s->root = root;
     s->main_pid = (int)getpid();
     pthread_mutex_init(&s->lock, NULL);
     atomic_init(&s->stop_requested, 0);
@@ -714,8 +720,9 @@ static void sampler_dealloc(PyObject *self) {
 }
 
 PyDoc_STRVAR(sampler_doc,
-             "HostSampler(interval_ms=50.0, scan_interval_ms=500.0, capacity=65536, tree=True, pss_budget=0.02)\n\n"
-             "Host memory read by a C thread without the GIL: every interval_ms, the RSS of this process, of every\n"
+             "HostSampler(interval_ms=50.0, scan_interval_ms=500.0, capacity=65536, tree=True, pss_budget=0.02, root=0)\n\n"
+             "Host memory read by a C thread without the GIL: every interval_ms, the RSS of this process (or of\n"
+             "`root`, another process), of every\n"
              "descendant (tree=True: DataLoader workers; the list refreshed every scan_interval_ms and whenever a\n"
              "watched process vanishes) and of the pids given to set_pids(), and /proc/meminfo's available memory\n"
              "and swap; their PSS, USS and swap (/proc/PID/smaps_rollup, costly) in rounds that take at most\n"

@@ -347,3 +347,30 @@ def test_fork_leaves_no_host_sampler_running_in_the_child():
         assert s.running
     finally:
         s.stop()
+
+
+def test_monitor_cli_csv_has_the_host_columns(fake_nvml_library, tmp_path):
+    """`hotloop monitor --pid P --csv F`: the machine's available memory and P's tree (P and its child)."""
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+                               "print(c.pid, flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        int(parent.stdout.readline())
+        out = tmp_path / "rows.csv"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML_")}
+        env["HOTLOOP_NVML_LIBRARY"] = fake_nvml_library
+        p = subprocess.run([sys.executable, "-m", "hotloop", "monitor", "--interval-ms", "100", "--duration", "1.0",
+                            "--pid", str(parent.pid), "--csv", str(out)], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr
+        rows = list(__import__("csv").DictReader(open(out)))
+        assert len(rows) >= 3
+        total = meminfo()["MemTotal"] / MiB
+        for r in rows:
+            assert 0 < float(r["host_available_mib"]) <= total
+            assert r["host_swap_used_mib"] != ""
+        assert rows[-1]["tree_processes"] == "2" and float(rows[-1]["tree_pss_mib"]) > 1
+        assert f"tree of pid {parent.pid}: peak" in p.stdout and "summary host: available at least" in p.stdout
+    finally:
+        parent.kill()
+        parent.wait()
