@@ -374,3 +374,18 @@ def test_monitor_cli_csv_has_the_host_columns(fake_nvml_library, tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_the_demo_on_a_cpu_shows_the_host_report(tmp_path):
+    """The README's first command on a machine without a GPU: the report of the host, its memory, its
+    CPU time and the loader's stalls."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML_", "HOTLOOP_NVML"))}
+    env.update(HOTLOOP_NVML_LIBRARY=str(tmp_path / "no-libnvidia-ml.so"), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, "-m", "hotloop", "demo", "--device", "cpu", "--steps", "4", "--batch-size",
+                        "16", "--workers", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "hotloop memory report: host (no GPU)" in p.stderr, p.stderr
+    line = next(line for line in p.stderr.splitlines() if "peak host memory (PSS)" in line)
+    assert "= main process" in line and "other process" in line
+    assert "CPU time" in p.stderr and "data loader stalls" in p.stderr
+    assert "worker " in p.stderr  # the loader's worker has its line

@@ -146,9 +146,7 @@ def host_rows(r) -> list:
             if r.host_swap_total_bytes else "; no swap")
     rows.append(("  machine", f"{format_size(r.host_total_bytes)} total, {format_size(r.host_available_min_bytes)}"
                  f" available at the least{swap}"))
-    pinned = []
-    if r.loader_ring_bytes:
-        pinned.append(f"hotloop rings {format_size(r.loader_ring_bytes)}")
+    pinned = []  # (hotloop's rings have their own line below: page-locked when the loader has a device)
     if r.pinned_torch_peak_bytes is not None:
         pinned.append(f"torch pinned cache {format_size(r.pinned_torch_peak_bytes)}")
     if r.host_locked_max_bytes:
