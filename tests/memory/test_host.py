@@ -16,7 +16,7 @@ import torch
 import hotloop
 from hotloop import _C
 from hotloop.memory.advice import compute_advice
-from hotloop.memory.host import ProcessMemory, processes_of
+from hotloop.memory.host import ProcessMemory, oom_kills, processes_of
 from hotloop.memory.report import MemoryReport
 
 MiB = 1 << 20
@@ -147,7 +147,7 @@ def test_tick_sums_add_up():
         assert int(mine["pss"].sum()) == tick["tree_pss"] and int(mine["rss"].sum()) == tick["tree_rss"]
         assert int(mine["pss"][mine["pid"] == os.getpid()].sum()) == tick["main_pss"]
     assert snap["peak_tree_pss"] == tl.host_tree_pss.max()
-    assert snap["peak_processes"] == 2
+    assert snap["peak_processes"] >= 2 and child.pid in set(tl.procs["pid"].tolist())
 
 
 def test_list_dataset_grows_every_worker_and_the_advice_fires():
@@ -167,7 +167,7 @@ def test_list_dataset_grows_every_worker_and_the_advice_fires():
     advice = "\n".join(r.advice)
     assert "copy-on-read" in advice and "numpy arrays or tensors" in advice and "memory-mapped" in advice
     assert "fewer workers" in advice and "#13246" in advice
-    assert f"pid {workers[0].pid} +" in advice
+    assert all(f"pid {pid} +" in advice for pid in reported)
     assert "steady" in text and "copy-on-read" in text
     assert r.host_forecast is not None and r.host_forecast["seconds"] > 0
 
@@ -217,7 +217,7 @@ def test_report_host_lines_add_up(no_gpu):
 def test_workers_that_come_and_go_are_each_followed(no_gpu):
     """Three epochs without persistent workers: six workers, each seen, each gone; a process killed
     meanwhile is marked gone, the sampler goes on."""
-    ds = Samples(120, "array")
+    ds = Samples(500, "array")  # epochs longer than the sampler's scan for new processes
     loader = torch.utils.data.DataLoader(ds, batch_size=10, num_workers=2, persistent_workers=False)
     with hotloop.MemoryMonitor(report=None, host_pss_budget=0.5) as mon:
         pids = set()
@@ -306,6 +306,7 @@ def test_low_memory_exit_read_from_the_sampler_snapshot():
     snap = {"main_pid": 1, "total": 64 << 30, "running": False,
             "processes": [record(1, True, 1 << 30), record(2, False, 100 * MiB), record(3, False, 8 << 30)]}
     got = {p.pid: p for p in processes_of(snap, 0.0, None)}
+    assert all(p.samples is None for p in got.values())
     assert got[1].role == "main" and not got[1].exited
     assert got[2].low_memory_exit and got[2].available_at_exit == 100 * MiB
     assert got[3].exited and not got[3].low_memory_exit
@@ -389,3 +390,70 @@ def test_the_demo_on_a_cpu_shows_the_host_report(tmp_path):
     assert "= main process" in line and "other process" in line
     assert "CPU time" in p.stderr and "data loader stalls" in p.stderr
     assert "worker " in p.stderr  # the loader's worker has its line
+
+
+class KillsItsWorkerOnce(torch.utils.data.Dataset):
+    """Sample 5 kills its worker with SIGKILL (as the OOM killer does) the first time it is read."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 5 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([float(i)])
+
+
+@pytest.mark.parametrize("oom_rose", [True, False])
+def test_a_worker_killed_while_the_oom_killer_struck_is_named_so(tmp_path, monkeypatch, caplog, oom_rose):
+    """hotloop's restart message says a SIGKILLed worker was the OOM killer's when /proc/vmstat's
+    oom_kill rose meanwhile (the counter scripted here: a real OOM kill cannot be staged in CI), and
+    says nothing of it otherwise."""
+    import hotloop.data._pool as pool
+    import hotloop.memory.host as host
+
+    monkeypatch.setattr(pool, "oom_kills", lambda: 3)
+    monkeypatch.setattr(host, "oom_kills", lambda: 4 if oom_rose else 3)
+    loader = hotloop.DataLoader(KillsItsWorkerOnce(str(tmp_path / "killed")), batch_size=2, num_workers=2)
+    with caplog.at_level("WARNING"):
+        got = torch.cat(list(loader))
+    assert torch.equal(got.flatten(), torch.arange(12.0))  # the batch was redone by the successor
+    death = [rec.getMessage() for rec in caplog.records if "is killed by signal" in rec.getMessage()]
+    assert len(death) == 1, caplog.text
+    if oom_rose:
+        assert "OOM killer killed 1 process(es) meanwhile" in death[0] and "available now" in death[0]
+        assert "copy-on-read" in death[0]
+    else:
+        assert "OOM" not in death[0]
+
+
+def test_oom_kills_reads_proc_vmstat():
+    with open("/proc/vmstat") as f:
+        line = next((line for line in f if line.startswith("oom_kill ")), None)
+    expected = None if line is None else int(line.split()[1])
+    assert oom_kills() == expected
+
+
+def test_samples_are_shared_out_by_cpu_time():
+    """The loop's samples go to the workers by their CPU time: an idle child (a leftover worker of
+    another loader, a subprocess) gets none and leaves the others' figures alone."""
+    def record(pid, ppid, cpu, growth):
+        return dict(pid=pid, ppid=ppid, alive=True, given=False, first_t=1.0, last_t=3.0, gone_t=None,
+                    first_pss=MiB, last_pss=MiB, peak_pss=MiB, first_uss=8 * MiB, last_uss=8 * MiB + growth,
+                    first_rss=MiB, last_rss=MiB, peak_rss=MiB, samples=6, sum_t=6.0, sum_tt=8.0, sum_p=6.0,
+                    sum_tp=6.0, sum_pp=6.0, cpu_s=cpu, available_last=1 << 30)
+    cpu = np.random.uniform(0.5, 3.0, size=2)
+    growth = np.random.randint(10, 90, size=2) * MiB
+    snap = {"main_pid": 1, "total": 64 << 30, "processes": [
+        record(1, 0, 5.0, 0), record(2, 1, float(cpu[0]), int(growth[0])), record(3, 1, float(cpu[1]), int(growth[1])),
+        record(4, 1, 0.0, 0)]}
+    got = {p.pid: p for p in processes_of(snap, 0.0, 1000)}
+    assert got[1].samples is None and got[4].samples is None  # the main process; the idle child
+    for pid, i in ((2, 0), (3, 1)):
+        share = 1000 * cpu[i] / cpu.sum()
+        assert got[pid].samples == pytest.approx(share)
+        assert got[pid].growth_mib_per_1k_samples == pytest.approx(growth[i] / MiB / share * 1000)

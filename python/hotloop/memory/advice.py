@@ -109,10 +109,11 @@ def host_advice(r) -> list:
     killed = [p for p in r.host_processes if p.low_memory_exit and p.role != "main"]
     if killed:
         who = ", ".join(f"pid {p.pid} (+{format_size(p.growth_bytes)} since its first reading)" for p in killed[:4])
+        kills = (f"; the kernel counted {r.host_oom_kills} OOM kill(s) meanwhile" if r.host_oom_kills else "")
         advice.append(f"process{'es' if len(killed) > 1 else ''} {who} vanished while the machine's available "
-                      f"memory was near zero ({format_size(min(p.available_at_exit for p in killed))}): the kernel's "
-                      "OOM killer likely took them (dmesg says so); lower host memory: fewer workers, smaller "
-                      "prefetch_factor, data held in numpy arrays or a memory-mapped file")
+                      f"memory was low ({format_size(min(p.available_at_exit for p in killed))} at the last reading"
+                      f"{kills}): the kernel's OOM killer likely took them (dmesg says so); lower host memory: fewer "
+                      "workers, smaller prefetch_factor, data held in numpy arrays or a memory-mapped file")
     return advice
 
 

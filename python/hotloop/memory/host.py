@@ -47,13 +47,45 @@ class ProcessMemory:
     growth_bytes_per_s: float    # the least-squares slope of its USS
     steadiness: float            # r squared of that line (None with too few readings or a flat line)
     readings: int = 0            # host ticks that read it
-    samples: float = None        # samples it served in its life (estimated: the run's rate over the workers alive)
+    samples: float = None        # samples it served while watched (estimated: the loop's samples shared out among
+                                 # the workers by their CPU time, the same work per sample)
     growth_mib_per_1k_samples: float = None
     cpu_s: float = 0.0
     exited: bool = False         # vanished while watched
     available_at_exit: int = None  # the machine's available memory at its last reading, when it vanished
-    low_memory_exit: bool = False  # vanished while available memory was near zero: the OOM killer's mark
+    low_memory_exit: bool = False  # vanished while available memory was near zero, or growing steadily while the
+                                   # kernel's OOM killer struck: the OOM killer's likely victim
     steady_growth: bool = False
+
+
+def oom_kills():
+    """The kernel's count of OOM kills since boot (/proc/vmstat oom_kill, Linux 4.13+); None where it
+    cannot be read. A worker that died of SIGKILL while this rose was most likely the OOM killer's."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def death_by_oom(exitcode, kills_before) -> str:
+    """What a worker's death message adds when the worker died of SIGKILL and the kernel's OOM killer
+    killed since `kills_before` (oom_kills() read earlier): '' otherwise."""
+    import signal
+
+    now = oom_kills()
+    if exitcode != -signal.SIGKILL or now is None or kills_before is None or now <= kills_before:
+        return ""
+    machine = _C.machine_memory() or {}
+    left = (f" ({machine['available'] / (1 << 30):.2f} GiB available now of {machine['total'] / (1 << 30):.2f} GiB)"
+            if machine else "")
+    return (f"; the kernel's OOM killer killed {now - kills_before} process(es) meanwhile (/proc/vmstat oom_kill): "
+            f"the machine ran out of host memory{left}. Workers whose memory grows with every sample are the "
+            "usual cause: copy-on-read of a dataset held as Python objects (@hotloop.memory_monitor reports each "
+            "worker's growth); hold it in numpy arrays or tensors, or a memory-mapped file, or use fewer workers")
 
 
 class HostWatch:
@@ -68,6 +100,7 @@ class HostWatch:
             self.reason = str(e)
 
     def start(self):
+        self.oom_kills_at_start = oom_kills()
         if self.sampler is None:
             return
         try:
@@ -79,6 +112,8 @@ class HostWatch:
     def stop(self):
         if self.sampler is not None:
             self.sampler.stop()
+        now, before = oom_kills(), getattr(self, "oom_kills_at_start", None)
+        self.oom_kills = None if now is None or before is None else now - before
 
     def snapshot(self):
         return None if self.sampler is None else self.sampler.snapshot()
@@ -99,9 +134,10 @@ def _line(p):
     return slope, r2
 
 
-def processes_of(snapshot, t0, samples_per_s):
-    """The ProcessMemory of every process the sampler saw, main first. samples_per_s: the rate the
-    loop consumed samples at (None where unknown), shared out among the workers alive at once."""
+def processes_of(snapshot, t0, loader_samples):
+    """The ProcessMemory of every process the sampler saw, main first. loader_samples: how many samples
+    the loop consumed (None where unknown), shared out among the workers by their CPU time: a process
+    of the tree that serves no samples (a leftover worker of another loader, a subprocess) uses none."""
     seen = snapshot["processes"]
     main_pid = snapshot["main_pid"]
     parents = {p["ppid"] for p in seen}
@@ -120,13 +156,11 @@ def processes_of(snapshot, t0, samples_per_s):
             available_at_exit=p["available_last"] if exited else None,
             low_memory_exit=exited and p["available_last"] < low))
     workers = [w for w in out if w.role == "worker"]
+    cpu = sum(w.cpu_s for w in workers)
     for w in workers:
-        mid = 0.5 * (w.start_s + w.end_s)
-        together = sum(1 for o in workers if o.start_s <= mid <= o.end_s) or 1
-        if samples_per_s:
-            w.samples = samples_per_s * (w.end_s - w.start_s) / together
-            if w.samples > 0:
-                w.growth_mib_per_1k_samples = w.growth_bytes_per_s * together / samples_per_s * 1000 / MiB
+        if loader_samples and cpu > 0 and w.cpu_s > 0:
+            w.samples = loader_samples * w.cpu_s / cpu
+            w.growth_mib_per_1k_samples = w.growth_bytes / w.samples * 1000 / MiB
         w.steady_growth = (w.readings >= STEADY_MIN_SAMPLES and w.growth_bytes >= STEADY_MIN_BYTES
                            and w.growth_bytes_per_s > 0 and (w.steadiness or 0) >= STEADY_MIN_R2)
     out.sort(key=lambda x: (x.role != "main", x.start_s, x.pid))
@@ -134,14 +168,13 @@ def processes_of(snapshot, t0, samples_per_s):
 
 
 def forecast(processes, available, samples_per_s):
-    """When workers grow steadily: how long (and how many samples) until the machine's `available`
-    memory is gone at their combined rate, while as many of them live at once as did here. None
-    when nothing grows steadily."""
+    """When workers grow steadily: how long (and, where the loop's samples are counted, how many samples)
+    until the machine's `available` memory is gone at their combined rate, while as many of them live
+    at once as did here. None when nothing grows steadily."""
     steady = [w for w in processes if w.steady_growth]
     if not steady or not available:
         return None
-    workers = [w for w in processes if w.role == "worker"]
-    together = max(sum(1 for o in workers if o.start_s <= 0.5 * (w.start_s + w.end_s) <= o.end_s) for w in workers)
+    together = max(sum(1 for o in steady if o.start_s <= 0.5 * (w.start_s + w.end_s) <= o.end_s) for w in steady)
     rate = sum(w.growth_bytes_per_s for w in steady) / len(steady) * together
     seconds = available / rate
     return {"seconds": seconds, "samples": None if not samples_per_s else int(seconds * samples_per_s),
@@ -160,7 +193,7 @@ def torch_pinned_peak(torch):
     return None if value is None else int(value)
 
 
-def fill(r, snapshot, t0, loader_samples, torch):
+def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None):
     """Set the host fields of the report `r` (a MemoryReport) from the sampler's snapshot."""
     import numpy as np
 
@@ -189,7 +222,12 @@ def fill(r, snapshot, t0, loader_samples, torch):
     r.pinned_torch_peak_bytes = torch_pinned_peak(torch)
     samples_per_s = loader_samples / r.duration_s if loader_samples and r.duration_s > 0 else None
     r.loader_samples = loader_samples or None
-    r.host_processes = processes_of(snapshot, t0, samples_per_s)
+    r.host_processes = processes_of(snapshot, t0, loader_samples)
+    r.host_oom_kills = oom_kill_count
+    if oom_kill_count:  # the OOM killer struck: the workers that vanished growing steadily are its likely victims
+        for p in r.host_processes:
+            if p.exited and p.role == "worker" and p.steady_growth:
+                p.low_memory_exit = True
     main = [p for p in r.host_processes if p.role == "main"]
     r.cpu_main_s = main[0].cpu_s if main else None
     r.cpu_children_s = sum(p.cpu_s for p in r.host_processes if p.role != "main")

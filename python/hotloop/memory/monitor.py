@@ -405,7 +405,8 @@ class MemoryMonitor:
         r.timeline = Timeline(self._sampler.snapshot() if r.nvml else None, self._t0, host=host)
         loader_end = input_wait.snapshot()
         if host is not None:
-            fill_host(r, host, self._t0, loader_end["samples"] - self._loader_start["samples"], torch)
+            fill_host(r, host, self._t0, loader_end["samples"] - self._loader_start["samples"], torch,
+                      getattr(self._host, "oom_kills", None))
         else:
             r.host_unavailable_reason = self._host.reason
         if r.nvml:

@@ -81,6 +81,7 @@ class MemoryReport:
     cpu_main_s: float = None              # CPU time (user + system) of this process while watched
     cpu_children_s: float = None          # and of its descendants
     host_processes: list = dataclasses.field(default_factory=list)  # ProcessMemory, this process first
+    host_oom_kills: int = None            # OOM kills the kernel made on the machine while watched (/proc/vmstat)
     host_forecast: dict = None            # when workers grow steadily: when the machine runs out (seconds, samples)
     host_samples: int = None
     host_sample_rate_hz: float = None

@@ -161,6 +161,8 @@ def host_rows(r) -> list:
                  f"{r.host_ticks_missed} ticks missed; the sampler read /proc for {r.host_sampler_s:.3f} s)"))
     if r.host_forecast is not None:
         rows.append(("  at this rate", forecast_text(r.host_forecast)))
+    if r.host_oom_kills:
+        rows.append(("  kernel OOM kills", f"{r.host_oom_kills} on the machine while watched (/proc/vmstat)"))
     return rows
 
 
