@@ -745,19 +745,22 @@ static PyType_Spec sampler_spec = {
     .slots = sampler_slots,
 };
 
-PyDoc_STRVAR(proc_memory_doc, "proc_memory(pid) -> dict or None\n\nOne reading of /proc/PID/smaps_rollup now, in "
+PyDoc_STRVAR(proc_memory_doc, "proc_memory(pid, rollup=True) -> dict or None\n\nOne reading of /proc/PID/smaps_rollup "
+                              "now (where the kernel has none, or rollup=False: the sums of /proc/PID/smaps), in\n"
                               "bytes (rss, pss, uss, swap, locked); None when the process is gone.");
 
-static PyObject *proc_memory(PyObject *Py_UNUSED(module), PyObject *arg) {
-    long pid = PyLong_AsLong(arg);
-    if (pid == -1 && PyErr_Occurred())
+static PyObject *proc_memory(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"pid", "rollup", NULL};
+    long pid;
+    int rollup = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "l|p:proc_memory", keywords, &pid, &rollup))
         return NULL;
     if (pid <= 0 || pid > INT32_MAX)
         return PyErr_Format(PyExc_ValueError, "proc_memory(): expected a positive process id, got %ld", pid);
     hl_proc_memory m;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = hl_read_proc_memory((int)pid, &m);
+    rc = hl_read_proc_memory_from((int)pid, &m, rollup);
     Py_END_ALLOW_THREADS
     if (rc < 0)
         Py_RETURN_NONE;
@@ -779,7 +782,7 @@ static PyObject *machine_memory(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED
 }
 
 static PyMethodDef host_functions[] = {
-    {"proc_memory", proc_memory, METH_O, proc_memory_doc},
+    {"proc_memory", (PyCFunction)(void (*)(void))proc_memory, METH_VARARGS | METH_KEYWORDS, proc_memory_doc},
     {"machine_memory", machine_memory, METH_NOARGS, machine_memory_doc},
     {NULL, NULL, 0, NULL},
 };

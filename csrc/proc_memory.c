@@ -6,6 +6,8 @@
 #include "proc_memory.h"
 
 #include <dirent.h>
+#include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,9 +48,71 @@ static uint64_t kib_field(const char *text, const char *key) {
     return 0;
 }
 
-int hl_read_proc_memory(int pid, hl_proc_memory *out) {
+/* add one "Key:   123 kB" line of /proc/PID/smaps to the sums */
+static void add_smaps_line(const char *line, hl_proc_memory *out) {
+    static const struct {
+        const char *key;
+        size_t offset;
+    } keys[] = {{"Rss:", offsetof(hl_proc_memory, rss)},
+                {"Pss:", offsetof(hl_proc_memory, pss)},
+                {"Private_Clean:", offsetof(hl_proc_memory, uss)},
+                {"Private_Dirty:", offsetof(hl_proc_memory, uss)},
+                {"SwapPss:", offsetof(hl_proc_memory, swap)},
+                {"Locked:", offsetof(hl_proc_memory, locked)}};
+    for (size_t k = 0; k < sizeof(keys) / sizeof(keys[0]); k++) {
+        size_t len = strlen(keys[k].key);
+        if (strncmp(line, keys[k].key, len) == 0) {
+            *(uint64_t *)((char *)out + keys[k].offset) += strtoull(line + len, NULL, 10) * 1024;
+            return;
+        }
+    }
+}
+
+/* The same sums from /proc/PID/smaps, a block per mapping: for kernels (before 4.14) and sandboxes
+   without smaps_rollup. Read in chunks, line by line. */
+static int read_smaps_sums(int pid, hl_proc_memory *out) {
+    char path[64], buf[16384];
+    snprintf(path, sizeof(path), "/proc/%d/smaps", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    memset(out, 0, sizeof(*out));
+    size_t have = 0;
+    int lines = 0;
+    for (;;) {
+        ssize_t got = read(fd, buf + have, sizeof(buf) - 1 - have);
+        if (got < 0) {
+            close(fd);
+            return -1;
+        }
+        have += (size_t)got;
+        buf[have] = '\0';
+        char *line = buf, *end;
+        while ((end = strchr(line, '\n')) != NULL) {
+            *end = '\0';
+            add_smaps_line(line, out);
+            lines++;
+            line = end + 1;
+        }
+        size_t rest = have - (size_t)(line - buf);
+        if (got == 0 || rest == sizeof(buf) - 1) /* the end, or a line longer than the buffer: dropped */
+            break;
+        memmove(buf, line, rest);
+        have = rest;
+    }
+    close(fd);
+    return lines > 0 ? 0 : -1; /* empty: a zombie, or a process whose memory is already gone */
+}
+
+int hl_read_proc_memory_from(int pid, hl_proc_memory *out, int rollup) {
+    if (!rollup)
+        return read_smaps_sums(pid, out);
     char path[64], buf[4096];
     snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) /* no smaps_rollup here (a process that is gone has no smaps either) */
+        return errno == ENOENT ? read_smaps_sums(pid, out) : -1;
+    close(fd);
     /* an empty file: a zombie, or a process whose memory is already gone */
     if (read_small_file(path, buf, sizeof(buf)) <= 0 || strstr(buf, "Rss:") == NULL)
         return -1;
@@ -59,6 +123,8 @@ int hl_read_proc_memory(int pid, hl_proc_memory *out) {
     out->locked = kib_field(buf, "Locked");
     return 0;
 }
+
+int hl_read_proc_memory(int pid, hl_proc_memory *out) { return hl_read_proc_memory_from(pid, out, 1); }
 
 int hl_read_proc_rss(int pid, uint64_t *rss) {
     char path[64], buf[256];

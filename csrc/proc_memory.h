@@ -25,8 +25,10 @@ typedef struct {
     uint64_t cpu_ticks; /* utime + stime, in clock ticks */
 } hl_proc_stat;
 
-/* 0 and `out` filled, or -1 (the process is gone, or smaps_rollup cannot be read). */
+/* 0 and `out` filled, or -1 (the process is gone, or its memory cannot be read). From smaps_rollup,
+   or where the kernel has none (before 4.14, some sandboxes) the sums of smaps; rollup=0: smaps. */
 int hl_read_proc_memory(int pid, hl_proc_memory *out);
+int hl_read_proc_memory_from(int pid, hl_proc_memory *out, int rollup);
 int hl_read_machine_memory(hl_machine_memory *out);
 /* RSS alone from /proc/PID/statm: a small fraction of smaps_rollup's cost, which walks every page table */
 int hl_read_proc_rss(int pid, uint64_t *rss);

@@ -457,3 +457,17 @@ def test_samples_are_shared_out_by_cpu_time():
         share = 1000 * cpu[i] / cpu.sum()
         assert got[pid].samples == pytest.approx(share)
         assert got[pid].growth_mib_per_1k_samples == pytest.approx(growth[i] / MiB / share * 1000)
+
+
+def test_smaps_sums_agree_with_smaps_rollup():
+    """Where the kernel has no smaps_rollup (before 4.14, some sandboxes) the reader sums smaps: the same
+    figures, to the per-mapping rounding of the kernel's kB."""
+    keep = np.random.rand(4 << 20)  # 32 MiB of this process's own
+    rollup, sums = _C.proc_memory(os.getpid()), _C.proc_memory(os.getpid(), rollup=False)
+    assert keep.sum() > 0
+    assert sums["rss"] == pytest.approx(rollup["rss"], abs=2 * MiB)
+    assert sums["pss"] == pytest.approx(rollup["pss"], abs=2 * MiB)
+    assert sums["uss"] == pytest.approx(rollup["uss"], abs=2 * MiB) and sums["uss"] >= 32 * MiB
+    assert _C.proc_memory(2 ** 31 - 1) is None and _C.proc_memory(2 ** 31 - 1, rollup=False) is None
+    with pytest.raises(ValueError, match="positive process id"):
+        _C.proc_memory(0)
