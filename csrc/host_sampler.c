@@ -28,8 +28,10 @@
    rounds, all watched processes at once, spaced so that the rounds take at most `pss_budget` of one
    core (and never more often than the tick); a process seen for the first time is read at once.
    The list of processes (every descendant of this one: torch's DataLoader workers are its children,
-   hotloop's are children of its launcher) comes from a scan of /proc, slower still (500 ms by
-   default) because it reads one file per process of the machine; a worker that vanishes triggers a
+   hotloop's are children of its launcher) comes from a scan of /proc, which reads one file per process
+   of the machine: scans are spaced by their own cost over the same budget (and at least
+   scan_interval_ms apart), so a quiet machine is scanned every tick or two and finds short-lived
+   workers, while one of thousands of processes is scanned seldom; a worker that vanishes triggers a
    scan at the next tick, so restarted workers are found at once. */
 
 /* What the sampler knows of one process over the whole run (kept or dropped samples alike). */
@@ -250,8 +252,9 @@ static void tick(hl_host_sampler *s) {
     if (s->tree && (t0 >= s->next_scan || s->rescan)) {
         if (scan_descendants(s) == 0) {
             s->rescan = 0;
-            s->next_scan = t0 + s->scan_interval_ns;
             scan_ns = now_ns() - t0;
+            int64_t gap = (int64_t)((double)scan_ns / s->pss_budget); /* NOTE [ Host sampling rate ] */
+            s->next_scan = t0 + (gap > s->scan_interval_ns ? gap : s->scan_interval_ns);
         }
     }
     /* the watched: this process, its descendants, and the pids Python named (copied under the lock) */
@@ -259,7 +262,8 @@ static void tick(hl_host_sampler *s) {
     size_t given_n = 0;
     pthread_mutex_lock(&s->lock);
     given_n = s->given_n;
-    memcpy(given, s->given, given_n * sizeof(int));
+    if (given_n > 0)
+        memcpy(given, s->given, given_n * sizeof(int));
     pthread_mutex_unlock(&s->lock);
 
     size_t want = 1 + s->descendants_n + given_n, n = 0;
@@ -294,7 +298,8 @@ static void tick(hl_host_sampler *s) {
     }
     /* this tick's readings are the next tick's cache of PSS */
     if (grow((void **)&s->previous, &s->previous_cap, n ? n : 1, sizeof(reading)) == 0) {
-        memcpy(s->previous, s->readings, n * sizeof(reading));
+        if (n > 0)
+            memcpy(s->previous, s->readings, n * sizeof(reading));
         s->previous_n = n;
     } else {
         s->previous_n = 0;
@@ -508,7 +513,8 @@ static int take_copy(hl_host_sampler *s, snapshot_copy *c) {
     if (ok) {
         ring_copy(&s->host, c->host);
         ring_copy(&s->procs, c->procs);
-        memcpy(c->table, s->table, c->table_n * sizeof(proc_record));
+        if (c->table_n > 0)
+            memcpy(c->table, s->table, c->table_n * sizeof(proc_record));
     }
     pthread_mutex_unlock(&s->lock);
     return ok ? 0 : -1;
@@ -611,7 +617,7 @@ static PyObject *get_tree(PyObject *self, void *Py_UNUSED(closure)) {
 static PyGetSetDef sampler_getset[] = {
     {"running", get_running, NULL, "whether the sampler thread runs", NULL},
     {"interval_ms", get_interval_ms, NULL, "the tick, milliseconds", NULL},
-    {"scan_interval_ms", get_scan_interval_ms, NULL, "how often /proc is scanned for descendants, milliseconds", NULL},
+    {"scan_interval_ms", get_scan_interval_ms, NULL, "the least time between scans of /proc for descendants, ms", NULL},
     {"tree", get_tree, NULL, "whether every descendant of this process is watched", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -626,7 +632,7 @@ static PyMethodDef sampler_methods[] = {
 
 static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"interval_ms", "scan_interval_ms", "capacity", "tree", "pss_budget", "root", NULL};
-    double interval_ms = 50.0, scan_ms = 500.0, pss_budget = 0.02;
+    double interval_ms = 50.0, scan_ms = 50.0, pss_budget = 0.02;
     Py_ssize_t capacity = 65536;
     int tree = 1, root = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|ddnpdi:HostSampler", keywords, &interval_ms, &scan_ms, &capacity,
@@ -720,14 +726,14 @@ static void sampler_dealloc(PyObject *self) {
 }
 
 PyDoc_STRVAR(sampler_doc,
-             "HostSampler(interval_ms=50.0, scan_interval_ms=500.0, capacity=65536, tree=True, pss_budget=0.02, root=0)\n\n"
+             "HostSampler(interval_ms=50.0, scan_interval_ms=50.0, capacity=65536, tree=True, pss_budget=0.02, root=0)\n\n"
              "Host memory read by a C thread without the GIL: every interval_ms, the RSS of this process (or of\n"
-             "`root`, another process), of every\n"
-             "descendant (tree=True: DataLoader workers; the list refreshed every scan_interval_ms and whenever a\n"
-             "watched process vanishes) and of the pids given to set_pids(), and /proc/meminfo's available memory\n"
-             "and swap; their PSS, USS and swap (/proc/PID/smaps_rollup, costly) in rounds that take at most\n"
-             "pss_budget of one core. The ring keeps the newest `capacity` ticks; peaks and per-process figures\n"
-             "cover every tick. Linux only: elsewhere start() raises OSError.");
+             "`root`, another process), of every descendant (tree=True: DataLoader workers; found by scans of\n"
+             "/proc at least scan_interval_ms apart, and at once when a watched process vanishes) and of the\n"
+             "pids given to set_pids(), and /proc/meminfo's available memory and swap; their PSS, USS and swap\n"
+             "(/proc/PID/smaps_rollup, costly) in rounds. Rounds and scans each take at most pss_budget of one\n"
+             "core. The ring keeps the newest `capacity` ticks; peaks and per-process figures cover every tick.\n"
+             "Linux only: elsewhere start() raises OSError.");
 
 static PyType_Slot sampler_slots[] = {
     {Py_tp_new, sampler_new},

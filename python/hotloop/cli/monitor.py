@@ -145,7 +145,7 @@ def main(args) -> int:
         writer = csv.writer(csv_file)
         writer.writerow(COLUMNS)
     try:  # the host's columns: the machine, and with --pid that process's tree (NOTE [ Host sampling rate ])
-        host = _C.HostSampler(max(interval, 10.0), max(interval, 500.0), 4096, args.pid is not None, 0.02,
+        host = _C.HostSampler(max(interval, 10.0), max(interval, 10.0), 4096, args.pid is not None, 0.02,
                               args.pid or 0)
     except (OSError, ValueError):
         host = None

@@ -95,7 +95,7 @@ class HostWatch:
         self.reason = None
         self.sampler = None
         try:
-            self.sampler = _C.HostSampler(interval_ms, max(10 * interval_ms, 500.0), capacity, True, pss_budget)
+            self.sampler = _C.HostSampler(interval_ms, interval_ms, capacity, True, pss_budget)
         except (OSError, ValueError) as e:
             self.reason = str(e)
 

@@ -256,8 +256,8 @@ class MemoryMonitor:
             return self._report
         if self._sampler is not None:
             self._sampler.stop()
-        self._host.stop()
         self._t1 = time.monotonic()
+        self._host.stop()  # its last reading (a whole PSS round) is not the run's time
         self._running = False
         if self._hooks is not None:
             self._hooks.remove()
