@@ -102,8 +102,9 @@ def test_sampler_figures_match_proc_read_here():
         assert child.stdout.readline().strip() == b"1"  # its 48 MiB are touched
         s.start()
         time.sleep(0.3)
+        s.stop()  # its last reading is a whole one, taken now: read /proc here right after it
+        # (PSS of shared library pages moves with every other process on the machine that maps them)
         mine, theirs = smaps_rollup(), smaps_rollup(child.pid)
-        s.stop()
         snap = s.snapshot()
         by_pid = {p["pid"]: p for p in snap["processes"]}
         assert snap["main_pid"] == os.getpid() and child.pid in by_pid
