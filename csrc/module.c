@@ -191,7 +191,7 @@ static int exec_module(PyObject *module) {
         return -1;
     if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0 || hl_nvrtc_exec(module) < 0)
         return -1;
-    if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0)
+    if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0 || hl_host_sampler_exec(module) < 0)
         return -1;
     if (hl_image_resize_exec(module) < 0 || hl_kernels_exec(module) < 0)
         return -1;
@@ -204,6 +204,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(state->nvml_error);
     Py_VISIT(state->ring_type);
     Py_VISIT(state->monitor_type);
+    Py_VISIT(state->host_sampler_type);
     Py_VISIT(state->nvjpeg_error);
     Py_VISIT(state->jpeg_info_type);
     Py_VISIT(state->jpeg_decoder_type);
@@ -217,6 +218,7 @@ static int module_clear(PyObject *module) {
     Py_CLEAR(state->nvml_error);
     Py_CLEAR(state->ring_type);
     Py_CLEAR(state->monitor_type);
+    Py_CLEAR(state->host_sampler_type);
     Py_CLEAR(state->nvjpeg_error);
     Py_CLEAR(state->jpeg_info_type);
     Py_CLEAR(state->jpeg_decoder_type);

@@ -11,6 +11,7 @@ typedef struct {
     PyObject *nvml_error; /* hotloop.NvmlError, a RuntimeError */
     PyObject *ring_type;    /* set by ring.c, when it adds its type */
     PyObject *monitor_type; /* set by monitor.c, when it adds its type */
+    PyObject *host_sampler_type; /* set by host_sampler.c */
     PyObject *nvjpeg_error;       /* hotloop.NvjpegError, a RuntimeError */
     PyObject *jpeg_info_type;     /* set by jpeg_header.c: what jpeg_header() returns */
     PyObject *jpeg_decoder_type;  /* set by nvjpeg.c */
@@ -71,6 +72,7 @@ int hl_cuda_exec(PyObject *module);
 int hl_amp_exec(PyObject *module);
 int hl_optim_exec(PyObject *module); /* fused optimizers (optim.c) */
 int hl_monitor_exec(PyObject *module);
+int hl_host_sampler_exec(PyObject *module);
 int hl_nvml_exec(PyObject *module);
 int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */
 int hl_normalize_exec(PyObject *module);

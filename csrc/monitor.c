@@ -2,6 +2,7 @@
 #include "module.h"
 #include "monitor.h"
 #include "nvml.h"
+#include "sample_ring.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -11,41 +12,6 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <time.h>
-
-/* ---------------------------------------------------------------------------------------------
-   A ring of fixed-size items: the oldest is overwritten when full, and counted as dropped. */
-
-typedef struct {
-    char *data;
-    size_t item, capacity, head, count; /* head: where the next item goes */
-    uint64_t dropped;
-} sample_ring;
-
-static int ring_init(sample_ring *r, size_t item, size_t capacity) {
-    r->data = calloc(capacity, item);
-    r->item = item;
-    r->capacity = capacity;
-    r->head = r->count = 0;
-    r->dropped = 0;
-    return r->data == NULL ? -1 : 0;
-}
-
-static void ring_push(sample_ring *r, const void *sample) {
-    memcpy(r->data + r->head * r->item, sample, r->item);
-    r->head = (r->head + 1) % r->capacity;
-    if (r->count < r->capacity)
-        r->count++;
-    else
-        r->dropped++;
-}
-
-/* the kept items, oldest first, into `out` (count * item bytes) */
-static void ring_copy(const sample_ring *r, char *out) {
-    size_t start = (r->head + r->capacity - r->count) % r->capacity;
-    size_t first = r->capacity - start < r->count ? r->capacity - start : r->count;
-    memcpy(out, r->data + start * r->item, first * r->item);
-    memcpy(out + first * r->item, r->data, (r->count - first) * r->item);
-}
 
 /* ---------------------------------------------------------------------------------------------
    The Monitor object. `lock` guards the rings and statistics; the sampler holds it only to push. */
@@ -329,12 +295,9 @@ static void *pcie_main(void *arg) {
 static PyObject *module_of(PyObject *self) { return PyType_GetModule(Py_TYPE(self)); }
 
 static void reset_statistics(hl_monitor *m) {
-    m->memory.head = m->memory.count = 0;
-    m->memory.dropped = 0;
-    m->slow.head = m->slow.count = 0;
-    m->slow.dropped = 0;
-    m->pcie.head = m->pcie.count = 0;
-    m->pcie.dropped = 0;
+    ring_clear(&m->memory);
+    ring_clear(&m->slow);
+    ring_clear(&m->pcie);
     m->ticks = m->ticks_missed = m->memory_samples = m->slow_samples = m->pcie_samples = 0;
     m->peak_used = m->reserved_at_peak = m->first_used = m->last_used = m->min_used = 0;
     m->peak_t = m->first_t = m->last_t = 0.0;
@@ -686,9 +649,9 @@ static void monitor_dealloc(PyObject *self) {
         pthread_mutex_unlock(&registry_lock);
         pthread_mutex_destroy(&m->lock);
     }
-    free(m->memory.data);
-    free(m->slow.data);
-    free(m->pcie.data);
+    ring_free(&m->memory);
+    ring_free(&m->slow);
+    ring_free(&m->pcie);
     freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
     tp_free(self);
     Py_DECREF(type);

@@ -28,7 +28,7 @@ int hl_tensor_from_object(PyObject *obj, const char *argname, unsigned dtype_mas
 void hl_tensor_release(hl_tensor *t);
 
 /* Many tensors, as Python packed them: int64 quadruples (data pointer, element count, dtype code,
-   device index or -1) in a bytes object. Entries live in malloc'd memory (PyMem_RawMalloc is outside
+   device index or -1) in a bytes object. Entries live in malloc'd memory (malloc is outside
    the limited API), so launchers and C loops can read them without the GIL. */
 typedef struct {
     hl_table_entry *entries;

@@ -35,7 +35,7 @@ def test_readme_cpu_recipe_runs_as_written():
     assert out.returncode == 0, out.stderr
     assert re.search(r"last loss \d+\.\d{3}; the loop waited for data \d+% of the time", out.stdout), out.stdout
     if not torch.cuda.is_available():
-        assert "no GPU: reporting nothing" in out.stderr
+        assert "hotloop memory report: host (no GPU)" in out.stderr and "peak host memory (PSS)" in out.stderr
 
 
 GPU_STAND_INS = textwrap.dedent("""

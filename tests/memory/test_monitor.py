@@ -659,20 +659,21 @@ def train(x):
     return x + 1
 
 assert train(1) == 2 and train(2) == 3
-assert train.last_report is not None and not train.last_report.nvml
+assert train.last_report is not None and not train.last_report.nvml and train.last_report.host
 """
 
 
-def test_without_a_gpu_one_short_line_once(tmp_path):
-    """No NVML and no CUDA in torch: one short line for the whole process, not a report (with a
-    dlopen error and a C file:line in it) per call."""
+def test_without_a_gpu_the_report_is_the_hosts(tmp_path):
+    """No NVML and no CUDA in torch: each run prints a report of the host (its memory, CPU time), with
+    one short line for the missing GPU and no dlopen error or C file:line in it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML_", "HOTLOOP_NVML"))}
     env.update(HOTLOOP_NVML_LIBRARY=str(tmp_path / "no-libnvidia-ml.so"), CUDA_VISIBLE_DEVICES="")
     p = subprocess.run([sys.executable, "-c", NO_GPU_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
-    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and "no GPU" in lines[0], lines
-    assert ".c:" not in lines[0] and "nvml:" not in lines[0]
+    text = p.stdout + p.stderr
+    assert text.count("hotloop memory report: host (no GPU)") == 2, text
+    assert text.count("peak host memory (PSS)") == 2 and text.count("CPU time") == 2
+    assert ".c:" not in text and "nvml:" not in text and "dlopen" not in text
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

@@ -112,3 +112,37 @@ def test_cli_monitor_and_doctor_run():
     assert names["driver"]["status"] == "PASS"
     assert "gpu 0 PCIe link" in names and "gpu 0 H2D bandwidth" in names
     assert report["facts"]["h2d_gbps"]["gpu 0"] > 1.0
+
+
+JSON_KEYS_SCRIPT = """
+import io, json, sys, time
+import hotloop
+out = io.StringIO()
+with hotloop.MemoryMonitor(report="json", file=out):
+    time.sleep(0.05)
+print(json.dumps(sorted(json.loads(out.getvalue()))))
+"""
+
+
+def test_json_has_the_same_keys_with_the_gpu_as_without():
+    """report='json' writes one object with the same keys on the GPU as without one (there the GPU's
+    are null); here the GPU's and the host's are filled."""
+    import dataclasses
+    import io
+    import os
+
+    out = io.StringIO()
+    with hotloop.MemoryMonitor(report="json", file=out):
+        x = torch.randn(1 << 20, device="cuda")
+        torch.cuda.synchronize()
+        time.sleep(0.05)
+        del x
+    d = json.loads(out.getvalue())
+    fields = {f.name for f in dataclasses.fields(hotloop.MemoryReport)} - {"timeline"}
+    assert set(d) == fields
+    assert d["nvml"] and d["torch_cuda"] and d["peak_device_used"] > 0 and d["peak_allocated"] >= 4 << 20
+    assert d["host"] and d["host_peak_bytes"] > 0 and d["host_processes"][0]["role"] == "main"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HOTLOOP_NVML_LIBRARY="/nonexistent/libnvidia-ml.so")
+    p = subprocess.run([sys.executable, "-c", JSON_KEYS_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == sorted(d)

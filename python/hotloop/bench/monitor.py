@@ -4,6 +4,8 @@ Step time of a ResNet-50 AMP step (torchvision; a small conv net without it) wit
 hotloop's C sampler at 1 kHz, with torch's `_record_memory_history`, and with a Python thread polling
 NVML every 1 ms (pynvml, else ctypes), the configurations alternated block by block in one process.
 Then the sample rate the C sampler achieves when 1 kHz and 10 kHz are asked, against a Python thread.
+Beside them, on any machine: what the host sampler (hotloop._C.HostSampler) costs while it watches this
+process and two children, against a Python thread reading the same /proc files at the same rate.
 """
 import ctypes
 import os
@@ -82,6 +84,77 @@ def _model(torch, device, quick):
     return model.to(device).to(memory_format=torch.channels_last), name
 
 
+class PythonProcPoller:
+    """What users write today for host memory: a Python thread that reads smaps_rollup of each process
+    (psutil's memory_full_info() reads the same file) and /proc/meminfo every `interval` seconds."""
+
+    def __init__(self, pids, interval):
+        self.pids, self.interval = pids, interval
+        self.busy = 0.0
+        self.ticks = 0
+        self._stop = threading.Event()
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            for pid in self.pids:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    fields = {line.split()[0]: int(line.split()[1]) for line in f if line.endswith("kB\n")}
+                self.peak = fields.get("Pss:", 0)
+            with open("/proc/meminfo") as f:
+                f.read()
+            self.busy += time.perf_counter() - t
+            self.ticks += 1
+            time.sleep(self.interval)
+
+    def run(self, seconds):
+        thread = threading.Thread(target=self._run, daemon=True)
+        t0 = time.perf_counter()
+        thread.start()
+        time.sleep(seconds)
+        self._stop.set()
+        thread.join()
+        return time.perf_counter() - t0
+
+
+def host_rows(seconds):
+    """The host sampler's cost per second watched (this process and two sleeping children, PSS read in
+    every tick: its budget set to a whole core) against a Python thread doing the same reads."""
+    import subprocess
+    import sys
+
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    try:
+        time.sleep(0.2)
+
+        def sampled(budget):
+            """the sampler's steady cost: between two snapshots taken while it runs (start() and stop()
+            each take a whole reading of their own, which a short window would count as the rate)"""
+            sampler = _C.HostSampler(50.0, 50.0, 4096, True, budget)
+            sampler.start()
+            time.sleep(0.1)
+            a, ta = sampler.snapshot(), time.monotonic()
+            time.sleep(seconds)
+            b, tb = sampler.snapshot(), time.monotonic()
+            sampler.stop()
+            spent = tb - ta
+            cost = (b["read_s"] + b["scan_s"]) - (a["read_s"] + a["scan_s"])
+            return 1e3 * cost / spent, (b["ticks"] - a["ticks"]) / spent, (b["rounds"] - a["rounds"]) / spent
+
+        poller = PythonProcPoller([os.getpid()] + [c.pid for c in children], 0.05)
+        elapsed = poller.run(seconds)
+        python_ms, python_hz = 1e3 * poller.busy / elapsed, poller.ticks / elapsed
+        for budget, what in ((1.0, "PSS every tick"), (0.02, "default PSS budget, 2 % of a core")):
+            hotloop_ms, hz, rounds = sampled(budget)
+            yield Row("monitor", f"host sampler, 20 Hz, 3 processes, {what}: /proc time per second watched",
+                      hotloop_ms, python_ms, "ms", f"hotloop C thread {hz:.0f} Hz, PSS rounds {rounds:.1f} Hz; torch "
+                      f"column: Python thread reading smaps_rollup every tick, {python_hz:.0f} Hz")
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+
+
 def _sample_rate(device, interval_ms, seconds):
     """(the memory sample rate hotloop's monitor held, its report) over `seconds` of an idle host"""
     with MemoryMonitor(interval_ms=interval_ms, device=device) as mon:
@@ -91,6 +164,7 @@ def _sample_rate(device, interval_ms, seconds):
 
 
 def rows(ctx):
+    yield from host_rows(0.5 if ctx.quick else 2.0)
     reason = _C.nvml_unavailable_reason()
     if reason is not None:
         print(f"  monitor: skipped, no NVML ({reason})", flush=True)

@@ -1,4 +1,5 @@
-"""`python -m hotloop monitor`: an nvidia-smi -l like logger driven by the C sampler, with a summary at the end."""
+"""`python -m hotloop monitor`: an nvidia-smi -l like logger driven by the C samplers (the GPUs' and the
+host's), with a summary at the end."""
 import csv
 import math
 import signal
@@ -8,10 +9,12 @@ import time
 from .. import _C
 from ..memory.clock_reasons import reason_names
 from ..memory.text import GiB
-from ..memory.timeline import Timeline
+from ..memory.timeline import Timeline, host_records
 
 COLUMNS = ["time", "gpu", "used_mib", "reserved_mib", "util_pct", "mem_util_pct", "power_w", "temp_c",
-           "sm_mhz", "mem_mhz", "pcie_rx_mb_s", "pcie_tx_mb_s", "reasons", "jpeg_pct"]
+           "sm_mhz", "mem_mhz", "pcie_rx_mb_s", "pcie_tx_mb_s", "reasons", "jpeg_pct",
+           # the host: the machine's available memory and swap in use; with --pid, that process tree's PSS
+           "host_available_mib", "host_swap_used_mib", "tree_pss_mib", "tree_processes"]
 
 
 def _positive(text):
@@ -30,12 +33,36 @@ def add_arguments(parser):
     parser.add_argument("--device", type=int, action="append", help="NVML device index (repeatable; default all)")
     parser.add_argument("--csv", metavar="FILE", help="also write every row to this CSV file")
     parser.add_argument("--duration", type=_positive, metavar="S", help="stop after S seconds (default: until Ctrl-C)")
+    parser.add_argument("--pid", type=_pid, help="also log the host memory (PSS) of this process and its descendants "
+                        "(a training run and its DataLoader workers)")
+
+
+def _pid(text):
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+_pid.__name__ = "process id"
 
 
 def _value(raw, scale=1.0, digits=0):
     if raw is None or raw == _C.MONITOR_UNSUPPORTED:
         return ""
     return f"{raw * scale:.{digits}f}"
+
+
+def _host_columns(host, pid):
+    """the host columns from the host sampler's newest tick"""
+    if host is None:
+        return ["", "", "", ""]
+    ticks = host_records(host.snapshot()["host"])
+    if not len(ticks):
+        return ["", "", "", ""]
+    h = ticks[-1]
+    tree = [f"{h['tree_pss'] / 2**20:.0f}", str(h["processes"])] if pid is not None and h["processes"] else ["", ""]
+    return [f"{h['available'] / 2**20:.0f}", f"{h['swap_used'] / 2**20:.0f}"] + tree
 
 
 def _row(t, index, tl):
@@ -117,9 +144,14 @@ def main(args) -> int:
             return 2
         writer = csv.writer(csv_file)
         writer.writerow(COLUMNS)
-    line = "{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8} {:>5}  {}"
+    try:  # the host's columns: the machine, and with --pid that process's tree (NOTE [ Host sampling rate ])
+        host = _C.HostSampler(max(interval, 10.0), max(interval, 10.0), 4096, args.pid is not None, 0.02,
+                              args.pid or 0)
+    except (OSError, ValueError):
+        host = None
+    line = "{:<12} {:>3} {:>9} {:>8} {:>5} {:>5} {:>8} {:>5} {:>6} {:>6} {:>8} {:>8} {:>5} {:>9} {:>8}  {}"
     header = line.format("time", "gpu", "used MiB", "rsvd MiB", "sm%", "mem%", "power W", "temp", "SM MHz",
-                         "memMHz", "rx MB/s", "tx MB/s", "jpeg%", "clock-event reasons")
+                         "memMHz", "rx MB/s", "tx MB/s", "jpeg%", "avail MiB", "tree MiB", "clock-event reasons")
     t_start, wall_start = time.monotonic(), time.time()
     lines = 0
     status = 0
@@ -127,6 +159,11 @@ def main(args) -> int:
     try:
         for m in monitors:
             m.start()
+        if host is not None:
+            try:
+                host.start()
+            except OSError:
+                host = None
         # --duration counts from when sampling began, not from the (possibly slow) set-up
         t_start, wall_start = time.monotonic(), time.time()
         end = None if args.duration is None else t_start + args.duration
@@ -142,9 +179,10 @@ def main(args) -> int:
             now = time.time()
             if lines % 20 == 0:
                 print(header, flush=True)
+            hosted = _host_columns(host, args.pid)
             for d, m in zip(devices, monitors):
-                row = _row(now, d, Timeline(m.snapshot()))
-                print(line.format(*row[:12], row[13], row[12]), flush=True)  # the reasons last
+                row = _row(now, d, Timeline(m.snapshot())) + hosted
+                print(line.format(*row[:12], row[13], row[14], row[16], row[12]), flush=True)  # the reasons last
                 if writer:
                     writer.writerow(row)
             if csv_file:
@@ -160,6 +198,8 @@ def main(args) -> int:
     finally:
         for m in monitors:
             m.stop()
+        if host is not None:
+            host.stop()
         stop.restore()
         if csv_file:
             try:
@@ -179,4 +219,10 @@ def main(args) -> int:
         print(f"summary gpu {d}: {elapsed:.1f} s from {time.strftime('%H:%M:%S', time.localtime(wall_start))}, "
               f"{s['memory_samples']} samples, peak used {s['peak_used'] / GiB:.2f} GiB, util mean {util}, "
               f"power mean/max {power}, temp max {temp}, reasons {reasons}{errors}", flush=True)
+    if host is not None and args.pid is not None:  # the machine's figures are in the rows; the tree's summed up
+        s = host.snapshot()
+        tree = (f", tree of pid {args.pid}: peak {s['peak_tree_pss'] / GiB:.2f} GiB (PSS) in {s['peak_processes']} "
+                f"processes" if s["peak_tree_pss"] else f", pid {args.pid} not seen")
+        print(f"summary host: available at least {s['min_available'] / GiB:.2f} of {s['total'] / GiB:.2f} GiB, "
+              f"swap used at most {s['max_swap_used'] / GiB:.2f} GiB{tree}", flush=True)
     return 0

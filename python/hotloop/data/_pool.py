@@ -18,6 +18,7 @@ import torch
 from torch.utils.data.dataloader import _DatasetKind
 
 from .. import _C, input_wait
+from ..memory.host import death_by_oom, oom_kills
 from ._batch import unflatten
 from ._device import DeviceCopies, page_round, slot_layout, slot_leaf
 from ._inherited_garbage import forking_a_worker
@@ -97,6 +98,7 @@ class Pool:
         self.kind = spec.dataset_kind
         self.spec = spec
         self.main_pid = os.getpid()
+        self.oom_kills = oom_kills()  # a worker killed by SIGKILL while this rises was the OOM killer's
         self.device = loader.device
         self.ring = None
         self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
@@ -342,6 +344,8 @@ class Pool:
                else f"exited unexpectedly with exit code {code}.")
         held = [list(t.index) if t.index is not None else None for t in lost]
         desc = f"DataLoader worker (pid {proc.pid}) {how} It was worker {wid}, holding the indices {held}"
+        desc += death_by_oom(code, self.oom_kills)
+        self.oom_kills = oom_kills()
         # a task redone after a death whose new worker dies at it again: the dataset (or collate_fn)
         # kills its worker there, and restarting cannot help
         again = [t for t in lost if t.id in self.died_at]

@@ -3,7 +3,7 @@ import os
 
 from .clock_reasons import POWER_REASONS, SLOWDOWN_REASONS, reason_bits
 from .ranks import compared_peaks
-from .text import MiB, format_size, top_level_modules
+from .text import MiB, forecast_text, format_size, top_level_modules
 
 IMBALANCE = 1.1  # the heaviest rank's peak over the lightest's above which the ranks are flagged
 STALL_SPREAD = 0.10  # a data-stall share this much larger on one rank than on another is flagged
@@ -70,6 +70,11 @@ def compute_advice(r) -> list:
         temp = f" (max {r.temperature_max_c} °C)" if r.temperature_max_c is not None else ""
         advice.append(f"thermal or hardware slowdown seen{temp}: check cooling, airflow and fan curves")
 
+    if r.util_mean is None and r.stall_fraction is not None and r.stall_fraction > 0.10:
+        advice.append(f"the loop waited on its data loader {100 * r.stall_fraction:.0f} % of the time: raise "
+                      "num_workers, or make __getitem__ cheaper")
+    advice += host_advice(r)
+
     if r.oom:
         req, free = r.oom.get("requested_bytes"), r.oom.get("free_bytes")
         if req and free is not None and oom_frag and req <= free + oom_frag:
@@ -78,6 +83,37 @@ def compute_advice(r) -> list:
         else:
             advice.append("out of memory: lower the batch size, use AMP, or checkpoint the heaviest modules; "
                           "run with model= to see which modules hold the activations")
+    return advice
+
+
+def host_advice(r) -> list:
+    """Workers that grow steadily (NOTE [ Copy-on-read in DataLoader workers ] in memory/host.py), with
+    the figures and the forecast; workers gone while the machine's memory was near zero."""
+    advice = []
+    steady = [p for p in r.host_processes if p.steady_growth]
+    if steady:
+        figures = []
+        for p in steady[:4]:
+            per = (f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
+                   if p.growth_mib_per_1k_samples is not None else "")
+            figures.append(f"pid {p.pid} +{format_size(p.growth_bytes)} in {p.end_s - p.start_s:.1f} s{per}")
+        more = f" and {len(steady) - 4} more" if len(steady) > 4 else ""
+        line = (f"DataLoader workers grew steadily ({'; '.join(figures)}{more}): copy-on-read. Each worker inherits "
+                "the dataset's Python objects at fork, and every read of one writes its reference count, so the "
+                "pages holding them are copied into each worker one by one (PyTorch issue #13246). Hold the data "
+                "as numpy arrays or tensors instead of lists or dicts of Python objects, or in a memory-mapped "
+                "file (np.memmap), or use fewer workers")
+        if r.host_forecast is not None:
+            line += "; at this rate " + forecast_text(r.host_forecast)
+        advice.append(line)
+    killed = [p for p in r.host_processes if p.low_memory_exit and p.role != "main"]
+    if killed:
+        who = ", ".join(f"pid {p.pid} (+{format_size(p.growth_bytes)} since its first reading)" for p in killed[:4])
+        kills = (f"; the kernel counted {r.host_oom_kills} OOM kill(s) meanwhile" if r.host_oom_kills else "")
+        advice.append(f"process{'es' if len(killed) > 1 else ''} {who} vanished while the machine's available "
+                      f"memory was low ({format_size(min(p.available_at_exit for p in killed))} at the last reading"
+                      f"{kills}): the kernel's OOM killer likely took them (dmesg says so); lower host memory: fewer "
+                      "workers, smaller prefetch_factor, data held in numpy arrays or a memory-mapped file")
     return advice
 
 

@@ -28,6 +28,7 @@ from .._arguments import expect_count, expect_positive
 from .advice import compute_advice, compute_rank_advice
 from .clock_reasons import reason_names
 from .hooks import ModuleHooks
+from .host import HostWatch, fill as fill_host
 from .ranks import RankMemory, gather_rows, group_rank
 from .report import MemoryReport
 from .timeline import Timeline
@@ -49,14 +50,15 @@ def _torch():
 _no_gpu_said = False
 
 
-def _say_no_gpu(nvml_reason):
-    """One line per process on a machine without a GPU (each monitored run used to print a report of
-    nothing, with the library loader's error in it); the reason at debug level."""
+def _say_no_gpu(nvml_reason, host_reason):
+    """Without a GPU the report covers the host; where /proc cannot be read either there is nothing to
+    report: one line per process says so (each monitored run used to print a report of nothing, with
+    the library loader's error in it); the reasons at debug level."""
     global _no_gpu_said
-    _logger.debug("hotloop.memory_monitor: NVML: %s; torch sees no CUDA device", nvml_reason)
+    _logger.debug("hotloop.memory_monitor: NVML: %s; torch sees no CUDA device; host: %s", nvml_reason, host_reason)
     if not _no_gpu_said:
         _no_gpu_said = True
-        _logger.warning("hotloop.memory_monitor: no GPU: reporting nothing")
+        _logger.warning("hotloop.memory_monitor: no GPU and no /proc: reporting nothing")
 
 
 def _nvml_index(dev, torch):
@@ -104,7 +106,12 @@ class MemoryMonitor:
     "json" or None: what is printed to `file` (default sys.stderr) when the block ends. plot: a
     PNG path the timeline is drawn to (needs matplotlib). slow_interval_ms: utilisation, power,
     temperature, clocks. pcie_interval_ms: PCIe throughput on its own thread (0: off). capacity:
-    memory samples kept (the oldest are dropped; peaks still see every sample).
+    memory samples kept (the oldest are dropped; peaks still see every sample). host_interval_ms: the
+    host sampler's period (hotloop._C.HostSampler: /proc/PID/smaps_rollup of this process and every
+    descendant, such as DataLoader workers, and the machine's available memory and swap; see
+    NOTE [ Host sampling rate ] in csrc/host_sampler.c for why it is slower than the GPU's);
+    host_pss_budget: the share of one core the costly PSS readings (smaps_rollup) may take.
+    Without a GPU the report holds the host's figures, the GPU's fields None.
 
     all_ranks: under torch.distributed, when the block ends normally every rank of `process_group`
     (default: the default group) sends its figures to the group's first rank (one gather_object: every
@@ -117,13 +124,20 @@ class MemoryMonitor:
 
     def __init__(self, interval_ms=1.0, device=None, model=None, report=None, file=None, plot=None,
                  slow_interval_ms=50.0, pcie_interval_ms=0.0, capacity=131072, all_ranks=False,
-                 process_group=None):
+                 process_group=None, host_interval_ms=50.0, host_pss_budget=0.02):
         if report not in ("table", "json", None):
             raise ValueError(f"report: expected 'table', 'json' or None, got {report!r}")
         expect_positive("MemoryMonitor", "interval_ms", interval_ms)
         expect_positive("MemoryMonitor", "slow_interval_ms", slow_interval_ms)
         expect_positive("MemoryMonitor", "pcie_interval_ms", pcie_interval_ms, zero_ok=True)
         expect_count("MemoryMonitor", "capacity", capacity, least=1)
+        expect_positive("MemoryMonitor", "host_interval_ms", host_interval_ms)
+        if host_interval_ms < 1.0:
+            raise ValueError(f"MemoryMonitor: expected host_interval_ms of at least 1, got {host_interval_ms!r}")
+        expect_positive("MemoryMonitor", "host_pss_budget", host_pss_budget)
+        if host_pss_budget > 1:
+            raise ValueError(f"MemoryMonitor: expected host_pss_budget (a share of one core) of at most 1, "
+                             f"got {host_pss_budget!r}")
         if not isinstance(all_ranks, bool):
             raise TypeError(f"MemoryMonitor: expected all_ranks to be True or False, got {all_ranks!r}")
         if model is not None:
@@ -135,6 +149,9 @@ class MemoryMonitor:
         self.slow_interval_ms = max(float(slow_interval_ms), self.interval_ms)
         self.pcie_interval_ms = float(pcie_interval_ms)
         self.capacity = int(capacity)
+        self.host_interval_ms = float(host_interval_ms)
+        self.host_pss_budget = float(host_pss_budget)
+        self._host = None
         self.model = model
         self.report_format = report
         self.file = file
@@ -217,13 +234,15 @@ class MemoryMonitor:
                 dev = self.torch_device
                 allocated = functools.partial(torch.cuda.memory_allocated, dev)
             self._hooks = ModuleHooks(self.model, allocated)
-        if self._sampler is None and self.torch_device is None:
-            _say_no_gpu(self.nvml_reason)
+        self._host = HostWatch(self.host_interval_ms, max(1, self.capacity // 16), self.host_pss_budget)
         self._loader_start = input_wait.snapshot()
         self._ring_window = input_wait.open_window()
         self._oom = None
         self._gathered = False
         self._t0 = time.monotonic()
+        self._host.start()
+        if self._sampler is None and self.torch_device is None and self._host.sampler is None:
+            _say_no_gpu(self.nvml_reason, self._host.reason)
         if self._sampler is not None:
             self._sampler.start()
         self._running = True
@@ -238,6 +257,7 @@ class MemoryMonitor:
         if self._sampler is not None:
             self._sampler.stop()
         self._t1 = time.monotonic()
+        self._host.stop()  # its last reading (a whole PSS round) is not the run's time
         self._running = False
         if self._hooks is not None:
             self._hooks.remove()
@@ -282,9 +302,9 @@ class MemoryMonitor:
 
     @property
     def timeline(self) -> Timeline:
-        if self._sampler is None:
-            return Timeline()
-        return Timeline(self._sampler.snapshot(), getattr(self, "_t0", 0.0))
+        nvml = None if self._sampler is None else self._sampler.snapshot()
+        host = None if self._host is None else self._host.snapshot()
+        return Timeline(nvml, getattr(self, "_t0", 0.0), host=host)
 
     @property
     def running(self):
@@ -323,6 +343,8 @@ class MemoryMonitor:
         """stop sampling and unhook without a report"""
         if self._sampler is not None:
             self._sampler.stop()
+        if self._host is not None:
+            self._host.stop()
         if self._hooks is not None:
             self._hooks.remove()
         self._running = False
@@ -347,8 +369,8 @@ class MemoryMonitor:
         self._oom = oom
 
     def _emit(self, report, force=False):
-        if not report.nvml and not report.torch_cuda and not report.ranks:
-            return  # no GPU: said once per process (_say_no_gpu), the report has nothing to show
+        if not report.nvml and not report.torch_cuda and not report.host and not report.ranks:
+            return  # no GPU and no /proc: said once per process (_say_no_gpu), the report has nothing to show
         out = self.file if self.file is not None else sys.stderr
         fmt = self.report_format or ("table" if force else None)
         if fmt == "table":
@@ -367,6 +389,8 @@ class MemoryMonitor:
         r.nvml = self._sampler is not None
         r.nvml_unavailable_reason = self.nvml_reason
         r.torch_cuda = self.torch_device is not None
+        if not r.nvml and not r.torch_cuda:
+            r.device = None  # no GPU: the GPU's fields stay None, the host's are filled
         if r.torch_cuda:
             dev = self.torch_device
             r.device_name = torch.cuda.get_device_name(dev)
@@ -377,9 +401,17 @@ class MemoryMonitor:
             r.inactive_split_peak = int(stats.get("inactive_split_bytes.all.peak", 0))
             r.alloc_retries = int(stats.get("num_alloc_retries", 0) - self._torch_start["retries"])
             r.ooms = int(stats.get("num_ooms", 0) - self._torch_start["ooms"])
+        host = self._host.snapshot()
+        r.timeline = Timeline(self._sampler.snapshot() if r.nvml else None, self._t0, host=host)
+        loader_end = input_wait.snapshot()
+        if host is not None:
+            fill_host(r, host, self._t0, loader_end["samples"] - self._loader_start["samples"], torch,
+                      getattr(self._host, "oom_kills", None))
+        else:
+            r.host_unavailable_reason = self._host.reason
         if r.nvml:
             s = self._sampler.snapshot()
-            r.timeline = Timeline(s, self._t0)
+            r.timeline = Timeline(s, self._t0, host=host)
             if s["memory_samples"]:
                 r.peak_device_used = int(s["peak_used"])
                 r.peak_time_s = s["peak_t"] - self._t0
@@ -418,7 +450,6 @@ class MemoryMonitor:
                 r.power_limit_w = None if limit is None else limit / 1e3
             except (_C.NvmlError, ValueError):
                 pass
-        loader_end = input_wait.snapshot()
         r.loader_ring_bytes = input_wait.close_window(self._ring_window) or None
         if loader_end["batches"] > self._loader_start["batches"]:  # a hotloop.DataLoader fed this run
             r.loader_wait_s = loader_end["wait_seconds"] - self._loader_start["wait_seconds"]
@@ -435,6 +466,9 @@ class MemoryMonitor:
         sampler = getattr(self, "_sampler", None)
         if sampler is not None and self._running:
             sampler.stop()
+        host = getattr(self, "_host", None)
+        if host is not None and self._running:
+            host.stop()
 
 
 def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report="table", file=None, plot=None,

@@ -33,7 +33,7 @@ class RankMemory:
     @classmethod
     def of(cls, report, rank):
         """The row of a rank's own MemoryReport."""
-        return cls(rank=rank, host=socket.gethostname(), device=report.device, duration_s=report.duration_s,
+        return cls(rank=rank, host=socket.gethostname(), device=report.device or "cpu", duration_s=report.duration_s,
                    **{f.name: getattr(report, f.name) for f in dataclasses.fields(cls)
                       if f.name not in ("rank", "host", "device", "duration_s")})
 

@@ -1,4 +1,4 @@
-"""MemoryReport: what a monitored run used, from NVML and from torch's caching allocator, with advice."""
+"""MemoryReport: what a monitored run used, from NVML, torch's caching allocator and /proc, with advice."""
 import dataclasses
 import json
 
@@ -21,7 +21,8 @@ class ModuleMemory:
 class MemoryReport:
     """What a monitored run used, from NVML and from torch's caching allocator, with advice.
 
-    Sizes are bytes, None where the source was unavailable. After a gather (all_ranks=True) the
+    Sizes are bytes, None where the source was unavailable (the GPU's fields without a GPU: the keys
+    are the same either way). After a gather (all_ranks=True) the
     group's first rank holds every rank's row in `ranks`, and its advice says where they differ.
     `str(report)` is a table;
     `to_dict()`/`to_json()` give every field; `plot(path)` draws the timeline.
@@ -62,6 +63,32 @@ class MemoryReport:
     sample_rate_hz: float = None
     interval_ms: float = None
     nvml_errors: dict = None
+    # the host (hotloop._C.HostSampler: /proc); None where /proc cannot be read. PSS: each process's share
+    # of every page it maps, so the processes' figures add up to the tree's real use
+    host: bool = False
+    host_unavailable_reason: str = None
+    host_peak_bytes: int = None           # PSS of this process and every descendant at the tick it peaked
+    host_peak_time_s: float = None
+    host_peak_main_bytes: int = None      # this process's part of it
+    host_peak_children_bytes: int = None  # its descendants' part (DataLoader workers, launchers)
+    host_peak_processes: int = None
+    host_locked_max_bytes: int = None     # page-locked (mlock) in this process, the most seen
+    pinned_torch_peak_bytes: int = None   # torch's caching host (pinned) allocator, where torch reports it
+    host_total_bytes: int = None
+    host_available_min_bytes: int = None
+    host_swap_total_bytes: int = None
+    host_swap_used_max_bytes: int = None
+    cpu_main_s: float = None              # CPU time (user + system) of this process while watched
+    cpu_children_s: float = None          # and of its descendants
+    host_processes: list = dataclasses.field(default_factory=list)  # ProcessMemory, this process first
+    host_oom_kills: int = None            # OOM kills the kernel made on the machine while watched (/proc/vmstat)
+    host_forecast: dict = None            # when workers grow steadily: when the machine runs out (seconds, samples)
+    host_samples: int = None
+    host_sample_rate_hz: float = None
+    host_interval_ms: float = None
+    host_ticks_missed: int = None
+    host_sampler_s: float = None          # time the host sampler's thread spent reading /proc
+    loader_samples: int = None            # samples hotloop.DataLoader handed out while watched
     # hotloop.DataLoader
     loader_wait_s: float = None
     stall_fraction: float = None
@@ -86,7 +113,7 @@ class MemoryReport:
             if f.name == "timeline":
                 continue
             value = getattr(self, f.name)
-            if f.name in ("modules", "ranks"):
+            if f.name in ("modules", "ranks", "host_processes"):
                 value = [dataclasses.asdict(m) if dataclasses.is_dataclass(m) else dict(m) for m in value]
             out[f.name] = value
         return out

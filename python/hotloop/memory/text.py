@@ -1,4 +1,5 @@
-"""The memory report as text: a table whose lines add up, the biggest modules, the ranks, the advice."""
+"""The memory report as text: a table whose lines add up (the GPU's, the host's), the biggest modules,
+the processes, the ranks, the advice."""
 from .ranks import compared_peaks
 
 GiB = float(1 << 30)
@@ -23,7 +24,9 @@ def top_level_modules(report):
 
 def format_report(r) -> str:
     """The report (a MemoryReport) as the table `str(report)` prints."""
-    title = f"hotloop memory report: {r.device}" + (f" ({r.device_name})" if r.device_name else "")
+    gpu = r.nvml or r.torch_cuda
+    title = "hotloop memory report: " + (f"{r.device}" + (f" ({r.device_name})" if r.device_name else "")
+                                         if gpu else "host (no GPU)")
     if r.world_size is not None:
         title += f", rank {r.rank} of {r.world_size}"
     title += f", {r.duration_s:.2f} s"
@@ -40,9 +43,11 @@ def format_report(r) -> str:
             rows.append(("  of device total", format_size(r.device_total)))
         rows.append(("  CUDA context (and others) at start" if r.torch_cuda else "  device used at start",
                      format_size(r.context_baseline)))
-    elif not r.nvml:
+    elif not r.nvml and r.torch_cuda:
         rows.append(("NVML", f"not available: {r.nvml_unavailable_reason}"))
-    if r.torch_cuda:
+    if not gpu:
+        rows.append(("GPU", "none seen (NVML not available, no CUDA device in torch)"))
+    elif r.torch_cuda:
         rows.append(("  torch peak reserved", format_size(r.peak_reserved)))
         rows.append(("    torch peak allocated", format_size(r.peak_allocated)))
         rows.append(("    fragmentation at peak", f"{format_size(r.fragmentation_at_peak)}"
@@ -51,7 +56,7 @@ def format_report(r) -> str:
             rows.append(("  outside torch at peak", f"{format_size(r.non_torch_at_peak)}"
                          "  (cuBLAS/cuDNN/NCCL, other libraries)"))
         rows.append(("allocation retries / OOMs", f"{r.alloc_retries} / {r.ooms}"))
-    else:
+    elif gpu:
         rows.append(("torch", "no CUDA device in torch: allocator figures unavailable"))
     if r.nvml:
         rows.append(("GPU utilisation (mean)", "-" if r.util_mean is None else f"{r.util_mean:.0f} %"))
@@ -69,6 +74,7 @@ def format_report(r) -> str:
         if r.nvml_errors:
             e = r.nvml_errors
             rows.append(("NVML errors", f"{e['count']}, first: {e['call']}: {e['text']} ({e['code']})"))
+    rows += host_rows(r)
     if r.stall_fraction is not None:
         rows.append(("data loader stalls", f"{100 * r.stall_fraction:.1f} % of the time ({r.loader_wait_s:.2f} s)"))
     if r.loader_ring_bytes:
@@ -88,6 +94,7 @@ def format_report(r) -> str:
         for m in top:
             lines.append(f"    {m.name:<{w}}  {format_size(m.activation_bytes):>10}  (output {format_size(m.output_bytes)}, "
                          f"{m.calls} call{'s' if m.calls != 1 else ''})")
+    lines += format_processes(r)
     if r.ranks:
         lines += format_ranks(r.ranks)
     if r.advice:
@@ -124,4 +131,66 @@ def format_ranks(rows) -> list:
     for row, mark in zip(cells, [""] + marks):
         lines.append("    " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      + mark)
+    return lines
+
+
+def host_rows(r) -> list:
+    """The host's rows: the process tree's peak as its parts, the machine, pinned memory, CPU time."""
+    if not r.host:
+        return [("host memory", f"not read: {r.host_unavailable_reason}")] if r.host_unavailable_reason else []
+    others = r.host_peak_processes - 1 if r.host_peak_processes else 0
+    rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  at {r.host_peak_time_s:.3f} s"
+             f"  = main process {format_size(r.host_peak_main_bytes)} + {others} other process"
+             f"{'es' if others != 1 else ''} {format_size(r.host_peak_children_bytes)}")]
+    swap = (f"; swap used at most {format_size(r.host_swap_used_max_bytes)} of {format_size(r.host_swap_total_bytes)}"
+            if r.host_swap_total_bytes else "; no swap")
+    rows.append(("  machine", f"{format_size(r.host_total_bytes)} total, {format_size(r.host_available_min_bytes)}"
+                 f" available at the least{swap}"))
+    pinned = []  # (hotloop's rings have their own line below: page-locked when the loader has a device)
+    if r.pinned_torch_peak_bytes is not None:
+        pinned.append(f"torch pinned cache {format_size(r.pinned_torch_peak_bytes)}")
+    if r.host_locked_max_bytes:
+        pinned.append(f"mlocked {format_size(r.host_locked_max_bytes)}")
+    if pinned:
+        rows.append(("  page-locked (in the main process)", ", ".join(pinned)))
+    if r.cpu_main_s is not None:
+        rows.append(("CPU time", f"main process {r.cpu_main_s:.2f} s, other processes {r.cpu_children_s:.2f} s"
+                     f" (over {r.duration_s:.2f} s)"))
+    rate = "-" if r.host_sample_rate_hz is None else f"{r.host_sample_rate_hz:.0f} Hz"
+    rows.append(("host samples", f"{r.host_samples} at {rate} (asked {1e3 / r.host_interval_ms:.0f} Hz; "
+                 f"{r.host_ticks_missed} ticks missed; the sampler read /proc for {r.host_sampler_s:.3f} s)"))
+    if r.host_forecast is not None:
+        rows.append(("  at this rate", forecast_text(r.host_forecast)))
+    if r.host_oom_kills:
+        rows.append(("  kernel OOM kills", f"{r.host_oom_kills} on the machine while watched (/proc/vmstat)"))
+    return rows
+
+
+def forecast_text(f) -> str:
+    when = f"~{f['samples']:,} more samples (~{f['seconds']:.0f} s)" if f["samples"] is not None \
+        else f"~{f['seconds']:.0f} s"
+    return (f"the machine runs out of memory after {when}: {f['workers']} workers growing "
+            f"{f['bytes_per_s'] / MiB:.1f} MiB/s together, {format_size(f['available_bytes'])} available")
+
+
+def format_processes(r) -> list:
+    """A line per process of the tree: its USS (what it alone holds) at its first and last reading, and
+    its growth."""
+    shown = [p for p in r.host_processes if p.role == "main" or p.readings > 0]
+    if len(shown) < 2:
+        return []
+    lines = ["  processes (USS: what each holds alone, first reading -> last):"]
+    for p in shown[:17]:
+        growth = f"{'+' if p.growth_bytes >= 0 else ''}{format_size(p.growth_bytes)}"
+        if p.growth_mib_per_1k_samples is not None:
+            growth += f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
+        if p.steady_growth:
+            growth += ", steady"
+        end = ""
+        if p.exited:
+            end = ", gone" + (" while available memory was near zero (OOM killer?)" if p.low_memory_exit else "")
+        lines.append(f"    {p.role:<8} pid {p.pid:<7} {format_size(p.first_uss):>10} -> {format_size(p.last_uss):>10}"
+                     f"  ({growth}; {p.start_s:.2f}-{p.end_s:.2f} s{end})")
+    if len(shown) > 17:
+        lines.append(f"    ... and {len(shown) - 17} more")
     return lines

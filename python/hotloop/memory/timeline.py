@@ -14,15 +14,38 @@ def _dtypes():
     return memory, slow, pcie
 
 
+def _host_dtypes():
+    import numpy as np
+
+    host = np.dtype([("t", "<f8"), ("tree_pss", "<u8"), ("tree_rss", "<u8"), ("tree_uss", "<u8"), ("tree_swap", "<u8"),
+                     ("main_pss", "<u8"), ("main_rss", "<u8"), ("main_locked", "<u8"), ("available", "<u8"),
+                     ("swap_used", "<u8"), ("processes", "<u4"), ("unused", "<u4")])
+    procs = np.dtype([("t", "<f8"), ("pid", "<i4"), ("ppid", "<i4"), ("rss", "<u8"), ("pss", "<u8"), ("uss", "<u8"),
+                      ("swap", "<u8")])
+    assert (host.itemsize, procs.itemsize) == (_C.HOST_SAMPLE_BYTES, _C.HOST_PROC_SAMPLE_BYTES)
+    return host, procs
+
+
+def host_records(raw):
+    """The host sampler's packed per-tick records (snapshot()["host"]) as a numpy structured array."""
+    import numpy as np
+
+    return np.frombuffer(raw, dtype=_host_dtypes()[0])
+
+
 class Timeline:
     """The kept samples as numpy arrays; times in seconds since the monitor started.
 
     memory: time, used, reserved, free (bytes); slow: slow_time, util_gpu (%), util_jpeg (% of the
     JPEG engines), power_w, temperature_c, sm_clock_mhz, reasons; pcie: pcie_time, pcie_rx_mb_s, pcie_tx_mb_s. Readings the
     device does not offer are NaN. `.memory`, `.slow`, `.pcie` hold the raw structured arrays.
+
+    host (the host sampler's ticks): host_time, host_tree_pss (this process and its workers, PSS),
+    host_main_pss, host_available, host_swap_used (bytes); `.host` and `.procs` (a record per process
+    per tick: t, pid, ppid, rss, pss, uss, swap) hold the raw arrays.
     """
 
-    def __init__(self, snapshot=None, t0=0.0):
+    def __init__(self, snapshot=None, t0=0.0, host=None):
         import numpy as np
 
         memory_dtype, slow_dtype, pcie_dtype = _dtypes()
@@ -49,9 +72,19 @@ class Timeline:
         self.pcie_time = self.pcie["t"] - t0
         self.pcie_rx_mb_s = self.pcie["rx_kb_per_s"].astype(np.float64) / 1024.0
         self.pcie_tx_mb_s = self.pcie["tx_kb_per_s"].astype(np.float64) / 1024.0
+        host_dtype, procs_dtype = _host_dtypes()
+        host = host or {"host": b"", "procs": b""}
+        self.host = np.frombuffer(host["host"], dtype=host_dtype)
+        self.procs = np.frombuffer(host["procs"], dtype=procs_dtype)
+        self.host_time = self.host["t"] - t0
+        self.host_tree_pss = self.host["tree_pss"]
+        self.host_main_pss = self.host["main_pss"]
+        self.host_available = self.host["available"]
+        self.host_swap_used = self.host["swap_used"]
 
     def __len__(self):
         return len(self.memory)
 
     def __repr__(self):
-        return f"Timeline({len(self.memory)} memory, {len(self.slow)} slow, {len(self.pcie)} pcie samples)"
+        return (f"Timeline({len(self.memory)} memory, {len(self.slow)} slow, {len(self.pcie)} pcie, "
+                f"{len(self.host)} host samples)")
