@@ -202,8 +202,9 @@ def test_loader_on_the_gpu_keeps_its_device_and_transform(fresh_accelerate_state
     assert ours.device is None  # Accelerate's own placement is off: hotloop's copies put them there
     got = list(ours)
     assert len(got) == len(want)
-    for j, (a, b) in enumerate(zip(want, got)):
+    here = torch.device("cuda", torch.cuda.current_device())  # Accelerate says "cuda", a tensor "cuda:0"
+    for j, (a, b) in enumerate(zip(want, got, strict=True)):
         assert b[0].tolist() == a[0].tolist(), j
-        assert b[2].device == acc.device and b[2].dtype == torch.float16, (b[2].device, b[2].dtype)
+        assert b[2].device == here and b[2].dtype == torch.float16, (b[2].device, b[2].dtype)
         torch.testing.assert_close(b[2], norm(a[2].to(acc.device)), rtol=0, atol=0)
     assert ours.stats.h2d_bytes > 0 and ours.stats.batches == len(got)
