@@ -10,6 +10,7 @@ and tables stand, and the step only launches. Otherwise every parameter is check
 the key read again and the tables written."""
 import torch
 
+from ..amp.tensor_table import runs_eagerly
 from . import param_table
 from .group_key import group_key
 from .step_table import StepTables, capturing
@@ -116,6 +117,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return key, cached[1]
         return None, list(param_table.by_device(self._collect(gi, group)).items())
 
+    @runs_eagerly  # addresses go to C: under torch.compile a graph break, as torch's own fused step takes
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
         """One optimizer step. ``grad_scale`` (one float32 on the parameters' device) divides every
