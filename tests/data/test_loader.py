@@ -279,7 +279,9 @@ class Segfaulting(Dataset):
     def __getitem__(self, i):
         if i == 9:
             import ctypes
+            import faulthandler
 
+            faulthandler.disable()  # the crash is the test's: no "Fatal Python error" dump in the run's log
             ctypes.string_at(0)  # reads address 0: SIGSEGV
         return torch.tensor([i])
 
