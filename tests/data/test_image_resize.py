@@ -418,3 +418,33 @@ def test_cuda_batch_arguments():
         resize_batch(table, 1, mem, True, table_dev=torch.empty(80, dtype=torch.uint8, device="cuda")[1:])
     with pytest.raises(ValueError, match="table_dev: expected a tensor on cuda"):
         resize_batch(table, 1, mem, True, table_dev=torch.empty(64, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_cuda_table_through_page_locked_memory():
+    """table_host: the table goes through page-locked memory, with the same images out as from pageable
+    memory; too small a table_host is refused before any copy."""
+    rng = np.random.default_rng()
+    images = [random_image(int(rng.integers(8, 300)), int(rng.integers(8, 300)), device="cuda") for _ in range(40)]
+    rows = []
+    for img in images:
+        h, w = img.shape[:2]
+        top, left = int(rng.integers(0, h)), int(rng.integers(0, w))
+        rows.append(image_entry(img, (top, left, int(rng.integers(1, h - top + 1)), int(rng.integers(1, w - left + 1))),
+                                (32, 48), flip=bool(rng.integers(0, 2))))
+    table, n = pack_entries(rows), len(rows)
+    stream = torch.cuda.current_stream().cuda_stream
+    outs = []
+    for host in (None, torch.empty(n * hotloop._C.IMAGE_ENTRY_BYTES + 8, dtype=torch.uint8, pin_memory=True)):
+        out, mem = empty_batch(n, (32, 48), torch.float16, "cuda", True)
+        mem.fill_(float("nan"))
+        table_dev = torch.empty(n * hotloop._C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, device="cuda")
+        resize_batch(table, n, mem, True, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), 255.0, stream, table_dev, host)
+        outs.append(out)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    small = torch.empty(n * hotloop._C.IMAGE_ENTRY_BYTES - 1, dtype=torch.uint8, pin_memory=True)
+    with pytest.raises(ValueError, match="table_host: expected at least"):
+        resize_batch(table, n, mem, True, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), 255.0, stream, table_dev, small)
+    with pytest.raises(ValueError, match="table_host: expected a tensor on cpu"):
+        resize_batch(table, n, mem, True, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), 255.0, stream, table_dev, table_dev)

@@ -76,14 +76,16 @@ def empty_batch(count, size, dtype, device, channels_last):
 
 
 def resize_batch(table, count, out_mem, channels_last, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), scale=255.0,
-                 stream=0, table_dev=None):
+                 stream=0, table_dev=None, table_host=None):
     """Fill out_mem (empty_batch's memory) from the first `count` entries of `table` (pack_entries).
 
     A CUDA batch: the table is copied to `table_dev` (uint8 on out_mem's device, at least count *
     _C.IMAGE_ENTRY_BYTES bytes) on `stream` (an int handle) and one kernel runs there; nothing waits
     for it, and table_dev and the images must outlive it (allocate them for that stream). A CPU
-    batch: the C reference, here and now."""
-    _C.image_resize(table, count, table_dev, out_mem, channels_last, mean, std, scale, stream)
+    batch: the C reference, here and now. table_host: page-locked host memory of as many bytes the
+    table goes through, unchanged until `stream` passed the upload (None: from pageable memory, which
+    may wait for the stream)."""
+    _C.image_resize(table, count, table_dev, out_mem, channels_last, mean, std, scale, stream, table_host)
 
 
 def resize_images(images, boxes, size, *, resized=None, offsets=None, flips=None, dtype=torch.uint8,

@@ -196,16 +196,21 @@ class ImageStage:
         buffer; None on the CPU) until it has seen `stream` pass them (the batch's event done)."""
         p = prepared
         base = p.buf.data_ptr()
+        table_host = None
         if self.device is not None:
             # a ring slot is page-locked in separate 8 MiB registrations and a DMA may not span two
             # (ring_pin.c): on the H200 the CPU backend's uploads failed (cudaErrorInvalidValue) and
             # nvjpeg refused some images of batches of 256, then hung, where a batch's bytes crossed
             # a boundary. One page-locked copy of the bytes the batch uses (~18 MB, a few ms, off the
             # training thread) is a single allocation.
+            # The kernel's entry table rides at its end: uploaded from pageable memory, the driver may
+            # wait for the stream first, and there that is the decode (image_resize's table_host).
             used = max((r[_K["offset"]] + r[_K["length"]] for r in p.rows if r[_K["kind"]] != DONE), default=0)
-            staged = torch.empty(max(used, 1), dtype=torch.uint8, pin_memory=True)
+            table_at = (used + 63) // 64 * 64
+            staged = torch.empty(table_at + len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
             staged[:used].copy_(data[:used])
             data = p.host = staged
+            table_host = staged[table_at:]
         decoding = self._decoding.handle if self.device is not None else stream
         self._decode(p, data, decoding)
         entries = []
@@ -229,7 +234,7 @@ class ImageStage:
             self._decoding.hand_over(stream)
         c = self.pipeline
         image_resize.resize_batch(image_resize.pack_entries(entries), len(entries), p.mem, c.config.channels_last,
-                                  c.plan.mean, c.plan.std, c.plan.scale, stream, p.table_dev)
+                                  c.plan.mean, c.plan.std, c.plan.scale, stream, p.table_dev, table_host)
         for k, r in enumerate(p.rows):
             if r[_K["kind"]] == DONE:
                 self._place_done(p.out, k, done[r[_K["offset"]]], stream)
