@@ -236,6 +236,23 @@ typedef int DEVICE_GUARD;
 enum { BACKEND_HARDWARE = 0, BACKEND_CUDA = 1 };
 static const char *const backend_names[] = {"hardware", "cuda"};
 
+/* NOTE [ Two handles ]
+   Chroma upsampled by interpolation (NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, libjpeg-turbo's
+   "fancy upsampling", which PIL applies) is a flag of the whole handle. On the H200 with nvjpeg 13.0 a
+   hardware batch decoded by such a handle ran at half the rate when a few of its images were 4:4:4
+   or greyscale (the realistic mix: 5 % and 1 %) and at the full rate when all were 4:2:0, or when the
+   handle did not interpolate. 4:4:4 and greyscale images have no chroma to upsample, so the flag
+   cannot change their pixels: they go to a second handle without it, in a batched call of their
+   own. */
+
+/* a handle's batched decoder */
+typedef struct {
+    nvjpegHandle_t handle; /* the decoder's `handle`, or a handle of its own (plain); NULL: none */
+    nvjpegJpegState_t state;
+    int batch; /* the batch size `state` is initialised for; 0: initialise again */
+    int owns_handle;
+} batched_decoder;
+
 typedef struct {
     PyObject_HEAD
     const hl_nvjpeg *lib;
@@ -247,8 +264,8 @@ typedef struct {
     unsigned int engines, cores_per_engine; /* hardware backend: what nvjpegGetHardwareDecoderInfo says */
 
     nvjpegHandle_t handle;
-    nvjpegJpegState_t state;          /* the batched decoder's */
-    int batch;                        /* the batch size `state` is initialised for; 0: initialise again */
+    batched_decoder batched;          /* on `handle`: every image, or those with chroma to upsample */
+    batched_decoder plain;            /* interpolating hardware backend: the others (NOTE [ Two handles ]) */
     nvjpegJpegStream_t header_stream; /* hardware: a parsed header, for nvjpegDecodeBatchedSupported */
 
     /* cuda backend: progressive JPEGs (and any the batched call refuses), one at a time through the
@@ -344,9 +361,17 @@ static void release_all(hl_jpeg_decoder *d, decode_failure *f) {
     if (d->header_stream != NULL && (rc = n->stream_destroy(d->header_stream)) != 0 && f->call == NULL)
         NVJPEG_FAILED(f, rc, "nvjpegJpegStreamDestroy");
     d->header_stream = NULL;
-    if (d->state != NULL && (rc = n->state_destroy(d->state)) != 0 && f->call == NULL)
-        NVJPEG_FAILED(f, rc, "nvjpegJpegStateDestroy");
-    d->state = NULL;
+    batched_decoder *kinds[2] = {&d->plain, &d->batched};
+    for (int k = 0; k < 2; k++) {
+        batched_decoder *b = kinds[k];
+        if (b->state != NULL && (rc = n->state_destroy(b->state)) != 0 && f->call == NULL)
+            NVJPEG_FAILED(f, rc, "nvjpegJpegStateDestroy");
+        b->state = NULL;
+        if (b->owns_handle && b->handle != NULL && (rc = n->destroy(b->handle)) != 0 && f->call == NULL)
+            NVJPEG_FAILED(f, rc, "nvjpegDestroy");
+        b->handle = NULL;
+        b->batch = 0;
+    }
     if (d->handle != NULL && (rc = n->destroy(d->handle)) != 0 && f->call == NULL)
         NVJPEG_FAILED(f, rc, "nvjpegDestroy");
     d->handle = NULL;
@@ -373,10 +398,17 @@ static void create_all(hl_jpeg_decoder *d, decode_failure *f) {
         rc = n->create_ex(backend, NULL, NULL, NVJPEG_FLAGS_DEFAULT, &d->handle);
     }
     TRY(f, rc, "nvjpegCreateEx");
-    TRY(f, n->state_create(d->handle, &d->state), "nvjpegJpegStateCreate");
-    TRY(f, n->batched_initialize(d->handle, d->state, d->max_batch, 1, NVJPEG_OUTPUT_RGBI),
+    d->batched.handle = d->handle;
+    TRY(f, n->state_create(d->handle, &d->batched.state), "nvjpegJpegStateCreate");
+    TRY(f, n->batched_initialize(d->handle, d->batched.state, d->max_batch, 1, NVJPEG_OUTPUT_RGBI),
         "nvjpegDecodeBatchedInitialize");
-    d->batch = d->max_batch;
+    d->batched.batch = d->max_batch;
+    if (d->interpolate && d->backend == BACKEND_HARDWARE) { /* NOTE [ Two handles ] */
+        TRY(f, n->create_ex(backend, NULL, NULL, NVJPEG_FLAGS_DEFAULT, &d->plain.handle), "nvjpegCreateEx");
+        d->plain.owns_handle = 1;
+        TRY(f, n->state_create(d->plain.handle, &d->plain.state), "nvjpegJpegStateCreate");
+        /* initialised at its first batch, for that batch's size */
+    }
     TRY(f, n->stream_create(d->handle, &d->header_stream), "nvjpegJpegStreamCreate");
     if (d->backend == BACKEND_HARDWARE && n->hardware_info != NULL &&
         n->hardware_info(d->handle, &d->engines, &d->cores_per_engine) != NVJPEG_STATUS_SUCCESS)
@@ -480,31 +512,31 @@ static int decode_one(hl_jpeg_decoder *d, decode_call *c, int i) {
 
 /* The images order[0..count) in one batched call; a failed call is split in halves until each
    failure is one image's. 0, or -1 on a failure that stops the call (kept in c->f). */
-static int decode_batch(hl_jpeg_decoder *d, decode_call *c, const int *order, int count) {
+static int decode_batch(hl_jpeg_decoder *d, batched_decoder *b, decode_call *c, const int *order, int count) {
     const hl_nvjpeg *n = d->lib;
     nvjpegStatus_t rc;
-    if (d->batch != count) {
+    if (b->batch != count) {
         /* nvjpegDecodeBatched takes exactly as many images as the state was initialised for */
-        rc = n->batched_initialize(d->handle, d->state, count, 1, NVJPEG_OUTPUT_RGBI);
+        rc = n->batched_initialize(b->handle, b->state, count, 1, NVJPEG_OUTPUT_RGBI);
         if (rc != NVJPEG_STATUS_SUCCESS) {
-            d->batch = 0;
+            b->batch = 0;
             NVJPEG_FAILED(c->f, rc, "nvjpegDecodeBatchedInitialize");
             return -1;
         }
-        d->batch = count;
+        b->batch = count;
     }
     for (int k = 0; k < count; k++) {
         d->data[k] = source_of(c, order[k]);
         d->lengths[k] = (size_t)c->src[2 * order[k] + 1];
         d->images[k] = image_of(c, order[k]);
     }
-    rc = n->batched(d->handle, d->state, d->data, d->lengths, d->images, c->stream);
+    rc = n->batched(b->handle, b->state, d->data, d->lengths, d->images, c->stream);
     if (rc == NVJPEG_STATUS_SUCCESS) {
         for (int k = 0; k < count; k++)
             c->status[order[k]] = HL_JPEG_DECODED;
         return 0;
     }
-    d->batch = 0; /* a failed batch is reset by initialising again */
+    b->batch = 0; /* a failed batch is reset by initialising again */
     if (count == 1) {
         unsigned char s = leaf_status(c, rc, "nvjpegDecodeBatched");
         /* the decoupled path may take what the batched one refused */
@@ -514,15 +546,39 @@ static int decode_batch(hl_jpeg_decoder *d, decode_call *c, const int *order, in
         return 0;
     }
     int half = count / 2;
-    if (decode_batch(d, c, order, half) < 0)
+    if (decode_batch(d, b, c, order, half) < 0)
         return -1;
-    return decode_batch(d, c, order + half, count - half);
+    return decode_batch(d, b, c, order + half, count - half);
+}
+
+/* whether a colour JPEG's chroma is subsampled (4:2:0, 4:2:2...): upsampling it is where the
+   interpolation flag acts */
+static int chroma_upsampled(const hl_jpeg_info *info) {
+    return info->components == 3 && (info->sampling[1] != info->sampling[0] || info->sampling[2] != info->sampling[0]);
+}
+
+/* NOTE [ Known to the engines ]
+   Asking nvjpeg whether its hardware backend takes an image (nvjpegJpegStreamParseHeader, then
+   nvjpegDecodeBatchedSupported) cost ~9 us an image on the H200, a fifth of the host's time in a batch's
+   decode. The kinds that make up nearly every photo data set, baseline 8-bit greyscale or YCbCr 4:4:4,
+   4:2:2 or 4:2:0 up to 4096 px a side, are taken without asking: the engines decoded every such image
+   of the tests and of the bench's photographs. Any other kind is asked about. Should the engines still
+   refuse one, the batched call fails and decode_batch halves the batch until the image is found and
+   marked unsupported (the dataset's own loader then decodes it): slower, never wrong. */
+static int known_to_engines(const hl_jpeg_info *info) {
+    if (info->process != HL_JPEG_BASELINE || info->precision != 8 || info->width > 4096 || info->height > 4096)
+        return 0;
+    if (info->components == 1)
+        return 1;
+    int luma = info->sampling[0];
+    return info->components == 3 && info->sampling[1] == 0x11 && info->sampling[2] == 0x11 &&
+           (luma == 0x11 || luma == 0x21 || luma == 0x22);
 }
 
 static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
     const hl_nvjpeg *n = d->lib;
     decode_failure *f = c->f;
-    int batched = 0, singles = 0;
+    int batched = 0, singles = 0, plain = 0; /* order: batched from the front; singles or plain from the end */
     int *order = d->order;
 
     /* 1. every image's header, read here before nvjpeg sees it; bad input stops the call before any work */
@@ -560,16 +616,22 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
             continue;
         }
         if (d->backend == BACKEND_HARDWARE) {
-            int unsupported = 1;
+            int unsupported = 0;
             const char *call = "nvjpegJpegStreamParseHeader";
-            nvjpegStatus_t rc = n->parse_header(d->handle, source_of(c, i), (size_t)length, d->header_stream);
-            if (rc == NVJPEG_STATUS_SUCCESS && (rc = n->batched_supported(d->handle, d->header_stream,
-                                                                          &unsupported)) != 0)
-                call = "nvjpegDecodeBatchedSupported";
+            nvjpegStatus_t rc = NVJPEG_STATUS_SUCCESS;
+            if (!known_to_engines(&info)) { /* NOTE [ Known to the engines ] */
+                unsupported = 1;
+                rc = n->parse_header(d->handle, source_of(c, i), (size_t)length, d->header_stream);
+                if (rc == NVJPEG_STATUS_SUCCESS && (rc = n->batched_supported(d->handle, d->header_stream,
+                                                                              &unsupported)) != 0)
+                    call = "nvjpegDecodeBatchedSupported";
+            }
             if (rc != NVJPEG_STATUS_SUCCESS)
                 c->status[i] = leaf_status(c, rc, call);
             else if (unsupported)
                 c->status[i] = HL_JPEG_UNSUPPORTED;
+            else if (d->plain.handle != NULL && !chroma_upsampled(&info))
+                order[count - 1 - plain++] = i; /* NOTE [ Two handles ] */
             else
                 order[batched++] = i;
         } else if (info.process == HL_JPEG_PROGRESSIVE) {
@@ -586,7 +648,7 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
         if (f->cuda.code != 0)
             return;
     }
-    if (batched > 0 && d->backend == BACKEND_HARDWARE) {
+    if (batched + plain > 0 && d->backend == BACKEND_HARDWARE) {
         /* the hardware backend's batched decode was reported to write its outputs while this call
            runs, ignoring the work queued on the stream before it, a cudaStreamWaitEvent included,
            which may still use that memory (torchcodec #1634: nvjpeg 12.3 to 13.2 on H100; not seen
@@ -595,12 +657,14 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
         if (f->cuda.code != 0)
             return;
     }
-    if (batched > 0 && decode_batch(d, c, order, batched) < 0)
+    if (batched > 0 && decode_batch(d, &d->batched, c, order, batched) < 0)
+        return;
+    if (plain > 0 && decode_batch(d, &d->plain, c, order + count - plain, plain) < 0)
         return;
     for (int s = 0; s < singles; s++)
         if (decode_one(d, c, order[count - 1 - s]) < 0)
             return;
-    if (batched + singles > 0) {
+    if (batched + plain + singles > 0) {
         HL_CUDA(&f->cuda, event_record(d->done, c->stream));
         d->done_pending = f->cuda.code == 0;
         d->last_stream = c->stream;
