@@ -12,8 +12,8 @@ from torchvision.datasets import ImageFolder
 import hotloop
 from hotloop import _C
 from hotloop.data import dataloader
-from hotloop.data.gpu_decode import ImagePipeline
-from hotloop.data.image_stage import ImageStage
+from hotloop.data.image.gpu_decode import ImagePipeline
+from hotloop.data.image.stage import ImageStage
 from hotloop.data.stats import LoaderStats
 
 from .test_gpu_decode import TRAIN_V2, make_folder

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
-from hotloop.data.gpu_decode import ImagePipeline
-from hotloop.data.image_plan import ImagePlan
-from hotloop.data.image_source import collate_encoded
+from hotloop.data.image.gpu_decode import ImagePipeline
+from hotloop.data.image.plan import ImagePlan
+from hotloop.data.image.source import collate_encoded
 
 from .conftest import open_with
 

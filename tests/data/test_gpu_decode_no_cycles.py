@@ -8,7 +8,8 @@ import gc
 import pytest
 from torchvision.datasets import ImageFolder
 
-from hotloop.data import _device, image_stage
+from hotloop.data import _device
+from hotloop.data.image import stage as image_stage
 
 from .conftest import open_with
 from .test_decode_outside_lock import GatedDecoder, _loaders

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hotloop
-from hotloop.data.image_resize import (ImageEntry, empty_batch, image_entry, pack_entries, resize_batch,
+from hotloop.data.image.resize import (ImageEntry, empty_batch, image_entry, pack_entries, resize_batch,
                                        resize_images)
 
 HANG_GUARD_S = 300  # the C reference of a 256-image batch and of a 10000 x 10000 source takes seconds

@@ -22,7 +22,7 @@ from PIL import Image
 
 import hotloop
 from hotloop import _C
-from hotloop.data.nvjpeg import SONAME, nvjpeg_library_candidates
+from hotloop.data.image.nvjpeg import SONAME, nvjpeg_library_candidates
 
 HANG_GUARD_S = 600  # the GPU tests encode and decode 100-megapixel images
 

@@ -3,7 +3,7 @@ images in one call, against torch's per-image interpolate(antialias=True) and a 
 import math
 
 from .. import _C
-from ..data.image_resize import empty_batch, image_entry, pack_entries, resize_batch
+from ..data.image.resize import empty_batch, image_entry, pack_entries, resize_batch
 from .harness import Row
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -289,7 +289,7 @@ def rows(ctx):
             return
 
         # 2 and 4: feeding a ResNet-50 AMP step, and the step's own cost with the decoder beside it.
-        # A script makes its loader, then its model: the decoder opens meanwhile (decoder_opening.py)
+        # A script makes its loader, then its model: the decoder opens meanwhile (data/image/decoder_opening.py)
         made_first = hotloop_way(ds, batch, ours_workers, device)
         try:
             step = resnet_step(device)

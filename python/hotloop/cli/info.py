@@ -50,7 +50,7 @@ def collect() -> dict:
 def _nvjpeg() -> dict:
     """Which nvjpeg gpu_decode would open (path, version), or why none loads."""
     try:
-        from ..data.nvjpeg import nvjpeg_library_candidates  # hotloop.data needs torch
+        from ..data.image.nvjpeg import nvjpeg_library_candidates  # hotloop.data needs torch
     except ImportError as exc:
         return {"path": None, "version": None, "error": str(exc)}
     try:
@@ -62,7 +62,7 @@ def _nvjpeg() -> dict:
 
 def _jpeg_decoder(device) -> str:
     """The backend gpu_decode's "auto" takes on this GPU: its hardware JPEG decoders, or the workers."""
-    from ..data.nvjpeg import nvjpeg_library_candidates
+    from ..data.image.nvjpeg import nvjpeg_library_candidates
 
     try:
         _C.JpegDecoder(nvjpeg_library_candidates(), device, "hardware", 1).close()

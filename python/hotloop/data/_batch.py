@@ -18,6 +18,23 @@ _TENSOR, _SIDE, _STRIDED = "T", "O", "S"  # _STRIDED: (kind, leaf, shape, stride
 _DICT, _LIST, _TUPLE, _NAMEDTUPLE = "D", "L", "U", "N"
 
 
+def spec_list(spec):
+    """The child specs of a list node (what a collated list or tuple of samples is), or None for any
+    other node."""
+    return spec[1] if spec[0] == _LIST else None
+
+
+def spec_dict(spec):
+    """A dict node's {key: child spec}, or None for any other node."""
+    return dict(spec[1]) if spec[0] == _DICT else None
+
+
+def ring_leaf(spec):
+    """The index, among the slot's leaves, of a tensor that lies whole in the slot; None for any other
+    node (a side object, an overlapping tensor, a container)."""
+    return spec[1] if spec[0] == _TENSOR else None
+
+
 def _stack_no_shm(batch, *, collate_fn_map=None):
     # torch's collate_tensor_fn puts worker batches in /dev/shm storage; here plain memory is enough
     elem = batch[0]

@@ -10,8 +10,7 @@ import weakref
 import torch
 
 from .. import _C, input_wait
-from ._batch import leaf_bytes, unflatten
-from .image_stage import encoded_parts
+from ._batch import leaf_bytes, ring_leaf, unflatten
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
 # torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
@@ -68,8 +67,8 @@ class CudaCalls:
     def empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def run_transform(self, tf, src, mem, stream):
-        tf.run(src, mem, stream)
+    def run_transform(self, stage, src, mem, stream):
+        stage.transform_leaf(src, mem, stream)
 
     def populate(self, ring, order):
         """Allocate and page-lock the ring's slots in `order`, on the ring's background threads."""
@@ -164,15 +163,10 @@ class DeviceCopies:
     def __init__(self, device, loader):
         self.device = device
         self.cuda = self.calls(device)
-        self.loader = weakref.proxy(loader)  # its gpu_transform and stats; a proxy: the loader owns a LocalRing
+        self.loader = weakref.proxy(loader)  # its batch_stage and stats; a proxy: the loader owns a LocalRing
         self.copy_stream = None
-        # gpu_decode's batches never leave their slot by DMA: launch reads the JPEG bytes into a
-        # page-locked copy of its own (image_stage.py) and the targets are a few kB. Page-locking the
-        # ring (~340 MB with 4 workers and batches of 256) ran in the background through the first
-        # steps, holding the driver lock while the first decodes and launches ran. On the H200, 3
-        # alternated runs each: the first next() took 97-146 ms with it and 89-101 ms without; the
-        # first 25 steps ran at 72-81 % and 80-84 % of the GPU-resident speed; later steps alike
-        self.pin_slots = loader.image_stage is None
+        # a stage that reads its batches' slots itself says so (pins_ring: gpu_decode's, and why, in image/stage.py)
+        self.pin_slots = loader.batch_stage is None or loader.batch_stage.pins_ring
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
@@ -216,26 +210,26 @@ class DeviceCopies:
         consumer's stream waited on the returned Pending's event (deliver). defer: gpu_decode's
         decode and kernel are left to the Pending's ImageLaunch (run by the caller, or by deliver)."""
         cuda = self.cuda
-        tf = self.loader.gpu_transform
+        stage = self.loader.batch_stage
         if self.copy_stream is None:
             self.copy_stream = cuda.new_stream()
             self.alloc_event = cuda.event(False)
         consumer = cuda.current_stream()
         outs, triples, staged, keep, nbytes = [], [], [], [], 0
-        images = self.loader.image_stage
-        parts = encoded_parts(spec) if images is not None else None
-        packed = {s[1] for s in parts if s[0] == "T"} if parts is not None else ()
-        # which leaves are images to normalise: ValueError (before any copy) for one it cannot take
-        normalized = tf.image_leaves(leaf[1:] for leaf in leaves) if tf is not None else [False] * len(leaves)
+        parts = stage.slot_parts(spec) if stage is not None else None  # a batch the stage makes from the slot
+        packed = {ring_leaf(s) for s in parts} - {None} if parts is not None else ()
+        # which leaves the stage transforms (gpu_transform's images): ValueError (before any copy) for
+        # one it cannot take
+        normalized = stage.leaf_outputs(leaf[1:] for leaf in leaves) if stage is not None else [False] * len(leaves)
         for k, (off, dtype, shape) in enumerate(leaves):
             size = torch.Size(shape).numel() * dtype.itemsize
-            if k in packed:  # read where it lies, in the slot (image_stage.py)
+            if k in packed:  # read where it lies, in the slot (the stage's launch_batch)
                 outs.append(None)
                 continue
             nbytes += size
             if normalized[k]:
                 staging = cuda.empty(shape, dtype)
-                out, mem = tf.empty_output(dtype, shape, self.device, cuda.empty)
+                out, mem = stage.empty_leaf(dtype, shape, self.device, cuda.empty)
                 staged.append((staging, mem))
                 keep.append(staging)
                 triples += (off, staging.data_ptr(), size)
@@ -246,7 +240,7 @@ class DeviceCopies:
                 outs.append(t)
         if parts is not None:
             host = [slot_leaf(ring, slot, leaves, s) for s in parts]
-            prepared = images.prepare(host[0], cuda.empty)
+            prepared = stage.prepare_batch(host, cuda.empty)
         if slot not in self.pinned:
             self._pin(ring, slot)  # what the ring's pinning thread has not page-locked yet
         side = self.copy_stream
@@ -260,7 +254,7 @@ class DeviceCopies:
             cuda.copy(ring, slot, array.array("q", triples).tobytes(), side)
         cuda.record(timing[1], side)
         for staging, mem in staged:
-            cuda.run_transform(tf, staging, mem, side)
+            cuda.run_transform(stage, staging, mem, side)
         result = unflatten(spec, outs)
         # the consumer's tensors (record_stream in deliver): not the packed leaves' places; the images
         # join them once queued
@@ -269,7 +263,7 @@ class DeviceCopies:
         if parts is None:
             cuda.record(event, side)
             return pending
-        pending.launch = ImageLaunch(lambda: self._queue_images(pending, images, prepared, host, side),
+        pending.launch = ImageLaunch(lambda: self._queue_images(pending, stage, prepared, host, side),
                                      lambda: cuda.record(event, side))
         if not defer:
             self._launch(pending)
@@ -284,9 +278,9 @@ class DeviceCopies:
             raise pending.launch.error
 
     @staticmethod
-    def _queue_images(pending, images, prepared, host, side):
-        out, buffers, pending.held = images.launch(prepared, host[1], host[2], side)
-        pending.result[0] = out
+    def _queue_images(pending, stage, prepared, host, side):
+        out, buffers, pending.held = stage.launch_batch(prepared, host, side)
+        stage.place(pending.result, out)
         pending.keep += buffers
         pending.tensors.append(out)
 
@@ -356,11 +350,17 @@ class DeviceCopies:
 
 
 def slot_leaf(ring, slot, leaves, leaf_spec):
-    """A batch leaf as a CPU tensor where it lies in the slot (("T", k)), or the tensor itself when
-    it travelled in the spec (("O", t): too big for the slot)."""
-    if leaf_spec[0] != "T":
+    """A batch leaf as a CPU tensor where it lies in the slot (its ring_leaf), or the tensor itself
+    when it travelled in the spec (a side object: too big for the slot)."""
+    k = ring_leaf(leaf_spec)
+    if k is None:
         return leaf_spec[1]
-    off, dtype, shape = leaves[leaf_spec[1]]
+    return ring_tensor(ring, slot, leaves, k)
+
+
+def ring_tensor(ring, slot, leaves, k):
+    """The slot's leaf k as a CPU tensor where it lies."""
+    off, dtype, shape = leaves[k]
     count = torch.Size(shape).numel()
     if count == 0:
         return torch.empty(shape, dtype=dtype)

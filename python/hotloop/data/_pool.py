@@ -19,10 +19,9 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .. import _C, input_wait
 from ..memory.host import death_by_oom, oom_kills
-from ._batch import unflatten
-from ._device import DeviceCopies, page_round, slot_layout, slot_leaf
+from ._batch import ring_leaf, unflatten
+from ._device import DeviceCopies, page_round, ring_tensor, slot_layout, slot_leaf
 from ._inherited_garbage import forking_a_worker
-from .image_stage import encoded_parts
 from ._launcher import LaunchedWorker, Launcher
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, Started, UseRing)
@@ -81,6 +80,10 @@ class WorkerEpoch:
     # its tasks after those, in the order it makes them: a worker's second batch can be ready before
     # its first (the first waits for Place), and in_order=False takes it first
     open: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+
+def _cpu_empty(shape, dtype):
+    return torch.empty(shape, dtype=dtype)
 
 
 class Pool:
@@ -733,13 +736,13 @@ class Pool:
         it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
         it. torch's pinned allocator keeps a block until events recorded on the streams that used it
         completed; a lease sees no such event."""
-        images = self.loader.image_stage
-        packed = encoded_parts(spec) if images is not None else None
+        stage = self.loader.batch_stage
+        packed = stage.slot_parts(spec) if stage is not None else None
         if packed is not None:
-            return self.images_out(slot, spec, leaves, images, packed, pin)
-        tf = self.loader.gpu_transform
-        try:  # which leaves are images to normalise: ValueError for one it cannot take
-            normalized = tf.image_leaves(leaf[1:] for leaf in leaves) if tf is not None else [False] * len(leaves)
+            return self.images_out(slot, spec, leaves, stage, packed, pin)
+        try:  # which leaves the stage transforms (gpu_transform's images): ValueError for one it cannot take
+            normalized = (stage.leaf_outputs(leaf[1:] for leaf in leaves) if stage is not None
+                          else [False] * len(leaves))
         except ValueError:
             self.release_slot(slot)
             raise
@@ -760,8 +763,8 @@ class Pool:
                     if view is None:
                         view = self.ring.view(slot)
                     src = torch.frombuffer(view, dtype=dtype, count=torch.Size(shape).numel(), offset=off).view(shape)
-                    out, mem = tf.empty_output(dtype, shape, "cpu")
-                    tf.run(src, mem)
+                    out, mem = stage.empty_leaf(dtype, shape, "cpu")
+                    stage.transform_leaf(src, mem)
                     del src
                     outs.append(out)
                 elif parts is not None:
@@ -781,15 +784,15 @@ class Pool:
             self.loader.stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
 
-    def images_out(self, slot, spec, leaves, images, parts, pin):
-        """gpu_decode without a device: the packed batch (its `parts`: encoded_parts of the spec)
-        decoded and resized on the CPU, from the slot."""
+    def images_out(self, slot, spec, leaves, stage, parts, pin):
+        """A batch the stage makes from the slot (gpu_decode's packed images; `parts`: its slot_parts),
+        without a device: made on the CPU, from the slot."""
         try:
             host = [slot_leaf(self.ring, slot, leaves, s) for s in parts]
-            outs = [None if ("T", k) in parts else slot_leaf(self.ring, slot, leaves, ("T", k)).clone()
-                    for k in range(len(leaves))]
+            taken = {ring_leaf(s) for s in parts}
+            outs = [None if k in taken else ring_tensor(self.ring, slot, leaves, k).clone() for k in range(len(leaves))]
             batch = unflatten(spec, outs)
-            batch[0] = images.run(*host, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]
+            stage.place(batch, stage.launch_batch(stage.prepare_batch(host, _cpu_empty), host, 0)[0])
             del host
         finally:
             self.release_slot(slot)

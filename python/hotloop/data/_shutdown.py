@@ -1,7 +1,7 @@
 """What hotloop.DataLoader still runs at interpreter exit, ended by one atexit hook in one order:
 prefetch threads first (none may be queueing copies out of a pool being closed), then worker pools
 (workers told to exit and reaped, copies waited for, rings closed), then single-process rings, then
-gpu_decode's decoders still opening (each waited for and closed: decoder_opening.py)."""
+gpu_decode's decoders still opening (each waited for and closed: image/decoder_opening.py)."""
 import atexit
 import weakref
 

@@ -54,10 +54,8 @@ from ._prefetch import Prefetcher
 from ._resume import (EpochLog, Plan, check_loadable, dataset_state, load_dataset_state, load_sampler_state,
                       sampler_state)
 from ._worker import WorkerSpec
-from .gpu_decode import GpuDecode, ImagePipeline
-from .image_source import MARKER
-from .image_stage import ImageStage, is_encoded_batch
 from .normalize import Normalize
+from .stage import gpu_decode_stage
 from .stats import LoaderStats
 
 __all__ = ["DataLoader", "LoaderStats"]
@@ -181,15 +179,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         # num_workers=0: the Stateful sampler's and dataset's states after the last batch handed out
         self._hl_single = {"sampler_state": None, "dataset_state": None}
         kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
-        self.gpu_decode = GpuDecode.from_argument(gpu_decode)  # the argument, for a loader made again from vars()
-        images = ImagePipeline.make(self.gpu_decode, dataset, collate_fn, self.batch_size, kind)
+        # self.gpu_decode: the argument resolved, for a loader made again from vars()
+        self.gpu_decode, images = gpu_decode_stage(gpu_decode, dataset, collate_fn, self.batch_size, kind,
+                                                   self._hl_device, self._hl_stats)
         if images is not None and gpu_transform is not None:  # its images never reach the transform
             raise ValueError("DataLoader: gpu_transform does not apply to gpu_decode's images, which its kernel "
                              "normalises already: put the Normalize in the dataset's transform (v1 or v2) instead")
-        self._hl_images = ImageStage(images, self._hl_device, self._hl_stats) if images is not None else None
-        expected = _expected_device(self._hl_device) if self._hl_images is not None else None
+        self._hl_images = images
+        expected = _expected_device(self._hl_device) if self.batch_stage is not None else None
         if expected is not None:
-            self._hl_images.open_early(expected)
+            self.batch_stage.expect_device(expected)
         self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
         self._hl_epoch_at_load = None  # the epoch sampler's epoch when a state was loaded (_resume_sampler_epoch)
 
@@ -227,9 +226,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     @property
     def image_stage(self):
-        """gpu_decode's image path for this loader (image_stage.ImageStage: the decoder and the work
+        """gpu_decode's image path for this loader (image.ImageStage: the decoder and the work
         per batch), or None when gpu_decode is off or declined the dataset; what ran is in stats."""
         return self._hl_images
+
+    @property
+    def batch_stage(self):
+        """What the batches go through beyond the ring's copies (a stage.BatchStage, whose hooks are
+        all the loader's machinery calls of it): gpu_decode's image stage, else gpu_transform, else None."""
+        return self._hl_images if self._hl_images is not None else self.gpu_transform
 
     @property
     def stats(self) -> LoaderStats:
@@ -248,8 +253,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __iter__(self):
         if self._hl_device is not None and self._hl_device.index is None:
             self._hl_device = self.device  # "cuda": the current device from now on
-            if self._hl_images is not None:
-                self._hl_images.device = self._hl_device
+            if self.batch_stage is not None:
+                self.batch_stage.use_device(self._hl_device)
         resume = self._hl_resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
             _resume_sampler_epoch(self, resume["sampler_epoch"], self._hl_epoch_at_load)
@@ -479,56 +484,47 @@ def _batch_samples(batch, default):
 def _host_batch_out(loader, batch, pin):
     """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
     through the transform, as the ring path would deliver it."""
-    device, tf = loader.device, loader.gpu_transform
-    if loader._hl_images is not None and is_encoded_batch(batch):
-        batch[0] = _host_images(loader, batch[0])
-    if device is None and tf is None:
-        if pin:
-            from torch.utils.data._utils.pin_memory import pin_memory
-            return pin_memory(batch)
-        return batch
+    device, stage = loader.device, loader.batch_stage
+    if stage is not None:
+        batch = stage.whole_batch(batch, device)  # gpu_decode's packed batch, decoded
+    if device is None and stage is None:
+        return _pinned(batch) if pin else batch
     tensors = []
     spec = flatten(batch, tensors)
-    # which leaves are images to normalise: ValueError for one it cannot take, or for none
-    images = tf.image_leaves((t.dtype, t.shape) for t in tensors) if tf is not None else [False] * len(tensors)
+    # which leaves the stage transforms (gpu_transform's images): ValueError for one it cannot take, or for none
+    images = stage.leaf_outputs((t.dtype, t.shape) for t in tensors) if stage is not None else [False] * len(tensors)
+    if device is None and not any(images):
+        return _pinned(batch) if pin else batch
     outs = []
     for t, image in zip(tensors, images):
         if device is not None:
             t = t.to(device)
         if image:
-            t = tf(t)
+            t = stage.transform(t)
         elif pin and device is None:
             t = t.pin_memory()
         outs.append(t)
     return unflatten(spec, outs)
 
 
-def _swap_in_images(it, loader) -> bool:
-    """gpu_decode: the iterator's workers (or its own thread) index the image path's samples and
-    collate them into packed batches; the decoder opens first, since what a sample holds (JPEG
-    bytes or pixels) depends on it. False when gpu_decode is off."""
-    stage = loader._hl_images
+def _pinned(batch):
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(batch)
+
+
+def _swap_in_worker_side(it, loader) -> bool:
+    """What the iterator's workers (or its own thread) index and how they collate it, as the loader's
+    stage has them (gpu_decode: the image path's samples, packed batches). False when that is the
+    dataset and collate_fn as given."""
+    stage = loader.batch_stage
     if stage is None:
         return False
-    backend = stage.open()
-    it._dataset = stage.pipeline.worker_dataset(backend)
-    it._collate_fn = stage.pipeline.collate_fn()
+    dataset, collate_fn = stage.worker_side(it._dataset, it._collate_fn)
+    if dataset is it._dataset and collate_fn is it._collate_fn:
+        return False
+    it._dataset, it._collate_fn = dataset, collate_fn
     return True
-
-
-def _host_images(loader, packed):
-    """A packed image batch that came whole: decoded and resized on the current stream (the CPU
-    without a device), waiting for it (a batch too big for the ring, or one that came through a pipe)."""
-    stage, device = loader._hl_images, loader.device
-    parts = [packed[k] for k in (MARKER, "data", "done")]
-    if device is None:
-        return stage.run(*parts, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]
-    stream = torch.cuda.current_stream(device)
-    images, *buffers = stage.run(*parts, stream.cuda_stream,
-                                 lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
-    stream.synchronize()  # the host bytes are the batch's own, and the buffers are freed when this returns
-    del buffers
-    return images
 
 
 class _SingleIter(_SingleProcessDataLoaderIter):
@@ -542,7 +538,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
     def __init__(self, loader):
         self._hl_pid = os.getpid()
         super().__init__(loader)
-        if _swap_in_images(self, loader):
+        if _swap_in_worker_side(self, loader):
             self._dataset_fetcher = _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
                                                                 self._collate_fn, self._drop_last)
         self._loader = loader
@@ -713,7 +709,7 @@ class _MultiIter(_BaseDataLoaderIter):
             # stands in for torch's reset of that iterator, which draws no new worker seed
             generator_state = loader._generator().get_state()
         super().__init__(loader)
-        _swap_in_images(self, loader)
+        _swap_in_worker_side(self, loader)
         # torch starts its workers here, before _reset draws another: a DataPipe's first epoch is seeded with this one
         self._first_shared_seed = self._shared_seed
         if carry_on:
@@ -767,7 +763,8 @@ class _MultiIter(_BaseDataLoaderIter):
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
         self._workers = pool.workers()  # torch's name, which tools read
         if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            feed.prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and loader._hl_images is not None)
+            stage = loader.batch_stage
+            feed.prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and stage is not None and stage.paced_top_ups)
 
     def _next_data(self):
         t0 = time.perf_counter()

@@ -4,13 +4,14 @@ import contextlib
 import torch
 
 from .. import _C
+from .stage import BatchStage
 
 FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LAYOUTS = ("NCHW", "NHWC")
 _CHANNEL_DIM = {"NCHW": 1, "NHWC": 3}
 
 
-class Normalize:
+class Normalize(BatchStage):
     """Image batches -> (x - mean) / std as float16/bfloat16/float32, laid out [n, c, h, w] (NCHW
     memory, or channels_last memory when channels_last=True, the default).
 
@@ -208,6 +209,13 @@ class Normalize:
             y = self._float_nchw(x, layout)
         y = y.to(self.output_dtype(x.device))
         return y.contiguous(memory_format=torch.channels_last) if self.channels_last else y.contiguous()
+
+    # the loader's hooks (stage.py), as a gpu_transform: the leaves image_leaves takes, normalised
+    # on the copy stream once copied
+    leaf_outputs = image_leaves
+    empty_leaf = empty_output
+    transform_leaf = run
+    transform = __call__
 
 
 def _nchw(shape, layout):

@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _C
+from ... import _C
 
 _ENTRY = struct.Struct("<Qq12i")
 if _ENTRY.size != _C.IMAGE_ENTRY_BYTES:
-    raise ImportError(f"hotloop._C's image entry is {_C.IMAGE_ENTRY_BYTES} bytes, image_resize.py packs {_ENTRY.size}")
+    raise ImportError(f"hotloop._C's image entry is {_C.IMAGE_ENTRY_BYTES} bytes, resize.py packs {_ENTRY.size}")
 
 
 class ImageEntry(NamedTuple):

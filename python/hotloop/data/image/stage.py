@@ -1,10 +1,10 @@
-"""The main process's half of gpu_decode: a packed batch (image_source.py) to one image tensor.
+"""The main process's half of gpu_decode: a packed batch (source.py) to one image tensor.
 
 Per batch: the JPEG bytes, copied out of the ring slot into page-locked memory, go to nvjpeg in one
 batched call that decodes into one device buffer; the crop boxes that workers decoded themselves are
 copied into the same buffer (the decode and those copies on a stream of their own: _DecodeStream);
 then one kernel, on the loader's side stream, crops, resizes, flips and normalises every image into
-the batch (image_resize.py). An image nvjpeg refused is decoded here by the dataset's own loader
+the batch (resize.py). An image nvjpeg refused is decoded here by the dataset's own loader
 (PIL, whose error is the CPU pipeline's) and joins the rest. Without a device the same steps run on
 the CPU, the kernel's C reference resizing: what the CPU tests check.
 """
@@ -15,10 +15,11 @@ import os
 import numpy as np
 import torch
 
-from .. import _C
-from . import image_resize
+from ... import _C
+from . import resize as image_resize
+from ..stage import BatchStage, spec_dict, spec_list
 from .decoder_opening import DecoderOpening, open_decoder
-from .image_source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
+from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 
 _K = {name: column(name) for name in COLUMNS}
 
@@ -26,10 +27,9 @@ _K = {name: column(name) for name in COLUMNS}
 def encoded_parts(spec):
     """(table, data, done) spec leaves of a packed batch's spec, or None for any other batch. A
     packed batch is [{MARKER: table, "data": ..., "done": ...}, targets] (collate_encoded)."""
-    if spec[0] != "L" or len(spec[1]) != 2 or spec[1][0][0] != "D":
-        return None
-    items = dict(spec[1][0][1])
-    if MARKER not in items:
+    children = spec_list(spec)
+    items = spec_dict(children[0]) if children is not None and len(children) == 2 else None
+    if items is None or MARKER not in items:
         return None
     return items[MARKER], items["data"], items["done"]
 
@@ -92,11 +92,21 @@ class _DecodeStream:
         _C.cuda_stream_wait_event(side, self._decoded)
 
 
-class ImageStage:
+class ImageStage(BatchStage):
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
     the per-batch work. One thread at a time uses it: prepare() under the loader's epoch lock;
-    launch() under it too or, from the prefetch thread, in batch order (_device.ImageLaunch)."""
+    launch() under it too or, from the prefetch thread, in batch order (_device.ImageLaunch).
+    The loader calls it through BatchStage's hooks (../stage.py), below close()."""
+
+    paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
+    # gpu_decode's batches never leave their slot by DMA: launch reads the JPEG bytes into a
+    # page-locked copy of its own and the targets are a few kB. Page-locking the
+    # ring (~340 MB with 4 workers and batches of 256) ran in the background through the first
+    # steps, holding the driver lock while the first decodes and launches ran. On the H200, 3
+    # alternated runs each: the first next() took 97-146 ms with it and 89-101 ms without; the
+    # first 25 steps ran at 72-81 % and 80-84 % of the GPU-resident speed; later steps alike
+    pins_ring = False  # (_device.DeviceCopies.pin_slots)
 
     def __init__(self, pipeline, device, stats):
         self.pipeline = pipeline
@@ -154,6 +164,49 @@ class ImageStage:
         if self.decoder is not None:
             self.decoder.close()
             self.decoder = None
+
+    # BatchStage's hooks
+
+    def expect_device(self, device):
+        self.open_early(device)
+
+    def use_device(self, device):
+        self.device = device
+
+    def worker_side(self, dataset, collate_fn):
+        """The workers index the image path's samples and collate them into packed batches; the
+        decoder opens first, since what a sample holds (JPEG bytes or pixels) depends on it."""
+        backend = self.open()
+        return self.pipeline.worker_dataset(backend), self.pipeline.collate_fn()
+
+    def slot_parts(self, spec):
+        return encoded_parts(spec)
+
+    def prepare_batch(self, parts, empty):
+        return self.prepare(parts[0], empty)
+
+    def launch_batch(self, prepared, parts, stream):
+        return self.launch(prepared, parts[1], parts[2], stream)
+
+    def place(self, batch, out):
+        batch[0] = out
+
+    def whole_batch(self, batch, device):
+        """A packed batch that came whole: decoded and resized on the current stream (the CPU
+        without a device), waiting for it (a batch too big for the ring, or one that came through a pipe)."""
+        if not is_encoded_batch(batch):
+            return batch
+        parts = [batch[0][k] for k in (MARKER, "data", "done")]
+        if device is None:
+            batch[0] = self.run(*parts, 0, lambda shape, dtype: torch.empty(shape, dtype=dtype))[0]
+            return batch
+        stream = torch.cuda.current_stream(device)
+        images, *buffers = self.run(*parts, stream.cuda_stream,
+                                    lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
+        stream.synchronize()  # the host bytes are the batch's own, and the buffers are freed when this returns
+        del buffers
+        batch[0] = images
+        return batch
 
     @property
     def description(self):

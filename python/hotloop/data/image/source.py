@@ -4,9 +4,9 @@
 DatasetFolder / ImageFolder with the default image loader, or a hotloop.EncodedImageDataset. In the
 workers `EncodedSamples` stands in for the dataset: per index it reads the encoded bytes and the JPEG
 header (a few microseconds), draws the transform's random parameters as the transform would
-(image_plan.py), and returns a record; `collate_encoded` packs a batch of records into three tensors
+(plan.py), and returns a record; `collate_encoded` packs a batch of records into three tensors
 (a table, the bytes, and finished images) that fit the ring. The main process decodes and resizes
-(image_stage.py).
+(stage.py).
 
 Per sample, what the GPU path cannot take falls back, in the worker, to the CPU: a file that is not
 a baseline JPEG the decoder takes (PNG, CMYK, progressive on the hardware decoder, a truncated file)
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from .. import _C
-from .image_plan import NeedsCpu
+from ... import _C
+from .plan import NeedsCpu
 
 MARKER = "hotloop_encoded_images"  # key of the table in a packed batch: how the main process knows one
 

@@ -7,8 +7,8 @@ import warnings
 import torch
 from torch.utils.data._utils.collate import default_collate
 
-from .image_plan import ImagePlan
-from .image_source import EncodedSamples, ImageSource, collate_encoded
+from .plan import ImagePlan
+from .source import EncodedSamples, ImageSource, collate_encoded
 
 BACKENDS = ("auto", "hardware", "cuda", "cpu")
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
@@ -87,8 +87,9 @@ class ImagePipeline:
         if loader_kind != "map":
             why = "gpu_decode needs a map-style dataset with automatic batching (batch_size not None)"
         if why is not None:
+            # the user's line: here <- make_stage <- stage.gpu_decode_stage <- DataLoader.__init__ <- the user
             warnings.warn(f"hotloop.DataLoader: gpu_decode is off: {why}; the dataset's own pipeline runs "
-                          "in the workers, as with torch", stacklevel=3)
+                          "in the workers, as with torch", stacklevel=5)
             return None
         return cls(config, source, plan, batch_size)
 

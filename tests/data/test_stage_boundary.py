@@ -1,0 +1,104 @@
+"""The loader's core reaches gpu_decode's image path through stage.BatchStage alone: it imports nothing
+of hotloop.data.image, and nothing outside _batch.py reads the spec's kind letters."""
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import hotloop
+from hotloop.data import _batch, stage
+from hotloop.data.image import ImageStage
+
+DATA = pathlib.Path(hotloop.__file__).parent / "data"
+CORE = ["dataloader.py", "_device.py", "_pool.py", "_prefetch.py", "_batch.py", "_resume.py", "_worker.py",
+        "_rows.py", "_messages.py", "_launcher.py", "_shutdown.py", "_rng.py", "stats.py", "normalize.py", "stage.py"]
+SPEC_KINDS = {"T", "O", "S", "D", "L", "U", "N"}
+
+
+def _imported_modules(path):
+    """Every module the file imports, at any depth (a function's lazy import too), as an absolute
+    dotted name resolved from the hotloop.data package."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module
+            else:
+                package = ["hotloop", "data"][:3 - node.level] if node.level <= 2 else []
+                base = ".".join(package + ([node.module] if node.module else []))
+            names.append(base)
+            names += [f"{base}.{alias.name}" for alias in node.names]  # `from . import image`
+    return names
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_core_imports_nothing_of_image(name):
+    imported = _imported_modules(DATA / name)
+    assert imported, f"{name}: no imports found (the parser missed them)"
+    reached = [m for m in imported if m == "hotloop.data.image" or m.startswith("hotloop.data.image.")]
+    if name == "stage.py":  # the one factory place: gpu_decode_stage's lazy import of image/'s make_stage
+        assert reached == ["hotloop.data.image", "hotloop.data.image.make_stage"]
+        return
+    assert reached == [], f"{name} imports {reached}: the core reaches image/ through stage.py's hook only"
+
+
+def test_the_parser_sees_image_imports(tmp_path):
+    """The check above fails where a core module imports image/, however it is written."""
+    cases = ["from .image import ImageStage", "from .image.stage import encoded_parts", "from . import image",
+             "import hotloop.data.image.nvjpeg", "def f():\n    from .image import make_stage\n"]
+    for k, source in enumerate(cases):
+        path = tmp_path / f"case{k}.py"
+        path.write_text(source + "\n")
+        assert any(m.startswith("hotloop.data.image") for m in _imported_modules(path)), source
+
+
+@pytest.mark.parametrize("name", [n for n in CORE if n != "_batch.py"] + ["image/stage.py", "image/source.py",
+                                                                        "image/gpu_decode.py"])
+def test_no_spec_kind_literals_outside_batch(name):
+    """A comparison with a spec kind's letter ("L", "D", "T", ...) outside _batch.py is code reading
+    the spec by hand: _batch's spec_list / spec_dict / ring_leaf name the kinds."""
+    tree = ast.parse((DATA / name).read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left] + node.comparators:
+                if isinstance(side, ast.Constant) and side.value in SPEC_KINDS:
+                    found.append((node.lineno, side.value))
+                if isinstance(side, (ast.Tuple, ast.Set, ast.List)):
+                    found += [(node.lineno, e.value) for e in side.elts
+                              if isinstance(e, ast.Constant) and e.value in SPEC_KINDS]
+    assert found == []
+
+
+def test_spec_helpers_read_what_flatten_writes():
+    tensors = []
+    spec = _batch.flatten([{"a": torch.zeros(2), "b": "side"}, (torch.ones(3),)], tensors)
+    children = _batch.spec_list(spec)
+    assert children is not None and len(children) == 2
+    items = _batch.spec_dict(children[0])
+    assert set(items) == {"a", "b"}
+    assert _batch.ring_leaf(items["a"]) == 0 and tensors[0] is not None
+    assert _batch.ring_leaf(items["b"]) is None  # a side object
+    assert _batch.spec_dict(spec) is None and _batch.spec_list(children[0]) is None
+    assert _batch.ring_leaf(spec) is None
+    # a tuple of samples collates to a tuple here (flatten keeps the type): not a list node
+    assert _batch.spec_list(children[1]) is None
+    assert _batch.ring_leaf(_batch.flatten(torch.ones(1), [])) == 0
+
+
+def test_stages_implement_the_hook():
+    assert issubclass(hotloop.Normalize, stage.BatchStage) and issubclass(ImageStage, stage.BatchStage)
+    base = stage.BatchStage()
+    assert base.leaf_outputs([(torch.uint8, (2, 3, 4, 4))]) == [False]
+    assert base.slot_parts(_batch.flatten([torch.zeros(1)], [])) is None
+    batch = [torch.zeros(1)]
+    assert base.whole_batch(batch, None) is batch
+    assert base.worker_side("dataset", "collate") == ("dataset", "collate")
+    tf = hotloop.Normalize((0.5,) * 3, (0.25,) * 3)
+    assert tf.leaf_outputs([(torch.uint8, (2, 4, 4, 3)), (torch.int64, (2,))]) == [True, False]
+    with pytest.raises(ValueError, match="no image leaf"):
+        tf.leaf_outputs([(torch.int64, (2,))])
