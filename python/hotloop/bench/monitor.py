@@ -235,8 +235,9 @@ def rows(ctx):
     ctx.sync()
     times = {k: [] for k in configs}
     rates = []
-    for _ in range(rounds):  # alternate the configurations, block by block
-        for key, (on, off) in configs.items():
+    for r in range(rounds):  # alternate the configurations, block by block, the order flipped each round
+        for key in (list(configs) if r % 2 == 0 else list(reversed(configs))):
+            on, off = configs[key]
             on()
             step()  # the first step under a new configuration is not timed
             ms = ctx.time_ms(block) / steps
