@@ -97,6 +97,13 @@ class Images(Dataset):
         return self.data[i], i
 
 
+def draw_from_rngs(i, width=2):
+    """Sample i with a draw from each global RNG a worker seeds: torch's, numpy's and random's (the
+    resume tests' samples: a resumed epoch must repeat every draw)."""
+    return (torch.tensor(i), torch.rand(width) + i, torch.from_numpy(np.random.rand(2)),
+            torch.tensor(random.random(), dtype=torch.float64))
+
+
 def assert_same(a, b, path="batch"):
     """Two batches equal in type, structure, dtype, shape and every value."""
     assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"

@@ -14,17 +14,13 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 
-from .conftest import fake_device
+from .conftest import draw_from_rngs, fake_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
 
 
-def draw(i):
-    """Sample i with a draw from each global RNG a worker seeds: torch's, numpy's and random's."""
-    return (torch.tensor(i), torch.rand(3) + i, torch.from_numpy(np.random.rand(2)),
-            torch.tensor(random.random(), dtype=torch.float64))
 
 
 class Noisy(Dataset):
@@ -35,7 +31,7 @@ class Noisy(Dataset):
         return self.n
 
     def __getitem__(self, i):
-        return draw(i)
+        return draw_from_rngs(i, 3)
 
 
 class NoisyStream(IterableDataset):
@@ -50,7 +46,7 @@ class NoisyStream(IterableDataset):
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         i = wid
         while i < self.n:
-            yield draw(i)
+            yield draw_from_rngs(i, 3)
             i += nw * (1 + (torch.rand(()) < 0.2).item())
 
 
@@ -238,7 +234,7 @@ class DyingStream(IterableDataset):
         for i in range(wid, stop, nw):
             if i == self.victim:
                 self._die()
-            yield draw(i)
+            yield draw_from_rngs(i, 3)
         if self.victim == "end" and wid == 0:
             self._die()
 
@@ -292,7 +288,7 @@ def test_map_worker_killed_redoes_the_same_random_draws(tmp_path):
             if i == 17 and not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return draw(i)
+            return draw_from_rngs(i, 3)
 
     kwargs = dict(batch_size=4, num_workers=3, shuffle=True)
     torch.manual_seed(8)

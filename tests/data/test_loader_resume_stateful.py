@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 import hotloop
 
-from .conftest import assert_same, fake_device
+from .conftest import assert_same, draw_from_rngs, fake_device
 
 # torchdata's loader is the oracle here: a machine without torchdata (the GPU one) skips the module
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
@@ -26,9 +26,6 @@ BATCH = 4
 CUT = 5  # batches handed out before the state is taken
 
 
-def draw(i):
-    return (torch.tensor(i), torch.rand(2) + i, torch.from_numpy(np.random.rand(2)),
-            torch.tensor(random.random(), dtype=torch.float64))
 
 
 class CountingStream(IterableDataset):
@@ -52,7 +49,7 @@ class CountingStream(IterableDataset):
             with self.made.get_lock():
                 self.made.value += 1
             self.next += 1
-            yield draw(i)
+            yield draw_from_rngs(i)
 
     def state_dict(self):
         return {"next": self.next}
@@ -168,7 +165,7 @@ class Noisy(Dataset):
         return N
 
     def __getitem__(self, i):
-        return draw(i)
+        return draw_from_rngs(i)
 
 
 class CountingSampler(Sampler):

@@ -9,7 +9,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import hotloop
 
-from .conftest import assert_same
+from .conftest import assert_same, draw_from_rngs
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -18,10 +18,6 @@ BATCH = 3
 CUT = 3  # batches handed out before the state is taken
 
 
-def draw(i):
-    """Sample i with a draw from each global RNG a worker seeds: torch's, numpy's and random's."""
-    return (torch.tensor(i), torch.rand(2) + i, torch.from_numpy(np.random.rand(2)),
-            torch.tensor(random.random(), dtype=torch.float64))
 
 
 class Noisy(Dataset):
@@ -29,7 +25,7 @@ class Noisy(Dataset):
         return N
 
     def __getitem__(self, i):
-        return draw(i)
+        return draw_from_rngs(i)
 
 
 class Sharded(IterableDataset):
@@ -39,7 +35,7 @@ class Sharded(IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         for i in range(wid, N, nw):
-            yield draw(i)
+            yield draw_from_rngs(i)
 
 
 def make(kind, num_workers, seed):
