@@ -1,9 +1,20 @@
 """`python -m hotloop demo`: hotloop at work in one minute, on any machine. A small CNN learns a
-generated image dataset (nothing downloaded) twice, from the same seed: once with hotloop's three
-pieces (DataLoader with its device copies and Normalize, GradScaler on CUDA, @memory_monitor), once
-with torch's (DataLoader with pin_memory, normalising ops, torch.amp.GradScaler). It prints the
-monitor's report, the loader's and the scaler's figures, and the two loops side by side."""
+generated image dataset (nothing downloaded) from the same seed with hotloop's pieces (DataLoader with
+its device copies and Normalize, GradScaler on CUDA, hotloop.optim's AdamW step on the CPU,
+@memory_monitor) and with torch's (DataLoader with pin_memory, normalising ops, torch.amp.GradScaler,
+torch.optim.AdamW). It prints the monitor's report, the loader's and the scaler's figures, the two
+loops side by side (medians of alternated rounds) and a verdict that says whether the rounds agree.
+
+NOTE [ The demo's timing ]: one loop of each, timed once, gave a verdict that changed from run to run
+on a CPU. What it measured besides the loaders: the first loop (hotloop's) paid the process's
+first-use costs (the thread pool, oneDNN's kernels, the allocator's first blocks; on a GPU NVRTC's
+compile too), and only hotloop's loop ran under the memory monitor, whose sampler takes CPU time the
+loop competes for; and a loop of a second on a busy machine moves by more than the loaders differ.
+So the monitored hotloop loop runs first and is not timed (it pays the first-use costs), then each
+round times both loops, the order flipped each round; the summary shows medians, and calls a
+difference only where every round of one way beat every round of the other."""
 import math
+import statistics
 import sys
 import time
 
@@ -21,6 +32,8 @@ def add_arguments(parser):
     parser.add_argument("--batch-size", type=int, default=None, help="images per step (default: 64 on the CPU, "
                                                                       "256 on a GPU)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each one loop of torch's way and one of "
+                                                             "hotloop's (default 3; a verdict needs 3 or more)")
 
 
 def main(args) -> int:
@@ -32,20 +45,27 @@ def main(args) -> int:
     cuda = device.type == "cuda"
     steps = args.steps if args.steps is not None else (200 if cuda else 60)
     batch_size = args.batch_size if args.batch_size is not None else (256 if cuda else 64)
-    for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1), ("--workers", args.workers, 0)):
+    for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1), ("--workers", args.workers, 0),
+                               ("--rounds", args.rounds, 1)):
         if value < least:
             print(f"hotloop demo: {name}: expected a number >= {least}, got {value}", file=sys.stderr)
             return 2
     name = torch.cuda.get_device_name(device) if cuda else "the CPU"
     print(f"hotloop demo: a small CNN learns {steps} steps of {batch_size} generated 32x32 images on {name}, "
-          f"{args.workers} workers, {'float16 autocast' if cuda else 'float32'}; first with hotloop, then with torch "
-          "alone, same seed", flush=True)
+          f"{args.workers} workers, {'float16 autocast' if cuda else 'float32'}, the same seed every loop: hotloop "
+          f"once under its memory monitor (not timed), then {args.rounds} rounds of torch's way and hotloop's, "
+          "alternating", flush=True)
     dataset = GeneratedImages(steps * batch_size)
     if cuda:
         _warm_up(device, batch_size)  # CUDA's and cuDNN's first-use costs, paid by neither loop
-    hot = _hotloop_run(dataset, device, steps, batch_size, args.workers)
-    ref = _torch_run(dataset, device, steps, batch_size, args.workers)
-    _print_summary(hot, ref, cuda)
+    # NOTE [ The demo's timing ]: the monitored loop pays the first-use costs; the timed rounds run unmonitored
+    shown = _hotloop_run(dataset, device, steps, batch_size, args.workers, "hotloop", monitor=True)
+    timed = []  # in the order run
+    for r in range(args.rounds):
+        for way in ((_torch_run, _hotloop_run) if r % 2 == 0 else (_hotloop_run, _torch_run)):
+            label = f"{'hotloop' if way is _hotloop_run else 'torch'} {r + 1}/{args.rounds}"
+            timed.append(way(dataset, device, steps, batch_size, args.workers, label))
+    _print_summary(shown, timed, cuda)
     return 0
 
 
@@ -98,11 +118,15 @@ class GeneratedImages:
         return image, label
 
 
-def _model(device):
+def _model(device, hotloop_optim=False):
+    """The CNN, the same weights every time, and its AdamW: hotloop.optim's (on the CPU) or torch's (fused
+    on CUDA, where hotloop's GradScaler hands it grad_scale and found_inf)."""
     import torch
     from torch import nn
 
-    torch.manual_seed(0)  # the same weights for both loops
+    import hotloop
+
+    torch.manual_seed(0)  # the same weights for every loop
     model = nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
@@ -111,8 +135,9 @@ def _model(device):
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=device.type == "cuda")
-    return model, optimizer
+    if hotloop_optim:
+        return model, hotloop.optim.AdamW(model.parameters(), lr=3e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=device.type == "cuda")
 
 
 def _warm_up(device, batch_size):
@@ -135,7 +160,8 @@ def _warm_up(device, batch_size):
 class _Run:
     """What one loop did: losses per step, seconds, seconds inside next()."""
 
-    def __init__(self, label):
+    def __init__(self, way, label):
+        self.way = way  # "hotloop" or "torch"
         self.label = label
         self.losses = []
         self.seconds = 0.0
@@ -145,7 +171,8 @@ class _Run:
 
 
 def _train(run, loader, model, optimizer, scaler, device, steps, prepare):
-    """The loop both runs share: `prepare(batch)` is what differs (hotloop's batch is ready)."""
+    """The loop both ways share: `prepare(batch)` is what differs (hotloop's batch is ready). The
+    workers' start-up is timed, as an epoch pays it."""
     import torch
 
     cuda = device.type == "cuda"
@@ -179,14 +206,14 @@ def _train(run, loader, model, optimizer, scaler, device, steps, prepare):
     del it
 
 
-def _hotloop_run(dataset, device, steps, batch_size, workers):
+def _hotloop_run(dataset, device, steps, batch_size, workers, label, monitor=False):
     import torch
 
     import hotloop
 
-    run = _Run("hotloop")
+    run = _Run("hotloop", label)
     cuda = device.type == "cuda"
-    model, optimizer = _model(device)
+    model, optimizer = _model(device, hotloop_optim=not cuda)
     loader = hotloop.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
                                 generator=torch.Generator().manual_seed(5), device=device if cuda else None,
                                 gpu_transform=hotloop.Normalize(MEAN, STD))
@@ -195,10 +222,11 @@ def _hotloop_run(dataset, device, steps, batch_size, workers):
     def prepare(batch):
         return batch  # on the device, normalised, channels_last: nothing left to do
 
-    @hotloop.memory_monitor  # (model= would add per-module hooks: their cost shows in a model this small)
     def train():
         _train(run, loader, model, optimizer, scaler, device, steps, prepare)
 
+    if monitor:  # (model= would add per-module hooks: their cost shows in a model this small)
+        train = hotloop.memory_monitor(train)
     train()
     st = loader.stats
     run.wait_seconds = st.wait_seconds  # the loader's own count: the same span, measured inside next()
@@ -212,10 +240,10 @@ def _hotloop_run(dataset, device, steps, batch_size, workers):
     return run
 
 
-def _torch_run(dataset, device, steps, batch_size, workers):
+def _torch_run(dataset, device, steps, batch_size, workers, label):
     import torch
 
-    run = _Run("torch")
+    run = _Run("torch", label)
     cuda = device.type == "cuda"
     model, optimizer = _model(device)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
@@ -253,7 +281,7 @@ class _Progress:
         if self.tty and self.n % 5 and self.n != self.total:
             return
         filled = self.WIDTH * self.n // self.total
-        line = (f"  {self.label:8} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.n}/{self.total} steps, "
+        line = (f"  {self.label:13} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.n}/{self.total} steps, "
                 f"loss {float(losses[-1]):.3f}, {time.perf_counter() - self.t0:.1f} s")
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
@@ -262,24 +290,76 @@ class _Progress:
             print(file=sys.stderr, flush=True)
 
 
-def _print_summary(hot, ref, cuda):
-    rows = [("samples/s", hot.samples / hot.seconds, ref.samples / ref.seconds, "higher"),
-            ("seconds", hot.seconds, ref.seconds, "lower"),
-            ("waiting for data, s", hot.wait_seconds, ref.wait_seconds, "lower"),
-            ("first loss", hot.losses[0], ref.losses[0], None),
-            ("last loss", hot.losses[-1], ref.losses[-1], None)]
+# a verdict needs this many rounds: with fewer, one way can beat the other in every round by chance alone
+VERDICT_ROUNDS = 3
+
+
+def compare_rounds(hot, ref, higher_is_better):
+    """(ratio, word) for one row's values per round: the ratio of the medians oriented so that > 1 means
+    hotloop did better (None where a median is 0); 'better' or 'worse' only where every round of one way
+    beat every round of the other, 'no clear difference' where the rounds' ranges overlap."""
+    h, t = statistics.median(hot), statistics.median(ref)
+    ratio = None if h <= 0 or t <= 0 else (h / t if higher_is_better else t / h)
+    if len(hot) < VERDICT_ROUNDS or len(ref) < VERDICT_ROUNDS:
+        return ratio, "too few rounds to say"
+    sign = 1 if higher_is_better else -1  # scores: higher is better
+    hot_scores, ref_scores = [sign * x for x in hot], [sign * x for x in ref]
+    if min(hot_scores) > max(ref_scores):
+        return ratio, "better"
+    if max(hot_scores) < min(ref_scores):
+        return ratio, "worse"
+    return ratio, "no clear difference"
+
+
+def _print_summary(shown, timed, cuda):
+    hot = [r for r in timed if r.way == "hotloop"]
+    ref = [r for r in timed if r.way == "torch"]
+    n = len(hot)
+    rows = [("samples/s", [r.samples / r.seconds for r in hot], [r.samples / r.seconds for r in ref], True),
+            ("seconds", [r.seconds for r in hot], [r.seconds for r in ref], False),
+            ("waiting for data, s", [r.wait_seconds for r in hot], [r.wait_seconds for r in ref], False)]
     print()
-    print(f"  {'':22}{'hotloop':>12}{'torch':>12}{'hotloop/torch':>15}")
-    for name, h, t, better in rows:
-        ratio = f"{h / t:.2f}x" if better and t > 0 else ""
-        print(f"  {name:22}{h:12.3f}{t:12.3f}{ratio:>15}")
-    for name, text in hot.extra:
-        print(f"  {name}: {text}")
-    worst = max(abs(a - b) for a, b in zip(hot.losses, ref.losses))
+    print(f"  {f'median of {n} round' + ('s' if n > 1 else ''):22}{'hotloop':>12}{'torch':>12}  {'better when':18}"
+          "hotloop vs torch (>1x: hotloop better)")
+    for name, h, t, higher in rows:
+        ratio, word = compare_rounds(h, t, higher)
+        print(f"  {name:22}{statistics.median(h):12.3f}{statistics.median(t):12.3f}  "
+              f"{('higher' if higher else 'lower') + ' is better':18}"
+              f"{'-' if ratio is None else f'{ratio:.2f}x'} {word}")
+    for name, index in (("first loss", 0), ("last loss", -1)):
+        print(f"  {name:22}{hot[0].losses[index]:12.3f}{ref[0].losses[index]:12.3f}  (the same data and seed)")
+    print("  rounds, loop seconds in the order run: " + " | ".join(
+        ", ".join(f"{r.way} {r.seconds:.2f}" for r in timed[i:i + 2]) for i in range(0, len(timed), 2)))
+    for name, text in shown.extra:
+        print(f"  {name} (the monitored loop): {text}")
+    worst = max(abs(a - b) for h, t in zip(hot, ref) for a, b in zip(h.losses, t.losses))
     if not cuda:
         same = "the same in every step" if worst == 0 else f"within {worst:.2g} of each other"
-        print(f"  losses: {same} (same seed, same batches, same normalisation bits)")
+        print(f"  losses: {same} (same seed, same batches, same normalisation bits; hotloop's AdamW step rounds "
+              "its bias corrections in float32, torch's CPU step in double)")
+        print("  on the CPU: no host-to-device copies to overlap and no GPU kernels; float32, so no GradScaler "
+              "(float16 autocast, which needs one, runs slowly on a CPU). What differs is the loader (workers "
+              "write into a shared ring, Normalize in C) and AdamW's step (hotloop.optim's C loop); the "
+              "model's own compute, the same in both, is most of each step")
     else:
         print(f"  losses: within {worst:.2g} of each other (float16 kernels need not be bitwise reproducible)")
-    if not all(math.isfinite(x) for x in hot.losses):
+    if not all(math.isfinite(x) for r in hot for x in r.losses):
         print("  note: hotloop's loss was not finite in some steps (the scaler skipped them)")
+    print("  " + verdict_line([r.seconds for r in hot], [r.seconds for r in ref]))
+
+
+def verdict_line(h, t):
+    """One line on the loop's seconds per round, hotloop's `h` and torch's `t`: who won and by how much, or
+    that the rounds do not say."""
+    ratio, word = compare_rounds(h, t, higher_is_better=False)
+    where = f"medians of {len(h)} rounds"
+    if word == "better":
+        return (f"verdict: hotloop won: its loop ran {ratio:.2f}x as fast as torch's ({where}; every hotloop round "
+                "faster)")
+    if word == "worse":
+        return (f"verdict: torch won: hotloop's loop ran {ratio:.2f}x as fast as torch's, slower ({where}; every torch "
+                "round faster)")
+    if word == "no clear difference":
+        return (f"verdict: no clear difference in loop time: the rounds' ranges overlap (hotloop {min(h):.2f}-"
+                f"{max(h):.2f} s, torch {min(t):.2f}-{max(t):.2f} s)")
+    return f"verdict: none from {len(h)} round{'s' if len(h) > 1 else ''} (--rounds {VERDICT_ROUNDS} or more for one)"
