@@ -9,7 +9,7 @@ from .._version import __version__
 
 # command -> (module, help)
 COMMANDS = {
-    "demo": ("hotloop.cli.demo", "a small CNN trained with hotloop, then with torch alone: see what changes"),
+    "demo": ("hotloop.cli.demo", "a small CNN trained with hotloop and with torch alone, in alternated rounds: see what changes"),
     "info": ("hotloop.cli.info", "what hotloop was built with and what this machine offers"),
     "doctor": ("hotloop.cli.doctor", "check driver, torch, GPUs, PCIe, power and host settings; advise"),
     "monitor": ("hotloop.cli.monitor", "an nvidia-smi -l like logger: memory, utilisation, power, clocks, PCIe"),
