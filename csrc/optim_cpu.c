@@ -1,11 +1,12 @@
-/* The fused optimizers' C reference on host memory: kernels/optim_math.h's per-element maths over a step's table, 16 or 8 elements at a time with AVX-512 or AVX2 where the CPU has them, the chunks shared among threads. */
+/* The fused optimizers' C reference on host memory: kernels/optim_math.h's per-element maths over a step's table, 16 or 8 elements at a time with AVX-512 or AVX2 where the CPU has them, the chunks shared among csrc/thread_pool.c's threads. */
 #include "optim_cpu.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 
+#include "chunk_walk.h"
 #include "half_convert.h"
 #include "tensor_table.h"
+#include "thread_pool.h"
 
 /* NOTE [ The C reference's vector path ]
    The AVX2 path does hl_adam_element's and hl_sgd_element's operations in their order on 8 lanes. IEEE
@@ -16,10 +17,9 @@
    kernel's. The AVX-512 path (adam16, sgd16) is the same on 16 lanes. The scalar code takes each chunk's
    last elements (fewer than 8) and CPUs without AVX2. */
 
-/* a thread takes at least this many chunks (HL_CHUNK_ELEMS elements each): below that, starting it costs
-   about what it saves */
+/* a thread takes part for at least this many chunks (HL_CHUNK_ELEMS elements each): below that, waking
+   it costs about what it saves */
 #define MIN_CHUNKS_PER_THREAD 4
-#define MAX_THREADS 256
 
 static inline float load_elem(int dtype, uint64_t base, int64_t i) {
     const void *a = (const void *)(uintptr_t)base;
@@ -387,42 +387,31 @@ static int cpu_vector_level(void) {
 static int cpu_vector_level(void) { return 0; }
 #endif
 
-/* One step's work, shared by its threads: each takes the next chunk until none is left. */
+/* One step's work: chunks of its table, done by whichever thread takes them (csrc/thread_pool.c). */
 typedef struct {
-    int is_adam;
     const void *table;
-    int64_t count, total_chunks;
+    int64_t count;
     const void *hyper;
     double lr;
     float scale;
     int has_scale;
     int vector; /* cpu_vector_level() */
-    _Atomic int64_t next_chunk;
 } step_work;
 
-/* the entry that holds `chunk`, following on from entry `t` (a thread's chunks come in increasing order):
-   the last one whose first_chunk <= chunk, which skips empty tensors (they share the next one's) */
-#define FOLLOW(table, count, t, chunk)                                          \
-    while ((t) + 1 < (count) && (table)[(t) + 1].first_chunk <= (chunk))        \
-        (t)++
-
-static void adam_chunks(step_work *w) {
+static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
+    const step_work *w = arg;
     const hl_adam_entry *table = w->table;
     int64_t t = 0, scalars_of = -1;
     hl_adam_scalars s = {0};
-    for (;;) {
-        const int64_t chunk = atomic_fetch_add(&w->next_chunk, 1);
-        if (chunk >= w->total_chunks)
-            return;
-        FOLLOW(table, w->count, t, chunk);
+    for (int64_t chunk = first; chunk < end_chunk; chunk++) {
+        HL_ENTRY_OF_CHUNK(table, w->count, t, chunk);
         const hl_adam_entry *e = &table[t];
-        if (scalars_of != t) { /* the bias corrections once per tensor per thread (powf) */
+        if (scalars_of != t) { /* the bias corrections once per tensor per call (powf) */
             s = hl_adam_scalars_for(w->hyper, w->lr, *(const float *)(uintptr_t)e->step);
             scalars_of = t;
         }
-        const int64_t begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-        const int64_t end = begin + HL_CHUNK_ELEMS < e->numel ? begin + HL_CHUNK_ELEMS : e->numel;
-        int64_t i = begin;
+        int64_t i, end;
+        hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
             i = adam_avx512(&s, e, i, end, w->scale, w->has_scale);
@@ -433,18 +422,15 @@ static void adam_chunks(step_work *w) {
     }
 }
 
-static void sgd_chunks(step_work *w) {
+static void sgd_chunks(void *arg, int64_t first, int64_t end_chunk) {
+    const step_work *w = arg;
     const hl_sgd_entry *table = w->table;
     int64_t t = 0;
-    for (;;) {
-        const int64_t chunk = atomic_fetch_add(&w->next_chunk, 1);
-        if (chunk >= w->total_chunks)
-            return;
-        FOLLOW(table, w->count, t, chunk);
+    for (int64_t chunk = first; chunk < end_chunk; chunk++) {
+        HL_ENTRY_OF_CHUNK(table, w->count, t, chunk);
         const hl_sgd_entry *e = &table[t];
-        const int64_t begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-        const int64_t end = begin + HL_CHUNK_ELEMS < e->numel ? begin + HL_CHUNK_ELEMS : e->numel;
-        int64_t i = begin;
+        int64_t i, end;
+        hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
             i = sgd_avx512(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
@@ -455,42 +441,14 @@ static void sgd_chunks(step_work *w) {
     }
 }
 
-static void *run_chunks(void *arg) {
-    step_work *w = arg;
-    if (w->is_adam)
-        adam_chunks(w);
-    else
-        sgd_chunks(w);
-    return NULL;
-}
-
-/* the chunks of `w` on up to `threads` threads, this one included; a thread that cannot be started
-   leaves its share to the others */
-static void run_step(step_work *w, int threads) {
-    int64_t n = w->total_chunks / MIN_CHUNKS_PER_THREAD;
-    if (n > threads)
-        n = threads;
-    if (n > MAX_THREADS)
-        n = MAX_THREADS;
-    pthread_t ids[MAX_THREADS];
-    int started = 0;
-    for (int64_t k = 1; k < n; k++)
-        if (pthread_create(&ids[started], NULL, run_chunks, w) == 0)
-            started++;
-    run_chunks(w);
-    for (int k = 0; k < started; k++)
-        pthread_join(ids[k], NULL);
-}
-
 void hl_cpu_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks, const hl_adam_hyper *hyper,
                  const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.is_adam = 1, .table = table, .count = count, .total_chunks = total_chunks, .hyper = hyper,
+    step_work w = {.table = table, .count = count, .hyper = hyper,
                    .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
                    .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    atomic_init(&w.next_chunk, 0);
-    run_step(&w, threads);
+    hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, adam_chunks, &w);
     /* after every thread has read its tensors' step counts */
     for (int64_t t = 0; t < count; t++) {
         float *step = (float *)(uintptr_t)table[t].step;
@@ -502,9 +460,8 @@ void hl_cpu_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, 
                 const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.is_adam = 0, .table = table, .count = count, .total_chunks = total_chunks, .hyper = hyper,
+    step_work w = {.table = table, .count = count, .hyper = hyper,
                    .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
                    .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    atomic_init(&w.next_chunk, 0);
-    run_step(&w, threads);
+    hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, sgd_chunks, &w);
 }

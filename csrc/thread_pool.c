@@ -1,0 +1,156 @@
+/* The C reference's worker threads: one process-wide pool, started on first use, woken for each pass, re-made lazily in a forked child. */
+#include "thread_pool.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+
+/* at most this many threads in a pass, the caller's included */
+#define MAX_THREADS 256
+
+/* NOTE [ The C reference's thread pool ]
+   Threads started for every pass cost a clone, a stack and a wake-up each; the pool's sleep on a
+   condition variable between passes instead, as torch's intra-op threads do. One pass at a time uses
+   the pool: `busy` says one is in flight, and another caller (a second Python thread stepping with
+   the GIL released) does its items alone rather than wait, which fn's contract (any thread may do
+   any item) makes correct. A pass's job lives on its caller's stack; the caller returns only when
+   every worker that took the job has said it is done, and a worker reads the job only in between.
+   Fork: the lock is held across fork() so the child's copy is consistent; the child has none of the
+   parent's threads, so it forgets them and starts its own on its first pass (a DataLoader worker
+   forked while the parent's pool sleeps steps on its own pool). Exit: the workers sleep in
+   pthread_cond_wait between passes and hold nothing, so the process's exit ends them; they block
+   every signal, so the main thread takes them as it would without the pool. */
+
+typedef struct {
+    hl_range_fn fn;
+    void *ctx;
+    int64_t n;
+    _Atomic int64_t next; /* the next item nobody has taken */
+} pool_job;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake; /* a new job (generation moved on) */
+    pthread_cond_t done; /* a worker finished its share of the job */
+    int started;         /* workers alive: indices 1..started */
+    int busy;            /* a pass holds the pool */
+    uint64_t generation; /* bumped per job */
+    int wanted;          /* workers 1..wanted - 1 take the current job */
+    int finished;        /* of those, how many are done with it */
+    pool_job *job;
+    uint64_t born_at[MAX_THREADS]; /* worker k's first generation to wait past: the one it was started in */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, {0}};
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void before_fork(void) { pthread_mutex_lock(&pool.lock); }
+
+static void after_fork_parent(void) { pthread_mutex_unlock(&pool.lock); }
+
+static void after_fork_child(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.started = 0;
+    pool.busy = 0;
+    pool.wanted = 0;
+    pool.finished = 0;
+    pool.job = NULL;
+}
+
+static void install_fork_handlers(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
+
+/* items of `job` one at a time until none is left */
+static void take_items(pool_job *job) {
+    for (;;) {
+        const int64_t item = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        if (item >= job->n)
+            return;
+        job->fn(job->ctx, item, item + 1);
+    }
+}
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    uint64_t seen = pool.born_at[index]; /* not pool.generation: the job it was started for may be out already */
+    for (;;) {
+        while (pool.generation == seen)
+            pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        if (index >= pool.wanted)
+            continue;
+        pool_job *job = pool.job;
+        pthread_mutex_unlock(&pool.lock);
+        take_items(job);
+        pthread_mutex_lock(&pool.lock);
+        if (++pool.finished == pool.wanted - 1)
+            pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* workers up to index `count`, pool.lock held; returns how many are alive */
+static int start_workers(int count) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* a new thread inherits the mask */
+    while (pool.started < count) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pool.born_at[pool.started + 1] = pool.generation;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int err = pthread_create(&id, &attr, worker_main, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (err != 0)
+            break;
+        pool.started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return pool.started;
+}
+
+void hl_parallel_for(int64_t n, int threads, int64_t min_per_thread, hl_range_fn fn, void *ctx) {
+    if (n <= 0)
+        return;
+    int64_t most = min_per_thread > 0 ? n / min_per_thread : n;
+    if (most > threads)
+        most = threads;
+    if (most > MAX_THREADS)
+        most = MAX_THREADS;
+    if (most <= 1) {
+        fn(ctx, 0, n);
+        return;
+    }
+    pthread_once(&atfork_once, install_fork_handlers);
+    pool_job job = {fn, ctx, n, 0};
+    pthread_mutex_lock(&pool.lock);
+    if (pool.busy) {
+        pthread_mutex_unlock(&pool.lock);
+        fn(ctx, 0, n);
+        return;
+    }
+    const int workers = start_workers((int)most - 1);
+    if (workers == 0) {
+        pthread_mutex_unlock(&pool.lock);
+        fn(ctx, 0, n);
+        return;
+    }
+    pool.busy = 1;
+    pool.job = &job;
+    pool.wanted = (int)(workers < most - 1 ? workers + 1 : most);
+    pool.finished = 0;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+
+    take_items(&job);
+
+    pthread_mutex_lock(&pool.lock);
+    while (pool.finished < pool.wanted - 1)
+        pthread_cond_wait(&pool.done, &pool.lock);
+    pool.busy = 0;
+    pool.job = NULL;
+    pthread_mutex_unlock(&pool.lock);
+}
