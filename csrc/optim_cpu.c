@@ -68,6 +68,20 @@ static void sgd_scalar(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, 
     }
 }
 
+/* How the vector paths divide a gradient by grad_scale: not at all, by dividing, or by multiplying with its
+   reciprocal where that is exact (exact_reciprocal) */
+enum { SCALE_NONE, SCALE_DIV, SCALE_MUL };
+
+/* NOTE [ Dividing by a power of two ]
+   A divisor x = +-2**k whose reciprocal is a normal float (as a GradScaler's scale is, and bc2_sqrt once
+   1 - beta2**t rounds to 1) has 1/x exact, so y * (1/x) is the exact quotient y / x rounded once: the bits
+   of the division, subnormal, inf and NaN results included (and with flush-to-zero, as the same value is
+   flushed). A multiply costs a fraction of a divide, which bounds the vector paths. */
+static inline int exact_reciprocal(float x) {
+    const uint32_t bits = hl_float_to_bits(x), exponent = (bits >> 23) & 0xffu;
+    return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HL_CPU_AVX2 1
 #include <cpuid.h>
@@ -124,19 +138,23 @@ AVX2_INLINE void store8(int dtype, uint64_t base, int64_t i, __m256 x) {
 /* hl_adam_element on elements [begin, begin + 8k) of one tensor, k as large as fits before `end`; returns
    where it stopped. `pd` and `gd` are constants where it is inlined, so each dtype pair is its own loop. */
 AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd, int64_t begin,
-                          int64_t end, float scale, int has_scale) {
+                          int64_t end, float scale, int scale_op) {
     const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
     const __m256 neg_lr_decay = _mm256_set1_ps(-s->lr_decay), wd = _mm256_set1_ps(s->weight_decay);
     const __m256 b1 = _mm256_set1_ps(s->beta1), neg_b1 = _mm256_set1_ps(-s->beta1);
     const __m256 b2 = _mm256_set1_ps(s->beta2), neg_b2 = _mm256_set1_ps(-s->beta2);
     const __m256 bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt), eps = _mm256_set1_ps(s->eps);
+    const int bc2_mul = exact_reciprocal(s->bc2_sqrt);
+    const __m256 bc2_inv = _mm256_set1_ps(1.0f / s->bc2_sqrt);
     const __m256 step_size = _mm256_set1_ps(s->step_size);
     const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
         __m256 g = load8(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm256_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm256_mul_ps(g, vscale);
         if (s->maximize)
             g = _mm256_xor_ps(g, sign);
         __m256 p = load8(pd, e->param, i);
@@ -155,7 +173,8 @@ AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, cons
             second = _mm256_blendv_ps(old, v1, _mm256_cmp_ps(old, v1, _CMP_LT_OQ));
             store8(pd, e->max_exp_avg_sq, i, second);
         }
-        const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(second), bc2_sqrt), eps);
+        const __m256 root = _mm256_sqrt_ps(second);
+        const __m256 denom = _mm256_add_ps(bc2_mul ? _mm256_mul_ps(root, bc2_inv) : _mm256_div_ps(root, bc2_sqrt), eps);
         p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m1), denom));
         store8(pd, e->param, i, p);
         store8(pd, e->exp_avg, i, m1);
@@ -166,21 +185,21 @@ AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, cons
 
 /* the dtype pairs a table may hold (csrc/optim.c checks them): a half parameter has a gradient of its dtype */
 AVX2_FN int64_t adam_avx2(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end, float scale,
-                          int has_scale) {
+                          int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return adam8(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam8(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return adam8(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return adam8(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return adam8(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam8(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return adam8(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return adam8(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return adam8(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return adam8(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* hl_sgd_element on 8 lanes, as adam8 */
 AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
-                         int64_t begin, int64_t end, float scale, int has_scale) {
+                         int64_t begin, int64_t end, float scale, int scale_op) {
     const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
     const float wd_f = (float)h->weight_decay;
     const __m256 wd = _mm256_set1_ps(wd_f), momentum = _mm256_set1_ps((float)h->momentum);
@@ -190,8 +209,10 @@ AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
         __m256 g = load8(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm256_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm256_mul_ps(g, vscale);
         if (h->maximize)
             g = _mm256_xor_ps(g, sign);
         const __m256 p = load8(pd, e->param, i);
@@ -210,16 +231,16 @@ AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e
 }
 
 AVX2_FN int64_t sgd_avx2(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
-                         float scale, int has_scale) {
+                         float scale, int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return sgd8(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* The same on 16 lanes with AVX-512 (F, BW, VL): half the instructions an element, which the half-width
@@ -269,19 +290,23 @@ AVX512_INLINE __m512 negate16(__m512 x) {
 
 /* adam8 on 16 lanes */
 AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd,
-                             int64_t begin, int64_t end, float scale, int has_scale) {
+                             int64_t begin, int64_t end, float scale, int scale_op) {
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512 neg_lr_decay = _mm512_set1_ps(-s->lr_decay), wd = _mm512_set1_ps(s->weight_decay);
     const __m512 b1 = _mm512_set1_ps(s->beta1), neg_b1 = _mm512_set1_ps(-s->beta1);
     const __m512 b2 = _mm512_set1_ps(s->beta2), neg_b2 = _mm512_set1_ps(-s->beta2);
     const __m512 bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt), eps = _mm512_set1_ps(s->eps);
+    const int bc2_mul = exact_reciprocal(s->bc2_sqrt);
+    const __m512 bc2_inv = _mm512_set1_ps(1.0f / s->bc2_sqrt);
     const __m512 step_size = _mm512_set1_ps(s->step_size);
     const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 g = load16(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm512_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm512_mul_ps(g, vscale);
         if (s->maximize)
             g = negate16(g);
         __m512 p = load16(pd, e->param, i);
@@ -300,7 +325,8 @@ AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, c
             second = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, v1, _CMP_LT_OQ), old, v1);
             store16(pd, e->max_exp_avg_sq, i, second);
         }
-        const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(second), bc2_sqrt), eps);
+        const __m512 root = _mm512_sqrt_ps(second);
+        const __m512 denom = _mm512_add_ps(bc2_mul ? _mm512_mul_ps(root, bc2_inv) : _mm512_div_ps(root, bc2_sqrt), eps);
         p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m1), denom));
         store16(pd, e->param, i, p);
         store16(pd, e->exp_avg, i, m1);
@@ -310,21 +336,21 @@ AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, c
 }
 
 AVX512_FN int64_t adam_avx512(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end,
-                              float scale, int has_scale) {
+                              float scale, int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return adam16(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam16(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return adam16(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return adam16(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return adam16(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam16(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return adam16(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return adam16(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return adam16(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return adam16(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* sgd8 on 16 lanes */
 AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
-                            int64_t begin, int64_t end, float scale, int has_scale) {
+                            int64_t begin, int64_t end, float scale, int scale_op) {
     const __m512 vscale = _mm512_set1_ps(scale);
     const float wd_f = (float)h->weight_decay;
     const __m512 wd = _mm512_set1_ps(wd_f), momentum = _mm512_set1_ps((float)h->momentum);
@@ -334,8 +360,10 @@ AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 g = load16(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm512_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm512_mul_ps(g, vscale);
         if (h->maximize)
             g = negate16(g);
         const __m512 p = load16(pd, e->param, i);
@@ -354,16 +382,16 @@ AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry
 }
 
 AVX512_FN int64_t sgd_avx512(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
-                             float scale, int has_scale) {
+                             float scale, int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return sgd16(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* The widest vector path the CPU has, asked once (cpuid is a VM exit under a hypervisor): 2 for AVX-512
@@ -395,8 +423,16 @@ typedef struct {
     double lr;
     float scale;
     int has_scale;
-    int vector; /* cpu_vector_level() */
+    float vector_scale; /* what the vector paths take: scale, or its reciprocal for SCALE_MUL */
+    int scale_op;       /* SCALE_* */
+    int vector;         /* cpu_vector_level() */
 } step_work;
+
+/* the vector paths' way with w's grad_scale (NOTE [ Dividing by a power of two ]) */
+static void choose_scale_op(step_work *w) {
+    w->scale_op = !w->has_scale ? SCALE_NONE : exact_reciprocal(w->scale) ? SCALE_MUL : SCALE_DIV;
+    w->vector_scale = w->scale_op == SCALE_MUL ? 1.0f / w->scale : w->scale;
+}
 
 static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
     const step_work *w = arg;
@@ -414,9 +450,9 @@ static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
         hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
-            i = adam_avx512(&s, e, i, end, w->scale, w->has_scale);
+            i = adam_avx512(&s, e, i, end, w->vector_scale, w->scale_op);
         if (w->vector >= 1)
-            i = adam_avx2(&s, e, i, end, w->scale, w->has_scale);
+            i = adam_avx2(&s, e, i, end, w->vector_scale, w->scale_op);
 #endif
         adam_scalar(&s, e, i, end, w->scale, w->has_scale);
     }
@@ -433,9 +469,9 @@ static void sgd_chunks(void *arg, int64_t first, int64_t end_chunk) {
         hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
-            i = sgd_avx512(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+            i = sgd_avx512(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
         if (w->vector >= 1)
-            i = sgd_avx2(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+            i = sgd_avx2(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
 #endif
         sgd_scalar(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
     }
@@ -448,6 +484,7 @@ void hl_cpu_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks
     step_work w = {.table = table, .count = count, .hyper = hyper,
                    .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
                    .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
+    choose_scale_op(&w);
     hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, adam_chunks, &w);
     /* after every thread has read its tensors' step counts */
     for (int64_t t = 0; t < count; t++) {
@@ -463,5 +500,6 @@ void hl_cpu_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, 
     step_work w = {.table = table, .count = count, .hyper = hyper,
                    .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
                    .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
+    choose_scale_op(&w);
     hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, sgd_chunks, &w);
 }

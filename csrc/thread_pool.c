@@ -4,6 +4,10 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define HL_POOL_MXCSR 1
+#endif
 
 /* at most this many threads in a pass, the caller's included */
 #define MAX_THREADS 256
@@ -19,13 +23,19 @@
    parent's threads, so it forgets them and starts its own on its first pass (a DataLoader worker
    forked while the parent's pool sleeps steps on its own pool). Exit: the workers sleep in
    pthread_cond_wait between passes and hold nothing, so the process's exit ends them; they block
-   every signal, so the main thread takes them as it would without the pool. */
+   every signal, so the main thread takes them as it would without the pool. Floating point: a worker
+   takes the caller's SSE control word (rounding, flush-to-zero and denormals-are-zero, which
+   torch.set_flush_denormal sets per thread) with each job, so an item's bits do not depend on the
+   thread that did it, as a thread started for the pass would inherit it. */
 
 typedef struct {
     hl_range_fn fn;
     void *ctx;
     int64_t n;
     _Atomic int64_t next; /* the next item nobody has taken */
+#ifdef HL_POOL_MXCSR
+    unsigned int mxcsr; /* the caller's SSE rounding and flush-to-zero modes (torch.set_flush_denormal) */
+#endif
 } pool_job;
 
 static struct {
@@ -82,6 +92,10 @@ static void *worker_main(void *arg) {
             continue;
         pool_job *job = pool.job;
         pthread_mutex_unlock(&pool.lock);
+#ifdef HL_POOL_MXCSR
+        if (_mm_getcsr() != job->mxcsr)
+            _mm_setcsr(job->mxcsr);
+#endif
         take_items(job);
         pthread_mutex_lock(&pool.lock);
         if (++pool.finished == pool.wanted - 1)
@@ -124,7 +138,11 @@ void hl_parallel_for(int64_t n, int threads, int64_t min_per_thread, hl_range_fn
         return;
     }
     pthread_once(&atfork_once, install_fork_handlers);
-    pool_job job = {fn, ctx, n, 0};
+    pool_job job = {.fn = fn, .ctx = ctx, .n = n};
+    atomic_init(&job.next, 0);
+#ifdef HL_POOL_MXCSR
+    job.mxcsr = _mm_getcsr();
+#endif
     pthread_mutex_lock(&pool.lock);
     if (pool.busy) {
         pthread_mutex_unlock(&pool.lock);

@@ -4,6 +4,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from . import c_calls
@@ -83,3 +84,26 @@ def test_forked_child_steps_on_its_own_pool():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     # and the parent's pool still works
     assert _same(_steps(seed, 4, 2), _steps(seed, 1, 2))
+
+
+def test_flush_denormal_reaches_the_workers():
+    """torch.set_flush_denormal(True) sets the calling thread's flush-to-zero modes; the pool's workers, started
+    before, take them with each job, so subnormal results flush whichever thread made them."""
+    seed = torch.seed() % 2**31
+    _steps(seed, 4, 1)  # the workers exist, started without flushing
+    gen = torch.Generator().manual_seed(seed)
+    tiny = [torch.randn(s, generator=gen) * 1e-39 for s in SHAPES]  # subnormal parameters, gradients, buffers
+
+    def run(threads):
+        params, grads, bufs = [t.clone() for t in tiny], [t.clone() for t in tiny], [t.clone() for t in tiny]
+        c_calls.sgd(params, grads, bufs, threads=threads)
+        return params + bufs
+
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        one, four = run(1), run(4)
+    finally:
+        torch.set_flush_denormal(False)
+    assert all(bool((t == 0).all()) for t in one)  # flushed: the case is real
+    assert _same(one, four)
