@@ -41,13 +41,13 @@ typedef struct {
 static struct {
     pthread_mutex_t lock;
     pthread_cond_t wake; /* a new job (generation moved on) */
-    pthread_cond_t done; /* a worker finished its share of the job */
+    pthread_cond_t done; /* the last worker on the job left it */
     int started;         /* workers alive: indices 1..started */
     int busy;            /* a pass holds the pool */
     uint64_t generation; /* bumped per job */
-    int wanted;          /* workers 1..wanted - 1 take the current job */
-    int finished;        /* of those, how many are done with it */
-    pool_job *job;
+    int wanted;          /* workers 1..wanted - 1 may join the current job */
+    int joined;          /* workers on the job now */
+    pool_job *job;       /* the current job; NULL once its caller has done what it could */
     uint64_t born_at[MAX_THREADS]; /* worker k's first generation to wait past: the one it was started in */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, {0}};
 
@@ -64,7 +64,7 @@ static void after_fork_child(void) {
     pool.started = 0;
     pool.busy = 0;
     pool.wanted = 0;
-    pool.finished = 0;
+    pool.joined = 0;
     pool.job = NULL;
 }
 
@@ -88,9 +88,11 @@ static void *worker_main(void *arg) {
         while (pool.generation == seen)
             pthread_cond_wait(&pool.wake, &pool.lock);
         seen = pool.generation;
-        if (index >= pool.wanted)
-            continue;
         pool_job *job = pool.job;
+        /* woken late (the caller did every item, or is waiting for the others): nothing to join */
+        if (index >= pool.wanted || job == NULL || atomic_load_explicit(&job->next, memory_order_relaxed) >= job->n)
+            continue;
+        pool.joined++;
         pthread_mutex_unlock(&pool.lock);
 #ifdef HL_POOL_MXCSR
         if (_mm_getcsr() != job->mxcsr)
@@ -98,7 +100,7 @@ static void *worker_main(void *arg) {
 #endif
         take_items(job);
         pthread_mutex_lock(&pool.lock);
-        if (++pool.finished == pool.wanted - 1)
+        if (--pool.joined == 0)
             pthread_cond_signal(&pool.done);
     }
     return NULL;
@@ -158,7 +160,7 @@ void hl_parallel_for(int64_t n, int threads, int64_t min_per_thread, hl_range_fn
     pool.busy = 1;
     pool.job = &job;
     pool.wanted = (int)(workers < most - 1 ? workers + 1 : most);
-    pool.finished = 0;
+    pool.joined = 0;
     pool.generation++;
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
@@ -166,9 +168,9 @@ void hl_parallel_for(int64_t n, int threads, int64_t min_per_thread, hl_range_fn
     take_items(&job);
 
     pthread_mutex_lock(&pool.lock);
-    while (pool.finished < pool.wanted - 1)
+    pool.job = NULL; /* a worker not on it by now stays out */
+    while (pool.joined > 0)
         pthread_cond_wait(&pool.done, &pool.lock);
     pool.busy = 0;
-    pool.job = NULL;
     pthread_mutex_unlock(&pool.lock);
 }
