@@ -28,9 +28,33 @@ static int threads_for(int threads) {
     return threads;
 }
 
-/* fn over chunks [0, total_chunks), one thread per MIN_CHUNKS_PER_THREAD at most */
-static void run_chunks(hl_range_fn fn, void *ctx, int64_t total_chunks, int threads) {
-    hl_parallel_for(total_chunks, threads_for(threads), MIN_CHUNKS_PER_THREAD, fn, ctx);
+/* what a pass does to one chunk: elements [begin, end) of entry `e` */
+typedef void (*chunk_body)(void *ctx, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t end);
+
+typedef struct {
+    const hl_table_entry *table;
+    int64_t count;
+    chunk_body body;
+    void *ctx;
+} table_pass;
+
+static void pass_chunks(void *arg, int64_t first, int64_t end) {
+    const table_pass *pass = arg;
+    int64_t t = 0;
+    for (int64_t chunk = first; chunk < end; chunk++) {
+        HL_ENTRY_OF_CHUNK(pass->table, pass->count, t, chunk);
+        const hl_table_entry *e = &pass->table[t];
+        int64_t begin, stop;
+        hl_chunk_elems(e->numel, e->first_chunk, chunk, &begin, &stop);
+        pass->body(pass->ctx, e, chunk, begin, stop);
+    }
+}
+
+/* body over every chunk of the table, one thread per MIN_CHUNKS_PER_THREAD at most */
+static void run_chunks(const hl_table_entry *table, int64_t count, int64_t total_chunks, int threads, chunk_body body,
+                       void *ctx) {
+    table_pass pass = {table, count, body, ctx};
+    hl_parallel_for(total_chunks, threads_for(threads), MIN_CHUNKS_PER_THREAD, pass_chunks, &pass);
 }
 
 /* ---- the non-finite check ---- */
@@ -51,39 +75,26 @@ static int u16_non_finite(const uint16_t *restrict x, int64_t n, uint16_t larges
     return bad != 0;
 }
 
-typedef struct {
-    const hl_table_entry *table;
-    int64_t count;
-    atomic_int found; /* any thread's finding stops the others at their next chunk */
-} non_finite_ctx;
-
-static void non_finite_chunks(void *arg, int64_t first, int64_t end) {
-    non_finite_ctx *c = arg;
-    int64_t t = 0;
-    for (int64_t chunk = first; chunk < end; chunk++) {
-        if (atomic_load_explicit(&c->found, memory_order_relaxed))
-            return;
-        HL_ENTRY_OF_CHUNK(c->table, c->count, t, chunk);
-        const hl_table_entry *e = &c->table[t];
-        int64_t begin, stop;
-        hl_chunk_elems(e->numel, e->first_chunk, chunk, &begin, &stop);
-        const void *base = (const void *)(uintptr_t)e->data;
-        int bad;
-        if (e->dtype == HL_FLOAT32)
-            bad = f32_non_finite((const uint32_t *)base + begin, stop - begin);
-        else
-            bad = u16_non_finite((const uint16_t *)base + begin, stop - begin,
-                                 e->dtype == HL_FLOAT16 ? 0x7bffu : 0x7f7fu);
-        if (bad)
-            atomic_store_explicit(&c->found, 1, memory_order_relaxed);
-    }
+/* any thread's finding stops the others at their next chunk */
+static void non_finite_chunk(void *arg, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t stop) {
+    (void)chunk;
+    atomic_int *found = arg;
+    if (atomic_load_explicit(found, memory_order_relaxed))
+        return;
+    const void *base = (const void *)(uintptr_t)e->data;
+    int bad;
+    if (e->dtype == HL_FLOAT32)
+        bad = f32_non_finite((const uint32_t *)base + begin, stop - begin);
+    else
+        bad = u16_non_finite((const uint16_t *)base + begin, stop - begin, e->dtype == HL_FLOAT16 ? 0x7bffu : 0x7f7fu);
+    if (bad)
+        atomic_store_explicit(found, 1, memory_order_relaxed);
 }
 
 int hl_cpu_has_non_finite(const hl_table_entry *table, int64_t count, int64_t total_chunks, int threads) {
-    non_finite_ctx c = {table, count, 0};
-    if (total_chunks > 0)
-        run_chunks(non_finite_chunks, &c, total_chunks, threads);
-    return atomic_load(&c.found);
+    atomic_int found = 0;
+    run_chunks(table, count, total_chunks, threads, non_finite_chunk, &found);
+    return atomic_load(&found);
 }
 
 /* ---- the check pass ---- */
@@ -249,33 +260,23 @@ static double check_chunk(const hl_table_entry *e, int64_t begin, int64_t end, f
 }
 
 typedef struct {
-    const hl_table_entry *table;
-    int64_t count;
     float *partials;
     float inv, p;
     int write, mode;
 } check_ctx;
 
-static void check_chunks(void *arg, int64_t first, int64_t end) {
+static void check_one_chunk(void *arg, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t stop) {
     const check_ctx *c = arg;
-    int64_t t = 0;
-    for (int64_t chunk = first; chunk < end; chunk++) {
-        HL_ENTRY_OF_CHUNK(c->table, c->count, t, chunk);
-        const hl_table_entry *e = &c->table[t];
-        int64_t begin, stop;
-        hl_chunk_elems(e->numel, e->first_chunk, chunk, &begin, &stop);
-        int bad = 0;
-        const double acc = check_chunk(e, begin, stop, c->inv, c->write, c->mode, c->p, &bad);
-        c->partials[2 * chunk] = (float)acc;
-        c->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
-    }
+    int bad = 0;
+    const double acc = check_chunk(e, begin, stop, c->inv, c->write, c->mode, c->p, &bad);
+    c->partials[2 * chunk] = (float)acc;
+    c->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
 }
 
 void hl_cpu_amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *partials, float inv,
                       int write, int mode, float p, int threads) {
-    check_ctx c = {table, count, partials, inv, p, write, mode};
-    if (total_chunks > 0)
-        run_chunks(check_chunks, &c, total_chunks, threads);
+    check_ctx c = {partials, inv, p, write, mode};
+    run_chunks(table, count, total_chunks, threads, check_one_chunk, &c);
 }
 
 /* ---- the apply pass ---- */
@@ -305,33 +306,25 @@ static inline __attribute__((always_inline)) void any_apply(int dtype, void *bas
 }
 
 typedef struct {
-    const hl_table_entry *table;
-    int64_t count;
     float inv, coef;
     int unscale, clip;
 } apply_ctx;
 
-static void apply_chunks(void *arg, int64_t first, int64_t end) {
+static void apply_chunk(void *arg, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t stop) {
+    (void)chunk;
     const apply_ctx *c = arg;
-    int64_t t = 0;
-    for (int64_t chunk = first; chunk < end; chunk++) {
-        HL_ENTRY_OF_CHUNK(c->table, c->count, t, chunk);
-        const hl_table_entry *e = &c->table[t];
-        int64_t begin, stop;
-        hl_chunk_elems(e->numel, e->first_chunk, chunk, &begin, &stop);
-        void *base = (void *)(uintptr_t)e->data;
-        if (e->dtype == HL_FLOAT32)
-            f32_apply((float *)base + begin, stop - begin, c->inv, c->coef, c->unscale, c->clip);
-        else if (e->dtype == HL_FLOAT16)
-            any_apply(HL_FLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
-        else
-            any_apply(HL_BFLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
-    }
+    void *base = (void *)(uintptr_t)e->data;
+    if (e->dtype == HL_FLOAT32)
+        f32_apply((float *)base + begin, stop - begin, c->inv, c->coef, c->unscale, c->clip);
+    else if (e->dtype == HL_FLOAT16)
+        any_apply(HL_FLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
+    else
+        any_apply(HL_BFLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
 }
 
 void hl_cpu_amp_apply(const hl_table_entry *table, int64_t count, int64_t total_chunks, float inv, float coef,
                       int unscale, int clip, int threads) {
-    apply_ctx c = {table, count, inv, coef, unscale, clip};
-    if (total_chunks > 0 && (unscale || clip))
-        run_chunks(apply_chunks, &c, total_chunks, threads);
+    apply_ctx c = {inv, coef, unscale, clip};
+    if (unscale || clip)
+        run_chunks(table, count, total_chunks, threads, apply_chunk, &c);
 }
