@@ -33,6 +33,7 @@ typedef struct {
     void *ctx;
     int64_t n;
     _Atomic int64_t next; /* the next item nobody has taken */
+    int threads;          /* the most that take part, the caller's included */
 #ifdef HL_POOL_MXCSR
     unsigned int mxcsr; /* the caller's SSE rounding and flush-to-zero modes (torch.set_flush_denormal) */
 #endif
@@ -70,13 +71,24 @@ static void after_fork_child(void) {
 
 static void install_fork_handlers(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
 
-/* items of `job` one at a time until none is left */
+/* items of `job` until none is left, in runs that shrink as they go (OpenMP's guided schedule): a run is
+   a share of what is left, so the first ones are long (a thread streams through contiguous memory, as
+   the hardware prefetchers like, and writes partials apart from the others') and the last ones short
+   (threads finish together, whichever joined late) */
 static void take_items(pool_job *job) {
+    int64_t first = atomic_load_explicit(&job->next, memory_order_relaxed);
     for (;;) {
-        const int64_t item = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
-        if (item >= job->n)
+        const int64_t left = job->n - first;
+        if (left <= 0)
             return;
-        job->fn(job->ctx, item, item + 1);
+        int64_t run = left / (2 * (int64_t)job->threads);
+        if (run < 1)
+            run = 1;
+        if (atomic_compare_exchange_weak_explicit(&job->next, &first, first + run, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            job->fn(job->ctx, first, first + run);
+            first = atomic_load_explicit(&job->next, memory_order_relaxed);
+        }
     }
 }
 
@@ -140,7 +152,7 @@ void hl_parallel_for(int64_t n, int threads, int64_t min_per_thread, hl_range_fn
         return;
     }
     pthread_once(&atfork_once, install_fork_handlers);
-    pool_job job = {.fn = fn, .ctx = ctx, .n = n};
+    pool_job job = {.fn = fn, .ctx = ctx, .n = n, .threads = (int)most};
     atomic_init(&job.next, 0);
 #ifdef HL_POOL_MXCSR
     job.mxcsr = _mm_getcsr();
