@@ -149,7 +149,10 @@ def _step_rows(ctx):
     its fused CPU kernels), over the same parameters and gradients (each with its own state, made by a
     first step outside the timing), alternated in one run. With a scaler, both take grad_scale = 1.0 and
     found_inf = 0.0 as a GradScaler hands them over (the optimizer's grad_scale and found_inf attributes):
-    torch's CPU kernel then writes the unscaled gradient back, which at a scale of 1.0 changes nothing."""
+    torch's CPU kernel then writes the unscaled gradient back, which at a scale of 1.0 changes nothing.
+    On the CPU, torch's OpenMP threads spin for a while after each of its parallel ops (libgomp's default
+    OMP_WAIT_POLICY), so the cores that hotloop's pool wakes onto right after torch's step are busy; run with
+    OMP_WAIT_POLICY=passive to see each side without the other's threads in the way."""
     torch = ctx.torch
     from .. import optim
 
