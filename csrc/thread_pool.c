@@ -13,12 +13,14 @@
 #define MAX_THREADS 256
 
 /* NOTE [ The C reference's thread pool ]
-   Threads started for every pass cost a clone, a stack and a wake-up each; the pool's sleep on a
+   Threads started for every pass cost a clone, a stack and a wake-up each; the pool's threads sleep on a
    condition variable between passes instead, as torch's intra-op threads do. One pass at a time uses
    the pool: `busy` says one is in flight, and another caller (a second Python thread stepping with
    the GIL released) does its items alone rather than wait, which fn's contract (any thread may do
-   any item) makes correct. A pass's job lives on its caller's stack; the caller returns only when
-   every worker that took the job has said it is done, and a worker reads the job only in between.
+   any item) makes correct. A pass's job lives on its caller's stack: a worker joins it (under the
+   lock) only while the caller has not closed it and items are left, and the caller, out of items,
+   closes it and returns once every worker that joined has left; so a worker the scheduler wakes late
+   costs the pass nothing.
    Fork: the lock is held across fork() so the child's copy is consistent; the child has none of the
    parent's threads, so it forgets them and starts its own on its first pass (a DataLoader worker
    forked while the parent's pool sleeps steps on its own pool). Exit: the workers sleep in
