@@ -2,91 +2,59 @@
 #include "amp_cpu.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
 #include "amp_math.h"
+#include "chunk_walk.h"
 #include "half_convert.h"
+#include "thread_pool.h"
 
 /* a thread is worth starting for this many chunks (about a megabyte of float32) and no fewer */
 #define MIN_CHUNKS_PER_THREAD 8
-#define MAX_THREADS 64
 /* independent accumulators per loop: the compiler turns them into vector registers; the order in
    which they are added is fixed, so results do not depend on the machine or the thread count */
 #define LANES 8
 
-/* ---- threads: a pass is cut into contiguous runs of whole chunks, one per thread ---- */
+/* ---- threads: a pass's chunks go to csrc/thread_pool.c's threads, one at a time ---- */
 
-typedef void (*chunk_fn)(void *ctx, int64_t first, int64_t end);
-
-typedef struct {
-    chunk_fn fn;
-    void *ctx;
-    int64_t first, end;
-} chunk_run;
-
-static void *run_chunks_thread(void *arg) {
-    chunk_run *r = arg;
-    r->fn(r->ctx, r->first, r->end);
-    return NULL;
-}
-
-static int threads_for(int threads, int64_t total_chunks) {
+/* `threads` <= 0: as many as the CPUs this process may run on */
+static int threads_for(int threads) {
     if (threads <= 0) {
         cpu_set_t set;
         threads = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
     }
-    const int64_t most = total_chunks / MIN_CHUNKS_PER_THREAD;
-    if (threads > most)
-        threads = (int)most;
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
-    return threads < 1 ? 1 : threads;
+    return threads;
 }
 
-/* fn over chunks [0, total_chunks), the caller's thread taking the first run; a thread that cannot be
-   started has its run done by the caller */
-static void run_chunks(chunk_fn fn, void *ctx, int64_t total_chunks, int threads) {
-    threads = threads_for(threads, total_chunks);
-    if (threads == 1) {
-        fn(ctx, 0, total_chunks);
-        return;
-    }
-    chunk_run runs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int k = 0; k < threads; k++) {
-        runs[k] = (chunk_run){fn, ctx, total_chunks * k / threads, total_chunks * (k + 1) / threads};
-        if (k > 0)
-            started[k] = pthread_create(&ids[k], NULL, run_chunks_thread, &runs[k]) == 0;
-    }
-    fn(ctx, runs[0].first, runs[0].end);
-    for (int k = 1; k < threads; k++) {
-        if (started[k])
-            pthread_join(ids[k], NULL);
-        else
-            fn(ctx, runs[k].first, runs[k].end);
+/* what a pass does to one chunk: elements [begin, end) of entry `e` */
+typedef void (*chunk_body)(void *ctx, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t end);
+
+typedef struct {
+    const hl_table_entry *table;
+    int64_t count;
+    chunk_body body;
+    void *ctx;
+} table_pass;
+
+static void pass_chunks(void *arg, int64_t first, int64_t end) {
+    const table_pass *pass = arg;
+    int64_t t = 0;
+    for (int64_t chunk = first; chunk < end; chunk++) {
+        HL_ENTRY_OF_CHUNK(pass->table, pass->count, t, chunk);
+        const hl_table_entry *e = &pass->table[t];
+        int64_t begin, stop;
+        hl_chunk_elems(e->numel, e->first_chunk, chunk, &begin, &stop);
+        pass->body(pass->ctx, e, chunk, begin, stop);
     }
 }
 
-/* the entry chunk `chunk` belongs to: the last one whose first_chunk <= chunk (empty ones skipped) */
-static int64_t entry_of_chunk(const hl_table_entry *table, int64_t count, int64_t chunk) {
-    int64_t lo = 0, hi = count - 1;
-    while (lo < hi) {
-        const int64_t mid = lo + (hi - lo + 1) / 2;
-        if (table[mid].first_chunk <= chunk)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
-
-static void chunk_range(const hl_table_entry *e, int64_t chunk, int64_t *begin, int64_t *end) {
-    *begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-    *end = *begin + HL_CHUNK_ELEMS < e->numel ? *begin + HL_CHUNK_ELEMS : e->numel;
+/* body over every chunk of the table, one thread per MIN_CHUNKS_PER_THREAD at most */
+static void run_chunks(const hl_table_entry *table, int64_t count, int64_t total_chunks, int threads, chunk_body body,
+                       void *ctx) {
+    table_pass pass = {table, count, body, ctx};
+    hl_parallel_for(total_chunks, threads_for(threads), MIN_CHUNKS_PER_THREAD, pass_chunks, &pass);
 }
 
 /* ---- the non-finite check ---- */
@@ -107,40 +75,26 @@ static int u16_non_finite(const uint16_t *restrict x, int64_t n, uint16_t larges
     return bad != 0;
 }
 
-typedef struct {
-    const hl_table_entry *table;
-    int64_t count;
-    atomic_int found; /* any thread's finding stops the others at their next chunk */
-} non_finite_ctx;
-
-static void non_finite_chunks(void *arg, int64_t first, int64_t end) {
-    non_finite_ctx *c = arg;
-    int64_t t = entry_of_chunk(c->table, c->count, first);
-    for (int64_t chunk = first; chunk < end; chunk++) {
-        if (atomic_load_explicit(&c->found, memory_order_relaxed))
-            return;
-        while (t + 1 < c->count && c->table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_table_entry *e = &c->table[t];
-        int64_t begin, stop;
-        chunk_range(e, chunk, &begin, &stop);
-        const void *base = (const void *)(uintptr_t)e->data;
-        int bad;
-        if (e->dtype == HL_FLOAT32)
-            bad = f32_non_finite((const uint32_t *)base + begin, stop - begin);
-        else
-            bad = u16_non_finite((const uint16_t *)base + begin, stop - begin,
-                                 e->dtype == HL_FLOAT16 ? 0x7bffu : 0x7f7fu);
-        if (bad)
-            atomic_store_explicit(&c->found, 1, memory_order_relaxed);
-    }
+/* any thread's finding stops the others at their next chunk */
+static void non_finite_chunk(void *arg, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t stop) {
+    (void)chunk;
+    atomic_int *found = arg;
+    if (atomic_load_explicit(found, memory_order_relaxed))
+        return;
+    const void *base = (const void *)(uintptr_t)e->data;
+    int bad;
+    if (e->dtype == HL_FLOAT32)
+        bad = f32_non_finite((const uint32_t *)base + begin, stop - begin);
+    else
+        bad = u16_non_finite((const uint16_t *)base + begin, stop - begin, e->dtype == HL_FLOAT16 ? 0x7bffu : 0x7f7fu);
+    if (bad)
+        atomic_store_explicit(found, 1, memory_order_relaxed);
 }
 
 int hl_cpu_has_non_finite(const hl_table_entry *table, int64_t count, int64_t total_chunks, int threads) {
-    non_finite_ctx c = {table, count, 0};
-    if (total_chunks > 0)
-        run_chunks(non_finite_chunks, &c, total_chunks, threads);
-    return atomic_load(&c.found);
+    atomic_int found = 0;
+    run_chunks(table, count, total_chunks, threads, non_finite_chunk, &found);
+    return atomic_load(&found);
 }
 
 /* ---- the check pass ---- */
@@ -306,34 +260,23 @@ static double check_chunk(const hl_table_entry *e, int64_t begin, int64_t end, f
 }
 
 typedef struct {
-    const hl_table_entry *table;
-    int64_t count;
     float *partials;
     float inv, p;
     int write, mode;
 } check_ctx;
 
-static void check_chunks(void *arg, int64_t first, int64_t end) {
+static void check_one_chunk(void *arg, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t stop) {
     const check_ctx *c = arg;
-    int64_t t = entry_of_chunk(c->table, c->count, first);
-    for (int64_t chunk = first; chunk < end; chunk++) {
-        while (t + 1 < c->count && c->table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_table_entry *e = &c->table[t];
-        int64_t begin, stop;
-        chunk_range(e, chunk, &begin, &stop);
-        int bad = 0;
-        const double acc = check_chunk(e, begin, stop, c->inv, c->write, c->mode, c->p, &bad);
-        c->partials[2 * chunk] = (float)acc;
-        c->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
-    }
+    int bad = 0;
+    const double acc = check_chunk(e, begin, stop, c->inv, c->write, c->mode, c->p, &bad);
+    c->partials[2 * chunk] = (float)acc;
+    c->partials[2 * chunk + 1] = bad ? 1.0f : 0.0f;
 }
 
 void hl_cpu_amp_check(const hl_table_entry *table, int64_t count, int64_t total_chunks, float *partials, float inv,
                       int write, int mode, float p, int threads) {
-    check_ctx c = {table, count, partials, inv, p, write, mode};
-    if (total_chunks > 0)
-        run_chunks(check_chunks, &c, total_chunks, threads);
+    check_ctx c = {partials, inv, p, write, mode};
+    run_chunks(table, count, total_chunks, threads, check_one_chunk, &c);
 }
 
 /* ---- the apply pass ---- */
@@ -363,34 +306,25 @@ static inline __attribute__((always_inline)) void any_apply(int dtype, void *bas
 }
 
 typedef struct {
-    const hl_table_entry *table;
-    int64_t count;
     float inv, coef;
     int unscale, clip;
 } apply_ctx;
 
-static void apply_chunks(void *arg, int64_t first, int64_t end) {
+static void apply_chunk(void *arg, const hl_table_entry *e, int64_t chunk, int64_t begin, int64_t stop) {
+    (void)chunk;
     const apply_ctx *c = arg;
-    int64_t t = entry_of_chunk(c->table, c->count, first);
-    for (int64_t chunk = first; chunk < end; chunk++) {
-        while (t + 1 < c->count && c->table[t + 1].first_chunk <= chunk)
-            t++;
-        const hl_table_entry *e = &c->table[t];
-        int64_t begin, stop;
-        chunk_range(e, chunk, &begin, &stop);
-        void *base = (void *)(uintptr_t)e->data;
-        if (e->dtype == HL_FLOAT32)
-            f32_apply((float *)base + begin, stop - begin, c->inv, c->coef, c->unscale, c->clip);
-        else if (e->dtype == HL_FLOAT16)
-            any_apply(HL_FLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
-        else
-            any_apply(HL_BFLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
-    }
+    void *base = (void *)(uintptr_t)e->data;
+    if (e->dtype == HL_FLOAT32)
+        f32_apply((float *)base + begin, stop - begin, c->inv, c->coef, c->unscale, c->clip);
+    else if (e->dtype == HL_FLOAT16)
+        any_apply(HL_FLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
+    else
+        any_apply(HL_BFLOAT16, base, begin, stop, c->inv, c->coef, c->unscale, c->clip);
 }
 
 void hl_cpu_amp_apply(const hl_table_entry *table, int64_t count, int64_t total_chunks, float inv, float coef,
                       int unscale, int clip, int threads) {
-    apply_ctx c = {table, count, inv, coef, unscale, clip};
-    if (total_chunks > 0 && (unscale || clip))
-        run_chunks(apply_chunks, &c, total_chunks, threads);
+    apply_ctx c = {inv, coef, unscale, clip};
+    if (unscale || clip)
+        run_chunks(table, count, total_chunks, threads, apply_chunk, &c);
 }

@@ -1,11 +1,12 @@
-/* The fused optimizers' C reference on host memory: kernels/optim_math.h's per-element maths over a step's table, 16 or 8 elements at a time with AVX-512 or AVX2 where the CPU has them, the chunks shared among threads. */
+/* The fused optimizers' C reference on host memory: kernels/optim_math.h's per-element maths over a step's table, 16 or 8 elements at a time with AVX-512 or AVX2 where the CPU has them, the chunks shared among csrc/thread_pool.c's threads. */
 #include "optim_cpu.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 
+#include "chunk_walk.h"
 #include "half_convert.h"
 #include "tensor_table.h"
+#include "thread_pool.h"
 
 /* NOTE [ The C reference's vector path ]
    The AVX2 path does hl_adam_element's and hl_sgd_element's operations in their order on 8 lanes. IEEE
@@ -16,10 +17,9 @@
    kernel's. The AVX-512 path (adam16, sgd16) is the same on 16 lanes. The scalar code takes each chunk's
    last elements (fewer than 8) and CPUs without AVX2. */
 
-/* a thread takes at least this many chunks (HL_CHUNK_ELEMS elements each): below that, starting it costs
-   about what it saves */
+/* a thread takes part for at least this many chunks (HL_CHUNK_ELEMS elements each): below that, waking
+   it costs about what it saves */
 #define MIN_CHUNKS_PER_THREAD 4
-#define MAX_THREADS 256
 
 static inline float load_elem(int dtype, uint64_t base, int64_t i) {
     const void *a = (const void *)(uintptr_t)base;
@@ -66,6 +66,20 @@ static void sgd_scalar(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, 
         if (momentum)
             store_elem(pd, e->momentum_buffer, i, buf);
     }
+}
+
+/* How the vector paths divide a gradient by grad_scale: not at all, by dividing, or by multiplying with its
+   reciprocal where that is exact (exact_reciprocal) */
+enum { SCALE_NONE, SCALE_DIV, SCALE_MUL };
+
+/* NOTE [ Dividing by a power of two ]
+   A divisor x = +-2**k whose reciprocal is a normal float (as a GradScaler's scale is, and bc2_sqrt once
+   1 - beta2**t rounds to 1) has 1/x exact, so y * (1/x) is the exact quotient y / x rounded once: the bits
+   of the division, subnormal, inf and NaN results included (and with flush-to-zero, as the same value is
+   flushed). A multiply costs a fraction of a divide, which bounds the vector paths. */
+static inline int exact_reciprocal(float x) {
+    const uint32_t bits = hl_float_to_bits(x), exponent = (bits >> 23) & 0xffu;
+    return (bits & 0x7fffffu) == 0 && exponent >= 1 && exponent <= 253;
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -124,19 +138,23 @@ AVX2_INLINE void store8(int dtype, uint64_t base, int64_t i, __m256 x) {
 /* hl_adam_element on elements [begin, begin + 8k) of one tensor, k as large as fits before `end`; returns
    where it stopped. `pd` and `gd` are constants where it is inlined, so each dtype pair is its own loop. */
 AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd, int64_t begin,
-                          int64_t end, float scale, int has_scale) {
+                          int64_t end, float scale, int scale_op) {
     const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
     const __m256 neg_lr_decay = _mm256_set1_ps(-s->lr_decay), wd = _mm256_set1_ps(s->weight_decay);
     const __m256 b1 = _mm256_set1_ps(s->beta1), neg_b1 = _mm256_set1_ps(-s->beta1);
     const __m256 b2 = _mm256_set1_ps(s->beta2), neg_b2 = _mm256_set1_ps(-s->beta2);
     const __m256 bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt), eps = _mm256_set1_ps(s->eps);
+    const int bc2_mul = exact_reciprocal(s->bc2_sqrt);
+    const __m256 bc2_inv = _mm256_set1_ps(1.0f / s->bc2_sqrt);
     const __m256 step_size = _mm256_set1_ps(s->step_size);
     const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
         __m256 g = load8(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm256_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm256_mul_ps(g, vscale);
         if (s->maximize)
             g = _mm256_xor_ps(g, sign);
         __m256 p = load8(pd, e->param, i);
@@ -155,7 +173,8 @@ AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, cons
             second = _mm256_blendv_ps(old, v1, _mm256_cmp_ps(old, v1, _CMP_LT_OQ));
             store8(pd, e->max_exp_avg_sq, i, second);
         }
-        const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(second), bc2_sqrt), eps);
+        const __m256 root = _mm256_sqrt_ps(second);
+        const __m256 denom = _mm256_add_ps(bc2_mul ? _mm256_mul_ps(root, bc2_inv) : _mm256_div_ps(root, bc2_sqrt), eps);
         p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m1), denom));
         store8(pd, e->param, i, p);
         store8(pd, e->exp_avg, i, m1);
@@ -166,21 +185,21 @@ AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, cons
 
 /* the dtype pairs a table may hold (csrc/optim.c checks them): a half parameter has a gradient of its dtype */
 AVX2_FN int64_t adam_avx2(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end, float scale,
-                          int has_scale) {
+                          int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return adam8(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam8(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return adam8(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return adam8(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return adam8(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam8(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return adam8(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return adam8(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return adam8(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return adam8(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* hl_sgd_element on 8 lanes, as adam8 */
 AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
-                         int64_t begin, int64_t end, float scale, int has_scale) {
+                         int64_t begin, int64_t end, float scale, int scale_op) {
     const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
     const float wd_f = (float)h->weight_decay;
     const __m256 wd = _mm256_set1_ps(wd_f), momentum = _mm256_set1_ps((float)h->momentum);
@@ -190,8 +209,10 @@ AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
         __m256 g = load8(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm256_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm256_mul_ps(g, vscale);
         if (h->maximize)
             g = _mm256_xor_ps(g, sign);
         const __m256 p = load8(pd, e->param, i);
@@ -210,16 +231,16 @@ AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e
 }
 
 AVX2_FN int64_t sgd_avx2(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
-                         float scale, int has_scale) {
+                         float scale, int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return sgd8(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return sgd8(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* The same on 16 lanes with AVX-512 (F, BW, VL): half the instructions an element, which the half-width
@@ -269,19 +290,23 @@ AVX512_INLINE __m512 negate16(__m512 x) {
 
 /* adam8 on 16 lanes */
 AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd,
-                             int64_t begin, int64_t end, float scale, int has_scale) {
+                             int64_t begin, int64_t end, float scale, int scale_op) {
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512 neg_lr_decay = _mm512_set1_ps(-s->lr_decay), wd = _mm512_set1_ps(s->weight_decay);
     const __m512 b1 = _mm512_set1_ps(s->beta1), neg_b1 = _mm512_set1_ps(-s->beta1);
     const __m512 b2 = _mm512_set1_ps(s->beta2), neg_b2 = _mm512_set1_ps(-s->beta2);
     const __m512 bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt), eps = _mm512_set1_ps(s->eps);
+    const int bc2_mul = exact_reciprocal(s->bc2_sqrt);
+    const __m512 bc2_inv = _mm512_set1_ps(1.0f / s->bc2_sqrt);
     const __m512 step_size = _mm512_set1_ps(s->step_size);
     const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 g = load16(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm512_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm512_mul_ps(g, vscale);
         if (s->maximize)
             g = negate16(g);
         __m512 p = load16(pd, e->param, i);
@@ -300,7 +325,8 @@ AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, c
             second = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, v1, _CMP_LT_OQ), old, v1);
             store16(pd, e->max_exp_avg_sq, i, second);
         }
-        const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(second), bc2_sqrt), eps);
+        const __m512 root = _mm512_sqrt_ps(second);
+        const __m512 denom = _mm512_add_ps(bc2_mul ? _mm512_mul_ps(root, bc2_inv) : _mm512_div_ps(root, bc2_sqrt), eps);
         p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m1), denom));
         store16(pd, e->param, i, p);
         store16(pd, e->exp_avg, i, m1);
@@ -310,21 +336,21 @@ AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, c
 }
 
 AVX512_FN int64_t adam_avx512(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end,
-                              float scale, int has_scale) {
+                              float scale, int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return adam16(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam16(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return adam16(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return adam16(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return adam16(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return adam16(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return adam16(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return adam16(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return adam16(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return adam16(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* sgd8 on 16 lanes */
 AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
-                            int64_t begin, int64_t end, float scale, int has_scale) {
+                            int64_t begin, int64_t end, float scale, int scale_op) {
     const __m512 vscale = _mm512_set1_ps(scale);
     const float wd_f = (float)h->weight_decay;
     const __m512 wd = _mm512_set1_ps(wd_f), momentum = _mm512_set1_ps((float)h->momentum);
@@ -334,8 +360,10 @@ AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         __m512 g = load16(gd, e->grad, i);
-        if (has_scale)
+        if (scale_op == SCALE_DIV)
             g = _mm512_div_ps(g, vscale);
+        else if (scale_op == SCALE_MUL)
+            g = _mm512_mul_ps(g, vscale);
         if (h->maximize)
             g = negate16(g);
         const __m512 p = load16(pd, e->param, i);
@@ -354,16 +382,16 @@ AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry
 }
 
 AVX512_FN int64_t sgd_avx512(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
-                             float scale, int has_scale) {
+                             float scale, int scale_op) {
     if (e->param_dtype == HL_FLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->param_dtype == HL_BFLOAT16)
-        return sgd16(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_FLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
     if (e->grad_dtype == HL_BFLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, has_scale);
-    return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, has_scale);
+        return sgd16(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
+    return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
 }
 
 /* The widest vector path the CPU has, asked once (cpuid is a VM exit under a hypervisor): 2 for AVX-512
@@ -387,110 +415,77 @@ static int cpu_vector_level(void) {
 static int cpu_vector_level(void) { return 0; }
 #endif
 
-/* One step's work, shared by its threads: each takes the next chunk until none is left. */
+/* One step's work: chunks of its table, done by whichever thread takes them (csrc/thread_pool.c). */
 typedef struct {
-    int is_adam;
     const void *table;
-    int64_t count, total_chunks;
+    int64_t count;
     const void *hyper;
     double lr;
     float scale;
     int has_scale;
-    int vector; /* cpu_vector_level() */
-    _Atomic int64_t next_chunk;
+    float vector_scale; /* what the vector paths take: scale, or its reciprocal for SCALE_MUL */
+    int scale_op;       /* SCALE_* */
+    int vector;         /* cpu_vector_level() */
 } step_work;
 
-/* the entry that holds `chunk`, following on from entry `t` (a thread's chunks come in increasing order):
-   the last one whose first_chunk <= chunk, which skips empty tensors (they share the next one's) */
-#define FOLLOW(table, count, t, chunk)                                          \
-    while ((t) + 1 < (count) && (table)[(t) + 1].first_chunk <= (chunk))        \
-        (t)++
+/* the vector paths' way with w's grad_scale (NOTE [ Dividing by a power of two ]) */
+static void choose_scale_op(step_work *w) {
+    w->scale_op = !w->has_scale ? SCALE_NONE : exact_reciprocal(w->scale) ? SCALE_MUL : SCALE_DIV;
+    w->vector_scale = w->scale_op == SCALE_MUL ? 1.0f / w->scale : w->scale;
+}
 
-static void adam_chunks(step_work *w) {
+static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
+    const step_work *w = arg;
     const hl_adam_entry *table = w->table;
     int64_t t = 0, scalars_of = -1;
     hl_adam_scalars s = {0};
-    for (;;) {
-        const int64_t chunk = atomic_fetch_add(&w->next_chunk, 1);
-        if (chunk >= w->total_chunks)
-            return;
-        FOLLOW(table, w->count, t, chunk);
+    for (int64_t chunk = first; chunk < end_chunk; chunk++) {
+        HL_ENTRY_OF_CHUNK(table, w->count, t, chunk);
         const hl_adam_entry *e = &table[t];
-        if (scalars_of != t) { /* the bias corrections once per tensor per thread (powf) */
+        if (scalars_of != t) { /* the bias corrections once per tensor per call (powf) */
             s = hl_adam_scalars_for(w->hyper, w->lr, *(const float *)(uintptr_t)e->step);
             scalars_of = t;
         }
-        const int64_t begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-        const int64_t end = begin + HL_CHUNK_ELEMS < e->numel ? begin + HL_CHUNK_ELEMS : e->numel;
-        int64_t i = begin;
+        int64_t i, end;
+        hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
-            i = adam_avx512(&s, e, i, end, w->scale, w->has_scale);
+            i = adam_avx512(&s, e, i, end, w->vector_scale, w->scale_op);
         if (w->vector >= 1)
-            i = adam_avx2(&s, e, i, end, w->scale, w->has_scale);
+            i = adam_avx2(&s, e, i, end, w->vector_scale, w->scale_op);
 #endif
         adam_scalar(&s, e, i, end, w->scale, w->has_scale);
     }
 }
 
-static void sgd_chunks(step_work *w) {
+static void sgd_chunks(void *arg, int64_t first, int64_t end_chunk) {
+    const step_work *w = arg;
     const hl_sgd_entry *table = w->table;
     int64_t t = 0;
-    for (;;) {
-        const int64_t chunk = atomic_fetch_add(&w->next_chunk, 1);
-        if (chunk >= w->total_chunks)
-            return;
-        FOLLOW(table, w->count, t, chunk);
+    for (int64_t chunk = first; chunk < end_chunk; chunk++) {
+        HL_ENTRY_OF_CHUNK(table, w->count, t, chunk);
         const hl_sgd_entry *e = &table[t];
-        const int64_t begin = (chunk - e->first_chunk) * (int64_t)HL_CHUNK_ELEMS;
-        const int64_t end = begin + HL_CHUNK_ELEMS < e->numel ? begin + HL_CHUNK_ELEMS : e->numel;
-        int64_t i = begin;
+        int64_t i, end;
+        hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
-            i = sgd_avx512(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+            i = sgd_avx512(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
         if (w->vector >= 1)
-            i = sgd_avx2(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
+            i = sgd_avx2(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
 #endif
         sgd_scalar(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
     }
-}
-
-static void *run_chunks(void *arg) {
-    step_work *w = arg;
-    if (w->is_adam)
-        adam_chunks(w);
-    else
-        sgd_chunks(w);
-    return NULL;
-}
-
-/* the chunks of `w` on up to `threads` threads, this one included; a thread that cannot be started
-   leaves its share to the others */
-static void run_step(step_work *w, int threads) {
-    int64_t n = w->total_chunks / MIN_CHUNKS_PER_THREAD;
-    if (n > threads)
-        n = threads;
-    if (n > MAX_THREADS)
-        n = MAX_THREADS;
-    pthread_t ids[MAX_THREADS];
-    int started = 0;
-    for (int64_t k = 1; k < n; k++)
-        if (pthread_create(&ids[started], NULL, run_chunks, w) == 0)
-            started++;
-    run_chunks(w);
-    for (int k = 0; k < started; k++)
-        pthread_join(ids[k], NULL);
 }
 
 void hl_cpu_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks, const hl_adam_hyper *hyper,
                  const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.is_adam = 1, .table = table, .count = count, .total_chunks = total_chunks, .hyper = hyper,
+    step_work w = {.table = table, .count = count, .hyper = hyper,
                    .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
                    .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    atomic_init(&w.next_chunk, 0);
-    run_step(&w, threads);
+    choose_scale_op(&w);
+    hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, adam_chunks, &w);
     /* after every thread has read its tensors' step counts */
     for (int64_t t = 0; t < count; t++) {
         float *step = (float *)(uintptr_t)table[t].step;
@@ -502,9 +497,9 @@ void hl_cpu_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, 
                 const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.is_adam = 0, .table = table, .count = count, .total_chunks = total_chunks, .hyper = hyper,
+    step_work w = {.table = table, .count = count, .hyper = hyper,
                    .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
                    .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    atomic_init(&w.next_chunk, 0);
-    run_step(&w, threads);
+    choose_scale_op(&w);
+    hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, sgd_chunks, &w);
 }

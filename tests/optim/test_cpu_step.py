@@ -31,9 +31,16 @@ def as_one_element_tensors(t):
     return [t[i:i + 1].clone() for i in range(t.numel())]
 
 
+# a GradScaler's power-of-two scale (the vector paths multiply by its exact reciprocal, NOTE [ Dividing by a power
+# of two ]) and a clip-folded one that is not (they divide)
+SCALES = [64.0, 48.3]
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("steps", [3.0, 1e5])  # after 1e5 steps 1 - beta2**t rounds to 1: bc2_sqrt is a power of two
 @pytest.mark.parametrize("kwargs", ADAM)
 @pytest.mark.parametrize("dtype,grad_dtype", PAIRS)
-def test_adam_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs):
+def test_adam_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs, steps, scale):
     """One tensor of N elements (8 at a time, then a tail) against the same elements as N one-element tensors
     (each takes the scalar path): every bit of parameters and moments, NaN and inf gradients included."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -43,31 +50,32 @@ def test_adam_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs)
     kwargs = dict(kwargs)  # the parametrized dict is shared by the runs
     amsgrad = kwargs.pop("amsgrad")
     state = {"exp_avg": spread(N, gen, -8, 0).to(dtype), "exp_avg_sq": spread(N, gen, -9, 1).abs().to(dtype),
-             "step": torch.tensor(3.0)}
+             "step": torch.tensor(steps)}
     if amsgrad:
         state["max_exp_avg_sq"] = spread(N, gen, -9, 1).abs().to(dtype)
     scalar_params = as_one_element_tensors(p)
     scalar_states = [{k: (v[i:i + 1].clone() if v.dim() else v.clone()) for k, v in state.items()} for i in range(N)]
-    scale = torch.tensor(64.0)
+    scale = torch.tensor(scale)
     c_calls.adam([p], [g], [state], grad_scale=scale, amsgrad=amsgrad, **kwargs)
     c_calls.adam(scalar_params, as_one_element_tensors(g), scalar_states, grad_scale=scale, amsgrad=amsgrad, **kwargs)
     assert torch.equal(bits(p), bits(torch.cat(scalar_params)))
     for key in state:
         if key != "step":
             assert torch.equal(bits(state[key]), bits(torch.cat([s[key] for s in scalar_states]))), key
-    assert float(state["step"]) == 4.0
+    assert float(state["step"]) == steps + 1
 
 
+@pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("kwargs", SGD)
 @pytest.mark.parametrize("dtype,grad_dtype", PAIRS)
-def test_sgd_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs):
+def test_sgd_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs, scale):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     p = spread(N, gen, -6, 1).to(dtype)
     g = (spread(N, gen) * 64).to(grad_dtype)
     g[5], g[N - 1] = float("nan"), float("inf")
     buf = spread(N, gen, -8, 0).to(dtype)
     scalar_params, scalar_bufs = as_one_element_tensors(p), as_one_element_tensors(buf)
-    scale = torch.tensor(64.0)
+    scale = torch.tensor(scale)
     c_calls.sgd([p], [g], [buf], grad_scale=scale, **kwargs)
     c_calls.sgd(scalar_params, as_one_element_tensors(g), scalar_bufs, grad_scale=scale, **kwargs)
     assert torch.equal(bits(p), bits(torch.cat(scalar_params)))

@@ -5,7 +5,8 @@ step must move against the copy rate; host time per step.
 The gradient sets are the scaler benchmark's (scaler.parameters_with_grads): float32 parameters with
 float32 gradients shaped like GPT models, 1.3 B parameters (481 tensors) and 353 M (289 tensors), and
 a 2,000-tensor model for the host time; MODEL_TINY with --quick or on the CPU. Then each optimizer's step
-alone (AdamW, Adam with amsgrad, SGD with momentum, AdamW over bfloat16 parameters) against torch's fused
+alone (AdamW, Adam with amsgrad, SGD with momentum; float32 and bfloat16 parameters; without and with a
+scaler's grad_scale and found_inf; over that model and over 1,993 small tensors) against torch's fused
 one: on the CPU, hotloop's C reference (vectorised, threaded) against torch's fused CPU kernels. As in scaler.py the
 scale is 1.0, max_norm too large to bite and lr 1e-12, so that repeated steps keep the same values
 (never time on zeros) while every pass still reads and writes what it would at an fp16 scale of 2**16.
@@ -28,9 +29,14 @@ LR = 1e-12
 def _alternate(ctx, fns, warmup=3, reps=20, timer=None):
     """Median milliseconds of each of fns, run in turn after warm-up (harness.Context.compare for more
     than two ways of one job)."""
-    timer = timer or ctx.time_ms
     if ctx.quick:
         warmup, reps = 1, 3
+    return _alternate_reps(ctx, fns, reps, warmup, timer)
+
+
+def _alternate_reps(ctx, fns, reps, warmup=1, timer=None):
+    """_alternate with these repetitions, whatever --quick says"""
+    timer = timer or ctx.time_ms
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -123,42 +129,67 @@ def rows(ctx):
     yield from _step_rows(ctx)
 
 
-# each optimizer's step alone: (name, keyword arguments, parameter dtype)
-STEP_CASES = [("AdamW", {}, "float32"), ("Adam", {"amsgrad": True}, "float32"), ("SGD", {"momentum": 0.9}, "float32"),
-              ("AdamW", {}, "bfloat16")]
+# each optimizer's step alone: (name, keyword arguments), each over float32 and bfloat16 parameters, without
+# and with a GradScaler's grad_scale and found_inf
+STEP_CASES = [("AdamW", {}), ("Adam", {"amsgrad": True}), ("SGD", {"momentum": 0.9})]
+STEP_DTYPES = ("float32", "bfloat16")
+# many small tensors: a GPT-like model of 1,993 tensors, ~11 M elements on the CPU
+MODEL_MANY_SMALL = (64, 166)
+
+
+def _step_sets(ctx):
+    """(label, shapes) of the parameter sets the step rows run over"""
+    small = ctx.quick or not ctx.is_cuda
+    big = [(MODEL_TINY if small else MODEL_353M, "tiny" if small else "353 M")]
+    return [(label, transformer_shapes(*model)) for model, label in big + [(MODEL_MANY_SMALL, "many small")]]
 
 
 def _step_rows(ctx):
-    """The optimizer step alone, hotloop's against torch's fused one of the same class and dtype, over the
-    same parameters and gradients (each with its own state, made by a first step outside the timing)."""
+    """The optimizer step alone, hotloop's against torch's fused one of the same class and dtype (on the CPU
+    its fused CPU kernels), over the same parameters and gradients (each with its own state, made by a
+    first step outside the timing), alternated in one run. With a scaler, both take grad_scale = 1.0 and
+    found_inf = 0.0 as a GradScaler hands them over (the optimizer's grad_scale and found_inf attributes):
+    torch's CPU kernel then writes the unscaled gradient back, which at a scale of 1.0 changes nothing.
+    On the CPU, torch's OpenMP threads spin for a while after each of its parallel ops (libgomp's default
+    OMP_WAIT_POLICY), so the cores that hotloop's pool wakes onto right after torch's step are busy; run with
+    OMP_WAIT_POLICY=passive to see each side without the other's threads in the way."""
     torch = ctx.torch
     from .. import optim
 
-    small = ctx.quick or not ctx.is_cuda
-    hidden, layers = MODEL_TINY if small else MODEL_353M
-    base = parameters_with_grads(torch, transformer_shapes(hidden, layers), ctx.device)
-    numel = sum(p.numel() for p in base)
     where = "CPU, torch.get_num_threads() = %d" % torch.get_num_threads() if not ctx.is_cuda else str(ctx.device)
-    for name, kwargs, dtype_name in STEP_CASES:
-        dtype = getattr(torch, dtype_name)
-        params = base
-        if dtype is not torch.float32:
-            params = [torch.nn.Parameter(p.detach().to(dtype)) for p in base]
-            for p, b in zip(params, base):
-                p.grad = b.grad.to(dtype)
-        ours = getattr(optim, name)(params, lr=LR, **kwargs)
-        theirs = getattr(torch.optim, name)(params, lr=LR, fused=True, **kwargs)
-        ours.step()
-        theirs.step()
-        ms, torch_ms = ctx.compare(ours.step, theirs.step)
-        args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        yield Row("optim", f"{name}({args}).step(), {'tiny' if small else '353 M'} {dtype_name} params "
-                  f"({len(params)} tensors, {numel / 1e6:.0f} M)", ms, torch_ms, "ms",
-                  note=f"hotloop.optim.{name} against torch.optim.{name}(fused=True), no scaler; {where}")
-        del ours, theirs, params
-    del base
-    if ctx.is_cuda:
-        torch.cuda.empty_cache()
+    # more repetitions than --quick's 3 on the CPU: each step takes milliseconds, and a busy host is noisy
+    reps = 9 if ctx.quick and not ctx.is_cuda else 20
+    for label, shapes in _step_sets(ctx):
+        base = parameters_with_grads(torch, shapes, ctx.device)
+        numel = sum(p.numel() for p in base)
+        for dtype_name in STEP_DTYPES:
+            dtype = getattr(torch, dtype_name)
+            params = base
+            if dtype is not torch.float32:
+                params = [torch.nn.Parameter(p.detach().to(dtype)) for p in base]
+                for p, b in zip(params, base):
+                    p.grad = b.grad.to(dtype)
+            for name, kwargs in STEP_CASES:
+                for scaled in (False, True):
+                    ours = getattr(optim, name)(params, lr=LR, **kwargs)
+                    theirs = getattr(torch.optim, name)(params, lr=LR, fused=True, **kwargs)
+                    if scaled:
+                        for opt in (ours, theirs):
+                            opt.grad_scale = torch.ones((), device=ctx.device)
+                            opt.found_inf = torch.zeros((), device=ctx.device)
+                    ours.step()
+                    theirs.step()
+                    ms, torch_ms = _alternate_reps(ctx, [ours.step, theirs.step], reps, warmup=1 if ctx.quick else 3)
+                    args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+                    scaler = " + grad_scale, found_inf" if scaled else ""
+                    yield Row("optim", f"{name}({args}).step(){scaler}, {label} {dtype_name} params "
+                              f"({len(params)} tensors, {numel / 1e6:.0f} M)", ms, torch_ms, "ms",
+                              note=f"hotloop.optim.{name} against torch.optim.{name}(fused=True); {where}")
+                    del ours, theirs
+            del params
+        del base
+        if ctx.is_cuda:
+            torch.cuda.empty_cache()
 
 
 def _host_rows(ctx, GradScaler, AdamW):
