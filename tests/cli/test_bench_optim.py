@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hotloop.bench.models import MODEL_TINY, transformer_shapes
-from hotloop.bench.optim import FLOOR_BYTES_PER_ELEMENT, STEP_CASES
+from hotloop.bench.optim import FLOOR_BYTES_PER_ELEMENT, MODEL_MANY_SMALL, STEP_CASES, STEP_DTYPES
 
 
 def bench(*args, timeout=600):
@@ -59,21 +59,34 @@ def check_rows(rows, numel):
     return copy
 
 
-def check_step_rows(rows, tag):
-    """The rows of each optimizer's step alone, in STEP_CASES' order, `tag` formatted with the dtype's name."""
-    for r, (name, kwargs, dtype) in zip(rows, STEP_CASES, strict=True):
+def step_tag(label, shapes):
+    """How a step row names its parameter set, `{}` standing for the dtype's name."""
+    numel = sum(math.prod(s) for s in shapes)
+    return f"{label} {{}} params ({len(shapes)} tensors, {numel / 1e6:.0f} M)"
+
+
+STEP_ROWS_PER_SET = len(STEP_DTYPES) * len(STEP_CASES) * 2  # each case without and with grad_scale, found_inf
+
+
+def check_step_rows(rows, tags):
+    """The rows of each optimizer's step alone: per parameter set (`tags`, each formatted with the dtype's
+    name), per dtype, per STEP_CASES entry, without then with a GradScaler's grad_scale and found_inf."""
+    expected = [(name, kwargs, tag.format(dtype), scaler) for tag in tags for dtype in STEP_DTYPES
+                for name, kwargs in STEP_CASES for scaler in ("", " + grad_scale, found_inf")]
+    for r, (name, kwargs, tag, scaler) in zip(rows, expected, strict=True):
         args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        assert r["figure"] == f"{name}({args}).step(), " + tag.format(dtype), r
+        assert r["figure"] == f"{name}({args}).step(){scaler}, {tag}", r
         assert r["unit"] == "ms" and f"against torch.optim.{name}(fused=True)" in r["note"]
+        assert float(r["hotloop"]) > 0 and float(r["torch"]) > 0
 
 
 def test_optim_component_quick_on_the_cpu():
     rows = table(bench("components", "--quick", "--only", "optim", "--device", "cpu"))
     shapes = transformer_shapes(*MODEL_TINY)
     numel = sum(math.prod(s) for s in shapes)
-    assert len(rows) == 6 + len(STEP_CASES)
+    assert len(rows) == 6 + 2 * STEP_ROWS_PER_SET
     check_rows(rows, numel)
-    check_step_rows(rows[6:], f"tiny {{}} params ({len(shapes)} tensors, {numel / 1e6:.0f} M)")
+    check_step_rows(rows[6:], [step_tag("tiny", shapes), step_tag("many small", transformer_shapes(*MODEL_MANY_SMALL))])
     assert f"({len(shapes)} tensors, {numel / 1e6:.0f} M)" in rows[0]["figure"]
     assert [r["figure"] for r in rows[4:6]] == [f"host time unscale+clip+AdamW+update, tiny model ({len(shapes)} tensors)",
                                               f"host time AdamW.step() alone, tiny model ({len(shapes)} tensors)"]
@@ -105,7 +118,7 @@ def test_optim_component_on_the_gpu():
     out = bench("components", "--only", "optim")
     print(out)
     rows = table(out)
-    assert len(rows) == 10 + len(STEP_CASES)
+    assert len(rows) == 10 + 2 * STEP_ROWS_PER_SET
     for block, (size, label) in zip((rows[0:4], rows[4:8]), ((MODEL_1_3B, "1.3 B"), (MODEL_353M, "353 M"))):
         shapes = transformer_shapes(*size)
         numel = sum(math.prod(s) for s in shapes)
@@ -116,6 +129,5 @@ def test_optim_component_on_the_gpu():
         # step that skipped its work (a few % for timing noise)
         assert float(block[3]["hotloop"]) < 1.05 * copy and float(block[3]["torch"]) < 1.05 * copy
     assert "2,000-tensor model (1993 tensors)" in rows[8]["figure"]
-    shapes = transformer_shapes(*MODEL_353M)
-    numel = sum(math.prod(s) for s in shapes)
-    check_step_rows(rows[10:], f"353 M {{}} params ({len(shapes)} tensors, {numel / 1e6:.0f} M)")
+    check_step_rows(rows[10:], [step_tag("353 M", transformer_shapes(*MODEL_353M)),
+                                step_tag("many small", transformer_shapes(*MODEL_MANY_SMALL))])
