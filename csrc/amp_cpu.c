@@ -17,7 +17,7 @@
    which they are added is fixed, so results do not depend on the machine or the thread count */
 #define LANES 8
 
-/* ---- threads: a pass's chunks go to csrc/thread_pool.c's threads, one at a time ---- */
+/* ---- threads: a pass's chunks go to csrc/thread_pool.c's threads, in runs of consecutive chunks ---- */
 
 /* `threads` <= 0: as many as the CPUs this process may run on */
 static int threads_for(int threads) {

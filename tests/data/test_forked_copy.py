@@ -6,26 +6,14 @@ hangs nor touches the parent's workers, and the parent's epoch goes on whole."""
 import gc
 import os
 import threading
-import time
 
 import pytest
 
 import hotloop
 
+from ..forked import wait_for_child
 from .conftest import fake_device
 
-
-def wait_for_child(pid, timeout=15.0):
-    """The child's exit code, or None if it still runs after `timeout` (then killed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return None
 
 
 @pytest.mark.parametrize("device", [False, True], ids=["host", "device"])

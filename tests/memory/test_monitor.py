@@ -18,6 +18,8 @@ import hotloop
 from hotloop import _C, input_wait, memory
 from hotloop.memory.advice import compute_advice
 
+from ..forked import wait_for_child
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -254,17 +256,9 @@ def test_fork_leaves_no_sampler_in_the_child(fake):
         ok = ok and m.snapshot()["memory_samples"] > n
         m.stop()
         os._exit(0 if ok else 1)
-    deadline = time.monotonic() + 30  # bounded: a hung child fails the test instead of hanging it
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.01)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    code = wait_for_child(pid, timeout=30)
+    assert code is not None, "the forked child hung"
+    assert code == 0, code
     n = m.snapshot()["memory_samples"]
     wait_for(lambda: m.snapshot()["memory_samples"] > n + 5)  # the parent's sampler kept going
     m.stop()

@@ -2,11 +2,11 @@
 passes from two Python threads at once, and a child forked while it exists, each giving one thread's bits."""
 import os
 import threading
-import time
 
 import pytest
 import torch
 
+from ..forked import wait_for_child
 from . import c_calls
 
 # several chunks (32768 elements) a tensor, so that every thread of a pass takes some
@@ -71,17 +71,9 @@ def test_forked_child_steps_on_its_own_pool():
             code = 0 if _same(_steps(seed, 4, 3), _steps(seed, 1, 3)) else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 120
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError("the forked child hung in its step")
-        time.sleep(0.05)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    code = wait_for_child(pid, timeout=120)
+    assert code is not None, "the forked child hung in its step"
+    assert code == 0, code
     # and the parent's pool still works
     assert _same(_steps(seed, 4, 2), _steps(seed, 1, 2))
 

@@ -46,7 +46,7 @@ class _Prepared:
     mem: torch.Tensor  # their memory, in the kernel's order
     buf: torch.Tensor  # decoded pixels of every image
     table_dev: torch.Tensor  # the kernel's entry table on the device (None on the CPU)
-    host: torch.Tensor = None  # the page-locked copy of the bytes the decode and uploads read (GPU)
+    host: torch.Tensor = None  # page-locked: the bytes the decode and uploads read, then the entry table (GPU)
 
 
 class _DecodeStream:
