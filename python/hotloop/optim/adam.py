@@ -19,7 +19,7 @@ between replays.
 import torch
 
 from .. import _C
-from . import param_table
+from . import param_table, torch_cpu_step
 from .fused import FusedOptimizer
 from .step_table import refuse_in_capture
 
@@ -123,6 +123,14 @@ class Adam(FusedOptimizer, torch.optim.Adam):
 
     def _entry_bytes(self):
         return _C.OPTIM_ADAM_ENTRY_BYTES
+
+    def _torch_step(self, group, ps, hyper, made, scale, found):
+        states = [self.state[p] for p in ps]
+        amsgrad = bool(group["amsgrad"])
+        torch_cpu_step.adam_step(ps, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                                 [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
+                                 [s["step"] for s in states], hyper, scale, found)
+        return True
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,

@@ -11,7 +11,7 @@ the key read again and the tables written."""
 import torch
 
 from ..amp.tensor_table import runs_eagerly
-from . import param_table
+from . import param_table, torch_cpu_step
 from .group_key import group_key
 from .step_table import StepTables, capturing
 
@@ -33,6 +33,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _reset_caches(self):
         self._tables = StepTables(self._name)
         self._plans = {}  # param group index -> (key, [(device, params with gradients there)])
+        self._torch_steps = set()  # (group index, device) whose checked plan torch's CPU kernel steps
 
     # what a subclass says about its kernel
     def _group_defaults(self):
@@ -63,6 +64,18 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         raise NotImplementedError
+
+    def _states_of(self, group, p):
+        """the state tensors of `p` its update reads and writes (torch_cpu_step checks their layout)"""
+        return [self.state[p][k] for k in self._state_keys(group) if k != "step"]
+
+    def _torch_step(self, group, ps, hyper, made, scale, found):
+        """step `ps` (CPU tensors) with torch's fused kernel; False when this step must stay hotloop's"""
+        raise NotImplementedError
+
+    def _torch_takes(self, group, device, ps):
+        """NOTE [ CPU steps of large tensors go to torch ] (torch_cpu_step.py)"""
+        return device.type == "cpu" and torch_cpu_step.torch_takes(ps, [self._states_of(group, p) for p in ps])
 
     def add_param_group(self, param_group):
         """torch's, refusing up front what the kernel cannot update (TypeError): anything but float32, float16
@@ -150,7 +163,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if key is None:  # cannot happen once the state is made: never reuse what is not keyed
                     key = object()
                 self._plans[gi] = (key, plan)
+                for device, ps in plan:
+                    self._torch_steps.discard((gi, device))
+                    if self._torch_takes(group, device, ps):
+                        self._torch_steps.add((gi, device))
             for device, ps, hyper, scale, found in calls:
+                if (gi, device) in self._torch_steps and self._torch_step(group, ps, hyper, made.get(device), scale,
+                                                                          found):
+                    continue
                 table, count, chunks = self._tables.get((gi, device), key, device, len(ps) * self._entry_bytes(),
                                                         lambda dst: self._write_table(group, ps, dst))
                 self._launch(table, count, chunks, device, hyper, made.get(device), scale, found)

@@ -13,7 +13,7 @@ in a capture is refused), with ``lr`` a number (a constant of the graph) or a fl
 import torch
 
 from .. import _C
-from . import param_table
+from . import param_table, torch_cpu_step
 from .fused import FusedOptimizer
 from .step_table import refuse_in_capture
 
@@ -86,6 +86,13 @@ class SGD(FusedOptimizer, torch.optim.SGD):
 
     def _entry_bytes(self):
         return _C.OPTIM_SGD_ENTRY_BYTES
+
+    def _torch_step(self, group, ps, hyper, made, scale, found):
+        if made:  # a first step: the buffers take the gradient, hotloop's C does that
+            return False
+        bufs = [self.state[p]["momentum_buffer"] for p in ps] if group["momentum"] != 0 else None
+        torch_cpu_step.sgd_step(ps, bufs, hyper, scale, found)
+        return True
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         # made: _make_state's first_step, None when the step reused a checked plan (the buffers existed)
