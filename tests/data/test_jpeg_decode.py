@@ -651,6 +651,32 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
+def test_back_to_back_decodes_each_keep_their_images(backend):
+    """Calls queued one after another on one stream, the host never waiting between them (as the
+    loader's thread queues batch after batch): each call's images are its own, every one as PIL's."""
+    rng = np.random.default_rng()
+    decoder = open_decoder(backend, 48)
+    stream = torch.cuda.Stream()
+    calls = []
+    for _ in range(6):
+        blobs = [make_jpeg(rng, int(rng.integers(32, 600)), int(rng.integers(32, 600)),
+                           ("420", "444", "grey")[int(rng.integers(3))], quality=int(rng.integers(60, 100)))
+                 for _ in range(48)]
+        batch = Batch(blobs)
+        outs, dests = batch.outputs(7)
+        status = decoder.decode(batch.sources, dests, len(blobs), stream.cuda_stream)
+        calls.append((batch, outs, list(status)))
+    stream.synchronize()
+    for c, (batch, outs, status) in enumerate(calls):
+        assert status == [_C.JPEG_DECODED] * len(batch.blobs), (c, status)
+        for i, (out, (h, w), data) in enumerate(zip(outs, batch.shapes, batch.blobs, strict=True)):
+            worst, mean = differences(out[:, :w * 3].reshape(h, w, 3).cpu().numpy(), data)
+            assert within(backend, worst, mean), (c, i, worst, mean)
+    decoder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_throughput_report(backend):
     """Not a benchmark gate: the figures for the report (256 PIL-made 500x375 q90 JPEGs, ~74 KB)."""
     rng = np.random.default_rng()
