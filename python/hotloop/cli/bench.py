@@ -28,6 +28,8 @@ def add_arguments(parser):
                             help="run only this component (repeatable)")
     components.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda when usable)")
     components.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a smoke run)")
+    components.add_argument("--json", metavar="FILE",
+                            help="also write the rows and settings (machine, versions, date, command) to this JSON file")
 
     train = sub.add_parser("train", help="samples/s, memory, utilisation and power per precision and batch size")
     train.add_argument("--model", default=None,
@@ -107,9 +109,11 @@ def _device(args, command):
 def _components(args, device):
     import torch
 
+    from ..bench import results
     from ..bench.harness import Context, format_table
 
     ctx = Context(device, quick=args.quick)
+    settings = results.components_settings(args, ctx)
     rows = []
     print(f"hotloop bench components on {args.device or device.type}"
           + (f" ({torch.cuda.get_device_name(ctx.device)})" if ctx.is_cuda else "")
@@ -123,6 +127,8 @@ def _components(args, device):
                   f"{row.hotloop:.4g} {row.unit}, torch {row.torch:.4g} {row.unit}", flush=True)
     print()
     print(format_table(rows))
+    if args.json:
+        results.write_components(args.json, settings, rows)
     return 0
 
 
