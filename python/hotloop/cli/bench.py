@@ -1,7 +1,8 @@
-"""`python -m hotloop bench {components,train,loop,inference,distributed}`: components alternates hotloop's way
-and torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
+"""`python -m hotloop bench {components,train,loop,inference,distributed,report}`: components alternates hotloop's
+way and torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
 train, loop and inference measure whole models (hotloop/bench/train.py, loop.py, inference.py); distributed
-a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py)."""
+a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py); report writes the docs'
+performance page and the README's table from components' JSON files (hotloop/bench/report.py)."""
 import importlib
 import os
 import sys
@@ -22,7 +23,8 @@ _positive_int.__name__ = "positive integer"  # argparse names the type in its me
 
 
 def add_arguments(parser):
-    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference,distributed}", required=True)
+    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference,distributed,report}",
+                                required=True)
     components = sub.add_parser("components", help="each component against torch's way of the same job")
     components.add_argument("--only", action="append", choices=sorted(COMPONENTS),
                             help="run only this component (repeatable)")
@@ -81,6 +83,15 @@ def add_arguments(parser):
                              help="seconds a rank may spend in one phase before the command ends (default 300)")
     distributed.add_argument("--device", default=None, help="cuda (NCCL) or cpu (gloo) (default: cuda when usable)")
     distributed.add_argument("--json", metavar="FILE", help="also write the figures to this JSON file")
+
+    report = sub.add_parser("report", help="write docs/performance.md and the README's performance table from "
+                                           "`bench components --json` files")
+    report.add_argument("files", nargs="+", metavar="FILE.json", help="result files (docs/results/*.json)")
+    report.add_argument("--readme", default="README.md", help="the README whose table to rewrite (default README.md)")
+    report.add_argument("--performance", default=os.path.join("docs", "performance.md"), metavar="FILE",
+                        help="the page to write (default docs/performance.md)")
+    report.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each file that differs from what the results make")
 
 
 def _device(args, command):
@@ -199,13 +210,19 @@ def main(args) -> int:
         print(f"{command}: --{option} {getattr(args, option)}: cannot write it: {err.strerror or err}",
               file=sys.stderr)
         return 1
-    device = _device(args, command)
-    if device is None:
-        return 2
     try:
+        if args.what == "report":  # measures nothing: no device, no torch
+            from ..bench import report
+
+            return report.run(args)
+        device = _device(args, command)
+        if device is None:
+            return 2
         return SUBCOMMANDS[args.what](args, device)
     except BenchError as err:
-        print(f"\n{command}: {err}" if args.what != "components" else f"{command}: {err}", file=sys.stderr)
+        # after a benchmark's progress lines, on a line of its own
+        print(f"\n{command}: {err}" if args.what not in ("components", "report") else f"{command}: {err}",
+              file=sys.stderr)
         return 2
     except OSError as err:
         if isinstance(err, BrokenPipeError):
