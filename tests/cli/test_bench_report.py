@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from hotloop.bench import report
+from hotloop.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*.json")))
@@ -139,3 +140,19 @@ def test_a_readme_without_the_markers_is_refused(tmp_path):
     out = bench_report(*files, cwd=tmp_path)
     assert out.returncode == 2 and "lacks the markers" in out.stderr
     assert (tmp_path / "README.md").read_text() == "# a README without a performance table\n"
+
+
+def test_an_unknown_option_shows_reports_own_usage(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["__main__.py"])  # prog: "python -m hotloop"
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "report", "x.json", "--nosuch"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: python -m hotloop bench report ")
+    assert err.rstrip().endswith("error: unrecognized arguments: --nosuch")
+
+
+def test_report_without_files_is_refused_by_its_usage(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["__main__.py"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "report"])
+    assert exit_.value.code == 2 and "FILE.json" in capsys.readouterr().err

@@ -15,9 +15,11 @@ README_BEGIN = f"<!-- performance table: made by `{COMMAND}`; edit the JSON file
 README_END = "<!-- end of performance table -->"
 
 # The README's headline rows: (the row's title in the README, component, how its figure starts). Per
-# result file the first row of the component whose figure starts so; one key per job a user swaps in,
-# named by the part of the figure that stays the same on every device and size. A job a device cannot
-# do (a GPU's on a CPU) shows as "–" in that device's column, and a job no file has is left out.
+# result file the first row of the component whose figure starts so; one key per job a user swaps in
+# whose torch column is torch's own way of that job (not the monitor's, whose other column is a Python
+# sampler, nor startup's), named by the part of the figure that stays the same on every device and
+# size. A job a device cannot do (a GPU's on a CPU) shows as "–" in that device's column, and a job no
+# file has is left out.
 HEADLINE = [
     ("inf/NaN check, read bandwidth", "ops", "non_finite_check read bandwidth"),
     ("GradScaler unscale + clip", "scaler", "unscale+clip, "),
@@ -25,7 +27,6 @@ HEADLINE = [
     ("DataLoader alone", "loader", "loader alone, "),
     ("crop + resize + flip + normalise", "images", "images per second"),
     ("JPEG folder loader, gpu_decode=True", "photos", "loader alone, fp16 channels_last, steady img/s"),
-    ("host memory sampler's /proc time", "monitor", "host sampler, 20 Hz, 3 processes, default PSS budget"),
 ]
 
 
@@ -145,7 +146,8 @@ def readme_table(results) -> str:
         if any(cell != "–" for cell in cells):
             lines.append("| " + " | ".join([_cell(title)] + [_cell(c) for c in cells]) + " |")
     lines.append("")
-    lines.append("Each cell: how many times better hotloop does than torch (hotloop's figure vs torch's).")
+    lines.append("Each cell: how many times better hotloop does than torch's way of the same job "
+                 "(hotloop's figure vs torch's).")
     for result in results:
         lines.append(f"- **{_cell(result.machine)}**: {_cell(result.describe())}. "
                      f"`{result.settings['command']}`")
