@@ -325,9 +325,9 @@ static PyObject *image_resize(PyObject *module, PyObject *args) {
         hl_device_guard guard;
         hl_device_enter(&guard, out.device, &status);
         /* from page-locked memory (table_host) a DMA queued on the stream; from pageable memory the
-           driver stages the bytes first and may wait for the stream to do so: on the H200 the loader's
-           call took 26 ms a batch that way (its stream waits for the batch's decode), 0.25 ms with
-           table_host */
+           driver stages the bytes first and may wait for the stream to do so, and the loader's stream
+           waits for the batch's decode: the host would wait for the decode too. table_host avoids
+           that wait */
         HL_CUDA(&status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)table_dev.data, upload,
                                                  (size_t)count * sizeof(hl_image_entry), s));
         HL_CUDA(&status, hl_launch_image_resize((const hl_image_entry *)table_dev.data, count, out.data, out.dtype, h, w,

@@ -238,12 +238,11 @@ static const char *const backend_names[] = {"hardware", "cuda"};
 
 /* NOTE [ Two handles ]
    Chroma upsampled by interpolation (NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, libjpeg-turbo's
-   "fancy upsampling", which PIL applies) is a flag of the whole handle. On the H200 with nvjpeg 13.0 a
-   hardware batch decoded by such a handle ran at half the rate when a few of its images were 4:4:4
-   or greyscale (the realistic mix: 5 % and 1 %) and at the full rate when all were 4:2:0, or when the
-   handle did not interpolate. 4:4:4 and greyscale images have no chroma to upsample, so the flag
-   cannot change their pixels: they go to a second handle without it, in a batched call of their
-   own. */
+   "fancy upsampling", which PIL applies) is a flag of the whole handle. A hardware batch decoded by
+   such a handle slows down sharply when a few of its images are 4:4:4 or greyscale, as in a realistic
+   photo set, and not when all are 4:2:0 or when the handle does not interpolate. 4:4:4 and greyscale
+   images have no chroma to upsample, so the flag cannot change their pixels: they go to a second
+   handle without it, in a batched call of their own. */
 
 /* a handle's batched decoder */
 typedef struct {
@@ -559,10 +558,10 @@ static int chroma_upsampled(const hl_jpeg_info *info) {
 
 /* NOTE [ Known to the engines ]
    Asking nvjpeg whether its hardware backend takes an image (nvjpegJpegStreamParseHeader, then
-   nvjpegDecodeBatchedSupported) cost ~9 us an image on the H200, a fifth of the host's time in a batch's
-   decode. The kinds that make up nearly every photo data set, baseline 8-bit greyscale or YCbCr 4:4:4,
-   4:2:2 or 4:2:0 up to 4096 px a side, are taken without asking: the engines decoded every such image
-   of the tests and of the bench's photographs. Any other kind is asked about. Should the engines still
+   nvjpegDecodeBatchedSupported) costs host time for every image, a large share of the host's time in
+   a batch's decode. The kinds that make up nearly every photo data set, baseline 8-bit greyscale or
+   YCbCr 4:4:4, 4:2:2 or 4:2:0 up to 4096 px a side, are taken without asking: the engines decoded
+   every such image of the tests and of the bench's photographs. Any other kind is asked about. Should the engines still
    refuse one, the batched call fails and decode_batch halves the batch until the image is found and
    marked unsupported (the dataset's own loader then decodes it): slower, never wrong. */
 static int known_to_engines(const hl_jpeg_info *info) {
@@ -651,8 +650,8 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
     if (batched + plain > 0 && d->backend == BACKEND_HARDWARE) {
         /* the hardware backend's batched decode was reported to write its outputs while this call
            runs, ignoring the work queued on the stream before it, a cudaStreamWaitEvent included,
-           which may still use that memory (torchcodec #1634: nvjpeg 12.3 to 13.2 on H100; not seen
-           on the H200 with 13.0.1). Only a host wait orders it */
+           which may still use that memory (torchcodec #1634: nvjpeg 12.3 to 13.2). Only a host wait
+           orders it */
         HL_CUDA(&f->cuda, stream_synchronize(c->stream));
         if (f->cuda.code != 0)
             return;
@@ -721,9 +720,9 @@ PyDoc_STRVAR(decode_doc,
              "YCCK, RGB-coded, 12-bit, lossless or arithmetic JPEGs, and what nvjpeg refuses, e.g. progressive\n"
              "ones on the hardware backend); JPEG_CORRUPT (truncated, or nvjpeg found it corrupt). A failed\n"
              "image never loses the others. The GIL is released for the whole call; the host blocks while\n"
-             "nvjpeg works through the batch (on an H200, 256 JPEGs of ~70 KB: ~8 ms hardware, ~3 ms cuda),\n"
-             "longer where the cuda backend decodes Huffman codes on the CPU: progressive JPEGs, and batches\n"
-             "of 50 or fewer (nvjpeg's rule). ValueError for bad pointers or pitches before any work is queued.");
+             "nvjpeg works through the batch, longer where the cuda backend decodes Huffman codes on the CPU:\n"
+             "progressive JPEGs, and batches of 50 or fewer (nvjpeg's rule). ValueError for bad pointers or\n"
+             "pitches before any work is queued.");
 
 static PyObject *decoder_decode(PyObject *self, PyObject *args) {
     hl_jpeg_decoder *d = (hl_jpeg_decoder *)self;

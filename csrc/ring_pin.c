@@ -11,13 +11,13 @@
 #include "cuda.h"
 #include "ring_object.h"
 
-/* Why chunks, measured on an H200 host with a training step running on the main thread:
-   host registration holds a driver lock for its whole call, and every CUDA call of the process waits
-   for it. A whole 38 MB slot (faulted in) holds it 2-3 ms; registered from a background thread
-   slot after slot, the main thread's kernel launches waited 2 ms at the median and 18 ms at worst.
-   In 8 MiB chunks one call takes ~0.3 ms, the whole slot 1.7 ms, and with a short pause between
-   calls a launch waits 0.4 ms at the 99th percentile. A copy may not span two registrations (the
-   driver rejects it), so copies are split at chunk boundaries too. */
+/* Why chunks: host registration holds a driver lock for its whole call, and every CUDA call of the
+   process waits for it, the training thread's kernel launches included. The lock is held for a time
+   that grows with the bytes registered, so a whole slot registered in one call, slot after slot from
+   a background thread, stalls the training thread's launches for as long; small chunks with a short
+   pause between calls bound each stall to one small registration and let the waiting calls in
+   between. A copy may not span two registrations (the driver rejects it), so copies are split at
+   chunk boundaries too. */
 #define PIN_CHUNK (8ull << 20)
 #define PIN_PAUSE_NS 1000000L /* between two registrations: lets the training thread's calls in */
 
@@ -77,7 +77,7 @@ static CUresult register_chunk(RingObject *r, uint32_t slot, uint32_t chunk, int
 #endif
 
 /* The populating thread: allocates every slot's pages, in the order slots will be handed out.
-   Allocating the pages of a fresh 38 MB slot takes ~20 ms; a worker that did it before writing its
+   Allocating the pages of a fresh slot of tens of MB is slow; a worker that did it before writing its
    first batch would delay that batch, and registering unallocated memory does it while
    holding the driver lock. No GIL, no CUDA here. */
 static void *populater_main(void *arg) {
@@ -87,8 +87,8 @@ static void *populater_main(void *arg) {
         if (atomic_load(&ctl_of(r, slot)->faulted))
             continue;
         /* fallocate allocates the memfd's pages without touching this process's mappings: a
-           madvise(MADV_POPULATE_WRITE) of a slot held this process's mmap lock for ~20 ms, and
-           the training thread's own memory calls queued behind it */
+           madvise(MADV_POPULATE_WRITE) of a slot holds this process's mmap lock while it allocates, and
+           the training thread's own memory calls queue behind it */
         if (fallocate(r->fd, 0, (off_t)(slot_data(r, slot) - r->base), (off_t)r->slot_bytes) != 0)
             hl_ring_fault_in(r, slot); /* a kernel without shmem fallocate: fault them in here */
         atomic_store(&ctl_of(r, slot)->faulted, 1);

@@ -26,7 +26,7 @@ __device__ inline void store_bits(void *dst, size_t i, uint32_t bits, int dtype)
 /* A uint8 input has 256 values per channel: every output is one of c * 256 results, computed once
    per block with the exact per-element arithmetic and looked up after, so the loop over the batch
    is pure memory traffic instead of an IEEE division per element (which made the kernel slow enough
-   to cost a concurrently running training step ~3 %). */
+   to slow a training step running beside it). */
 __device__ inline void fill_table(uint32_t *table, int c, int dtype, const hl_normalize_params &p) {
     for (int k = threadIdx.x; k < c * 256; k += blockDim.x)
         table[k] = out_bits(normalize_one((uint8_t)(k & 255), p.mean[k >> 8], p.std[k >> 8]), dtype);

@@ -33,8 +33,8 @@ template <typename H> __device__ __forceinline__ grad4<H> load_grad4(const H *g,
 /* The walk over one chunk [begin, end) of one tensor, shared by both optimizers: where every array
    of the tensor starts on a boundary of 4 of its elements (torch's allocations do; a view may not),
    each thread takes 4 elements at a time with one vector load per array, so every load of an iteration is in
-   flight before the maths (the scalar loop waits on one 4-byte load at a time and reached 44 % of
-   the copy rate on an H200); the rest, and unaligned tensors, one element at a time.
+   flight before the maths (the scalar loop waits on one 4-byte load at a time and falls far short of
+   the copy rate); the rest, and unaligned tensors, one element at a time.
    f(g[4], k, count) updates elements k..k+count-1 of the other arrays (`states_aligned`: all of them
    start on such a boundary). */
 template <typename G, typename F>

@@ -39,8 +39,8 @@
    tensor lr is read as its float, and every operation is float. Where torch writes a*b + c, or a - b*c,
    nvcc (default -fmad=true) makes one fma of it; those are HL_FMA here, each noted. The moments are
    torch's explicit fmas: m' = fma(b1, m, fma(-b1, g, g)), v' = fma(b2, v, fma(-b2, g*g, g*g)).
-   (Found on the H200: the earlier double-mixed arithmetic, torch's before it moved to float, put
-   exp_avg_sq up to 1.3x beyond the derived bound with beta2 = 0.999, as a float32 beta2 does.)
+   (The earlier double-mixed arithmetic, torch's before it moved to float, puts exp_avg_sq beyond the
+   derived bound with beta2 = 0.999, as a float32 beta2 does.)
    Cost: about 12 float operations an element, far under what the memory feeds. */
 
 /* One parameter tensor as the Adam kernel walks it: the addresses of everything it reads and writes.
@@ -156,8 +156,8 @@ typedef struct {
    `buf` is NULL without momentum. All float, as torch's kernel: lr, momentum, weight_decay and
    (1 - dampening) rounded to float. Which of torch's a*b + c nvcc fuses: g + wd * p, g + momentum * buf
    (nesterov) and p - lr * g become fmas; momentum * buf + (1 - dampening) * g becomes
-   fma(1 - dampening, g, momentum * buf): on the H200 (torch 2.11) that form matched torch's buffer in
-   all of 2**20 elements, the unfused one in 77 % (tests/optim/test_sgd.py decides it on every GPU run).
+   fma(1 - dampening, g, momentum * buf): that form matches torch's buffer element for element where
+   the unfused one does not (tests/optim/test_sgd.py checks it on every GPU run).
    p - lr * g is an fma here as in torch's kernel, but for one path of torch's own: with a grad_scale, its
    vectorized loop rounds the product first in three lanes of four (test_sgd.rounded_one_way_by_torch). */
 HL_OPT_FN void hl_sgd_element(const hl_sgd_hyper *h, double lr, float g, float grad_scale, int has_scale, float *p,

@@ -1,5 +1,7 @@
-"""The README's Python blocks run as written: the CPU recipe here, the GPU loop on a GPU (with a small
-dataset, model and loss of our own, the names the README leaves to the reader)."""
+"""The Python blocks of the README and docs/ run as written: the CPU recipe (docs/cpu.md) here, the GPU loop
+(README) and the JPEG folder block (docs/gpu-decode.md) on a GPU, with a small dataset, model and loss of
+our own, the names the blocks leave to the reader; and every link between those pages leads to a file."""
+import glob
 import os
 import re
 import subprocess
@@ -9,17 +11,20 @@ import textwrap
 import pytest
 import torch
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+PAGES = [README] + sorted(glob.glob(os.path.join(DOCS, "*.md")))
 
 
-def python_blocks():
-    with open(README) as f:
+def python_blocks(page):
+    with open(page) as f:
         return re.findall(r"^```python\n(.*?)^```", f.read(), flags=re.S | re.M)
 
 
-def block_with(words):
-    found = [b for b in python_blocks() if words in b]
-    assert len(found) == 1, f"expected one README python block with {words!r}, found {len(found)}"
+def block_with(words, page):
+    found = [b for b in python_blocks(page) if words in b]
+    assert len(found) == 1, f"expected one python block with {words!r} in {page}, found {len(found)}"
     return found[0]
 
 
@@ -29,7 +34,7 @@ def run_script(code):
 
 
 def test_readme_cpu_recipe_runs_as_written():
-    block = block_with('GradScaler("cpu")')
+    block = block_with('GradScaler("cpu")', os.path.join(DOCS, "cpu.md"))
     env_code = "import torch\ntorch.cuda.is_available = lambda: False\n"  # as on a machine without a GPU
     out = run_script(env_code + block)
     assert out.returncode == 0, out.stderr
@@ -54,7 +59,7 @@ GPU_STAND_INS = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_readme_gpu_loop_runs():
-    block = block_with("hotloop.GradScaler()")
+    block = block_with("hotloop.GradScaler()", README)
     out = run_script(GPU_STAND_INS + block + "\ntrain_one_epoch()\nprint('epoch done')\n")
     assert out.returncode == 0, out.stderr
     assert "epoch done" in out.stdout
@@ -80,8 +85,21 @@ IMAGE_STAND_INS = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_readme_image_folder_block_runs():
-    block = block_with("gpu_decode=True")
+    block = block_with("gpu_decode=True", os.path.join(DOCS, "gpu-decode.md"))
     check = "\nimages, labels = next(iter(loader))\nprint(tuple(images.shape), images.device, loader.stats.decoder)\n"
     out = run_script(IMAGE_STAND_INS + block.replace("batch_size=256", "batch_size=16") + check)
     assert out.returncode == 0, out.stderr
     assert "(16, 3, 224, 224) cuda:0" in out.stdout, out.stdout
+
+
+def test_links_between_the_pages_lead_to_files():
+    """The README's paragraphs end in links into docs/, and the pages link to each other and to the results."""
+    for page in PAGES:
+        with open(page) as f:
+            targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", f.read())
+        local = [t for t in targets if "://" not in t]
+        if page == README:
+            assert sum(t.startswith("docs/") for t in local) >= 7, "the README's paragraphs link into docs/"
+        for target in local:
+            path = os.path.normpath(os.path.join(os.path.dirname(page), target))
+            assert os.path.exists(path), f"{os.path.relpath(page, ROOT)} links to {target}, which is not there"

@@ -134,7 +134,8 @@ def _rank_entry(body, rank, world_size, backend, port, timeout, args, messages, 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         # ranks that each take every core slow each other down: a share each on GPUs, one thread on the CPU
-        # (torchrun's default there; OpenMP threads spinning on a busy machine made a CPU step 30x slower)
+        # (torchrun's default there; OpenMP threads of several ranks spinning on the same cores make a
+        # CPU step many times slower)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size) if backend == "nccl" else 1)
         say("init_process_group")
         if backend == "nccl":
@@ -258,7 +259,7 @@ class Side:
 
         self.torch, self.side, self.device = torch, side, device
         cuda = device.type == "cuda"
-        self.amp_dtype = torch.float16 if cuda else None  # the CPU's bf16 kernels are ~10x slower than fp32 here
+        self.amp_dtype = torch.float16 if cuda else None  # the CPU's bf16 kernels are far slower than its fp32 ones
         self.workload = build(settings.model, device)
         model = self.workload.model
         if mode == "ddp":

@@ -253,7 +253,7 @@ def rows(ctx):
         ds = image_folder(root, repeat=max(1, epoch * batch // files + 1))
 
         # 1 and 3: the loader alone, and what it costs the CPUs; alternated, medians of LOADER_REPS runs
-        # each: on the H200 one loader's rate ranged 10k-18k img/s from one run to the next
+        # each: one loader's rate moves widely from one run to the next
         runs = {"ours": [], "theirs": []}
         for _ in range(1 if quick else LOADER_REPS):
             runs["ours"].append(_rate_and_cpu(lambda: hotloop_way(ds, batch, ours_workers, device), batches, warmup,

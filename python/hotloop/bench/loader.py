@@ -203,14 +203,14 @@ def rows(ctx):
     except ImportError:
         return
     x0, y0 = next(iter(_TorchWay(ds, batch, 2, device)))
-    steady = 2 * batches  # ~2.6 s of steps per way and worker count: 30 steps moved 2 % from run to run
+    steady = 2 * batches  # steps per way and worker count: fewer left the figure moving from run to run
     resident = [(x0, y0)] * (25 + steady)
     for _ in range(3):
         step(x0, y0)
     fed_ds = SyntheticImages(batch * (25 + steady + 4), base=base, size=size, crop=crop)
     for workers in (4, 8, 12, 14):
-        # the GPU-resident reference next to the runs it is compared with: on the H200 one profiling
-        # run's fed steady state came out 6 % faster than a resident reference taken a minute before
+        # the GPU-resident reference next to the runs it is compared with: one taken minutes before can
+        # differ from one taken now by more than the loaders differ, even come out below the fed runs
         t_first_res, rate_res = timed_steps(step, resident, 25, steady, device)
         res = {}
         for name, make in (("hotloop", lambda: _hotloop_way(fed_ds, batch, workers, device)),

@@ -1,7 +1,8 @@
-"""`python -m hotloop bench {components,train,loop,inference,distributed}`: components alternates hotloop's way
-and torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
+"""`python -m hotloop bench {components,train,loop,inference,distributed,report}`: components alternates hotloop's
+way and torch's way of each job in one process (hotloop ÷ torch per figure; the rows are in hotloop/bench/);
 train, loop and inference measure whole models (hotloop/bench/train.py, loop.py, inference.py); distributed
-a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py)."""
+a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py); report writes the docs'
+performance page and the README's table from components' JSON files (hotloop/bench/report.py)."""
 import importlib
 import os
 import sys
@@ -22,12 +23,15 @@ _positive_int.__name__ = "positive integer"  # argparse names the type in its me
 
 
 def add_arguments(parser):
-    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference,distributed}", required=True)
+    sub = parser.add_subparsers(dest="what", metavar="{components,train,loop,inference,distributed,report}",
+                                required=True)
     components = sub.add_parser("components", help="each component against torch's way of the same job")
     components.add_argument("--only", action="append", choices=sorted(COMPONENTS),
                             help="run only this component (repeatable)")
     components.add_argument("--device", default=None, help="cuda:N or cpu (default: cuda when usable)")
     components.add_argument("--quick", action="store_true", help="small sizes and few repetitions (a smoke run)")
+    components.add_argument("--json", metavar="FILE",
+                            help="also write the rows and settings (machine, versions, date, command) to this JSON file")
 
     train = sub.add_parser("train", help="samples/s, memory, utilisation and power per precision and batch size")
     train.add_argument("--model", default=None,
@@ -80,6 +84,15 @@ def add_arguments(parser):
     distributed.add_argument("--device", default=None, help="cuda (NCCL) or cpu (gloo) (default: cuda when usable)")
     distributed.add_argument("--json", metavar="FILE", help="also write the figures to this JSON file")
 
+    report = sub.add_parser("report", help="write docs/performance.md and the README's performance table from "
+                                           "`bench components --json` files")
+    report.add_argument("files", nargs="+", metavar="FILE.json", help="result files (docs/results/*.json)")
+    report.add_argument("--readme", default="README.md", help="the README whose table to rewrite (default README.md)")
+    report.add_argument("--performance", default=os.path.join("docs", "performance.md"), metavar="FILE",
+                        help="the page to write (default docs/performance.md)")
+    report.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each file that differs from what the results make")
+
 
 def _device(args, command):
     """The torch.device to measure on, or None after saying on stderr why there is none."""
@@ -107,9 +120,11 @@ def _device(args, command):
 def _components(args, device):
     import torch
 
+    from ..bench import results
     from ..bench.harness import Context, format_table
 
     ctx = Context(device, quick=args.quick)
+    settings = results.components_settings(args, ctx)
     rows = []
     print(f"hotloop bench components on {args.device or device.type}"
           + (f" ({torch.cuda.get_device_name(ctx.device)})" if ctx.is_cuda else "")
@@ -123,6 +138,8 @@ def _components(args, device):
                   f"{row.hotloop:.4g} {row.unit}, torch {row.torch:.4g} {row.unit}", flush=True)
     print()
     print(format_table(rows))
+    if args.json:
+        results.write_components(args.json, settings, rows)
     return 0
 
 
@@ -193,13 +210,19 @@ def main(args) -> int:
         print(f"{command}: --{option} {getattr(args, option)}: cannot write it: {err.strerror or err}",
               file=sys.stderr)
         return 1
-    device = _device(args, command)
-    if device is None:
-        return 2
     try:
+        if args.what == "report":  # measures nothing: no device, no torch
+            from ..bench import report
+
+            return report.run(args)
+        device = _device(args, command)
+        if device is None:
+            return 2
         return SUBCOMMANDS[args.what](args, device)
     except BenchError as err:
-        print(f"\n{command}: {err}" if args.what != "components" else f"{command}: {err}", file=sys.stderr)
+        # after a benchmark's progress lines, on a line of its own
+        print(f"\n{command}: {err}" if args.what not in ("components", "report") else f"{command}: {err}",
+              file=sys.stderr)
         return 2
     except OSError as err:
         if isinstance(err, BrokenPipeError):

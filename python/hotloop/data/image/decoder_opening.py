@@ -1,10 +1,10 @@
 """gpu_decode's nvjpeg decoder, opened in a thread of its own while the script goes on.
 
-Opening nvjpeg's hardware decoder takes ~0.65 s on an H200, every time (nvjpegCreateEx ~0.28 s and
-its state ~0.37 s; a second decoder in the same process costs the same). Opened at the
-first iter(), it was most of the time before the first batch. A loader that knows its device when
-it is made starts the open then (DataLoader.__init__ -> ImageStage.open_early), and the script's
-own set-up (the model, the optimizer) hides it; iter() waits only for what is left.
+Opening nvjpeg's hardware decoder is slow, and as slow every time: nvjpegCreateEx and the decoder's
+state each take a large share, and a second decoder in the same process costs the same again. Opened
+at the first iter(), it would be most of the time before the first batch. A loader that knows its
+device when it is made starts the open then (DataLoader.__init__ -> ImageStage.open_early), and the
+script's own set-up (the model, the optimizer) hides it; iter() waits only for what is left.
 
 JpegDecoder's constructor releases the GIL while nvjpeg works, so the thread takes nothing from
 the script's own Python.

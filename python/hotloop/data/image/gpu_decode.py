@@ -11,6 +11,14 @@ from .plan import ImagePlan
 from .source import EncodedSamples, ImageSource, collate_encoded
 
 BACKENDS = ("auto", "hardware", "cuda", "cpu")
+
+# NOTE [ Decoding beside the training step ]
+# nvjpeg's CUDA backend decodes on the SMs, in kernels that run beside the training step's own and
+# take SMs and memory bandwidth from them: a step slows while a batch decodes next to it. The
+# hardware backend uses the GPU's JPEG engines, which the step does not use, and the workers' PIL
+# decode uses the host's cores. So "auto" takes the hardware decoder where the GPU has one and
+# otherwise decodes in the workers, never on the SMs; "cuda" is there for whoever asks for it.
+# Cited by GpuDecode's docstring and stage.ImageStage.open.
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
 _SIZE_MARGIN = 1.5  # the first batch reserves this many times a mean batch's JPEG bytes in the ring
 
@@ -20,8 +28,8 @@ class GpuDecode:
     GpuDecode()).
 
     backend: "auto" (default): nvjpeg's hardware JPEG decoders where the GPU has them (A100, H100,
-        H200, ...), else decoding in the workers with PIL: the GPU's SMs are left to training, since
-        decoding on them slowed a ResNet-50 step by 41 % on an H200. "hardware", "cuda" (nvjpeg on
+        H200, ...), else decoding in the workers with PIL: the GPU's SMs are left to training
+        (NOTE [ Decoding beside the training step ]). "hardware", "cuda" (nvjpeg on
         the SMs) or "cpu" (the workers decode) force one; a forced GPU backend that cannot run raises.
         Whatever the backend, the crop, resize, flip and normalisation run as one GPU kernel.
     dtype: the images' dtype: None (the default) is what the transform makes (float32 after
@@ -109,8 +117,8 @@ def _batch_bytes_estimate(source, batch_size, pixels):
     their sizes (os.stat) times the batch size with a margin where JPEG bytes travel; where pixels
     travel, their images' whole areas (from the headers, PIL reads no pixels), a crop box's upper
     bound. 0 (sized from the first batch) for other sources. A batch that does not fit travels
-    outside the ring, a slow way: the CPU backend's crops, sized as JPEG bytes, all did, and ran at
-    half torch's speed on an H200."""
+    outside the ring, a slow way: the CPU backend's crops, sized as JPEG bytes, all did, which made
+    that backend slower than torch's own pipeline."""
     samples = getattr(source.dataset, "samples", None)
     if not samples:
         return 0

@@ -53,20 +53,19 @@ class _DecodeStream:
     """Where a batch is decoded: a stream that waits for nothing of the consumer's, into memory of its
     own pool of the caching allocator.
     - The decode used to run on the side stream, behind a wait for the consumer's stream. There, with
-      training steps running in another thread, the loader's thread hung inside nvjpeg's hardware
-      decode (H200: session 18, 2 of 9 bench runs; session 19, attempt 3 of 8 of
-      tests/data/test_gpu_decode_beside_step.py). Here it did not, in 13 attempts.
+      training steps running in another thread, the loader's thread could hang inside nvjpeg's
+      hardware decode (in the bench and in tests/data/test_gpu_decode_beside_step.py); on a stream
+      of its own it has not.
     - nvjpeg's hardware backend was reported to write its outputs while the call runs, ignoring the
-      work queued on the stream before it (nvjpeg 12.3-13.2 on H100: torchcodec #1634; not seen on
-      the H200 with 13.0.1). nvjpeg.c waits for that work on the host, which on the side stream would
-      wait for the training step, and memory of the consumer's pool may still be in use by the step's
-      queued kernels. The decode buffers here are held until the batch's event was seen done
+      work queued on the stream before it (torchcodec #1634, nvjpeg 12.3 to 13.2). nvjpeg.c waits
+      for that work on the host, which on the side stream would wait for the training step, and
+      memory of the consumer's pool may still be in use by the step's queued kernels. The decode buffers here are held until the batch's event was seen done
       (launch's `held`), so the allocator hands one out again only once the kernel that read it is
       over; nvjpeg.c's wait covers the rest, the earlier decodes.
 
     Its event is a raw handle, destroyed by the process that made it: a loader's worker is forked,
     and garbage it inherits (an earlier loader in a reference cycle) is collected there, where a
-    torch.cuda.Event's finalizer called CUDA and aborted the worker (on the H200)."""
+    torch.cuda.Event's finalizer called CUDA and aborted the worker."""
 
     def __init__(self, device):
         self.stream = torch.cuda.Stream(device)
@@ -102,10 +101,9 @@ class ImageStage(BatchStage):
     paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
     # gpu_decode's batches never leave their slot by DMA: launch reads the JPEG bytes into a
     # page-locked copy of its own and the targets are a few kB. Page-locking the
-    # ring (~340 MB with 4 workers and batches of 256) ran in the background through the first
-    # steps, holding the driver lock while the first decodes and launches ran. On the H200, 3
-    # alternated runs each: the first next() took 97-146 ms with it and 89-101 ms without; the
-    # first 25 steps ran at 72-81 % and 80-84 % of the GPU-resident speed; later steps alike
+    # ring (hundreds of MB with 4 workers and batches of 256) would run in the background through the
+    # first steps, holding the driver lock while the first decodes and launches run: it slows the
+    # first next() and the first steps and buys nothing later, as no copy reads the ring by DMA
     pins_ring = False  # (_device.DeviceCopies.pin_slots)
 
     def __init__(self, pipeline, device, stats):
@@ -120,7 +118,7 @@ class ImageStage(BatchStage):
 
     def open_early(self, device):
         """Start opening the GPU decoder on `device` (where the first iter() is expected to run) in
-        the background: nvjpeg's hardware decoder takes ~0.65 s to open (decoder_opening.py). Nothing
+        the background: nvjpeg's hardware decoder is slow to open (decoder_opening.py). Nothing
         for the CPU backend or once open() ran."""
         if self.backend is not None or self._opening is not None or self.pipeline.config.backend == "cpu":
             return
@@ -152,7 +150,7 @@ class ImageStage(BatchStage):
         elif wanted != "auto":
             raise refusal
         else:
-            # not the SMs: on an H200 they slowed a ResNet-50 step by 41 % decoding beside it
+            # not the SMs: NOTE [ Decoding beside the training step ] (gpu_decode.py)
             self.backend, self.reason = "cpu", str(refusal)
         self.stats.decoder = self.description
         return self.backend
@@ -252,10 +250,10 @@ class ImageStage(BatchStage):
         table_host = None
         if self.device is not None:
             # a ring slot is page-locked in separate 8 MiB registrations and a DMA may not span two
-            # (ring_pin.c): on the H200 the CPU backend's uploads failed (cudaErrorInvalidValue) and
-            # nvjpeg refused some images of batches of 256, then hung, where a batch's bytes crossed
-            # a boundary. One page-locked copy of the bytes the batch uses (~18 MB, a few ms, off the
-            # training thread) is a single allocation.
+            # (ring_pin.c): where a batch's bytes crossed a boundary, the CPU backend's uploads failed
+            # (cudaErrorInvalidValue) and nvjpeg refused some images of batches of 256, then hung. One
+            # page-locked copy of the bytes the batch uses (off the training thread) is a single
+            # allocation.
             # The kernel's entry table rides at its end: uploaded from pageable memory, the driver may
             # wait for the stream first, and there that is the decode (image_resize's table_host).
             used = max((r[_K["offset"]] + r[_K["length"]] for r in p.rows if r[_K["kind"]] != DONE), default=0)
