@@ -65,7 +65,7 @@ def test_unscale_writes_what_torch_writes(device, dtype):
     scale = torch.full((), 3.0 * 2**13, device=dev)
     aux, report, _ = run_check(grads, scale=scale, write=True, mode=0)
     inv = inv_of(scale)
-    for g, e in zip(grads, expect):
+    for g, e in zip(grads, expect, strict=True):
         assert same_bits(g, unscaled(e, inv))
     aux = aux.cpu()
     assert aux[0].item() == 0.0 and report[2].item() == 0
@@ -92,7 +92,7 @@ def test_every_non_finite_is_found(device, dtype, which_tensor, where, bad):
     # the read-only check wrote nothing, and apply writes nothing when the step is skipped
     table = GradientTable(None, grads, list(range(len(grads))), dev, stream_of(dev))
     run_apply(table, aux.to(dev), True, True)
-    for x, y in zip(grads, before):
+    for x, y in zip(grads, before, strict=True):
         assert same_bits(x, y)
 
 
@@ -163,7 +163,7 @@ def test_apply_is_torch_unscale_then_clip_bit_for_bit(device, dtype, unscale, cl
     run_apply(table, aux, unscale, clip)
     inv = inv_of(scale)
     coef = aux[2].cpu()
-    for g, e in zip(grads, expect):
+    for g, e in zip(grads, expect, strict=True):
         if unscale:
             e = unscaled(e, inv)
         if clip:
@@ -205,7 +205,7 @@ def test_cpu_results_do_not_depend_on_the_thread_count(dtype, mode):
     for aux, report, partials, grads in runs[1:]:
         assert same_bits(aux, runs[0][0]) and torch.equal(report, runs[0][1])
         assert same_bits(partials, runs[0][2])
-        assert all(same_bits(g, e) for g, e in zip(grads, runs[0][3]))
+        assert all(same_bits(g, e) for g, e in zip(grads, runs[0][3], strict=True))
     assert report[0].item() == 2  # the inf's parameter, found by another thread than the caller's
 
 
@@ -319,11 +319,11 @@ def test_cuda_kernels_match_c_reference(dtype, norm_type):
         # apply with the same factors on both sides: bit for bit
         run_apply(gt, ca.cuda(), True, True)
         run_apply(ct, ca, True, True)
-        for g, c in zip(gpu, cpu):
+        for g, c in zip(gpu, cpu, strict=True):
             assert same_bits(g.cpu(), c)
     for grads in (gpu, cpu):
         run_check(grads, scale=torch.full((), 8.0, device=grads[0].device), write=True, mode=0)
-    for g, c in zip(gpu, cpu):
+    for g, c in zip(gpu, cpu, strict=True):
         assert same_bits(g.cpu(), c)
 
 

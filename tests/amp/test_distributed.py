@@ -53,7 +53,7 @@ def found_of(scaler, opt):
 def rel_err(ours, ref):
     """max over the pairs of max|ours - ref| / max|ref| (0 for empty shards): every element counts."""
     worst = 0.0
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         if b.numel():
             worst = max(worst, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
     return worst
@@ -244,7 +244,7 @@ def test_fsdp2_matches_torch_with_inf_on_one_rank(results):
         assert result["empty_param_err"] <= 1e-6
         assert "plain-tensor gradient among DTensor ones" in result["mixed_error"]
     # the same norm and clip coefficient on both ranks, to the bit (str: NaN equals NaN)
-    for r0, r1 in zip(results[0]["rows"], results[1]["rows"]):
+    for r0, r1 in zip(results[0]["rows"], results[1]["rows"], strict=True):
         if "norm" in r0:
             assert (str(r0["norm"]), str(r0["coef"])) == (str(r1["norm"]), str(r1["coef"])), (r0, r1)
     # each rank reports its own first bad parameter: rank 1 put the inf into parameter 2 at step 2
@@ -336,7 +336,7 @@ def test_process_group_matches_sharded_grad_scaler_with_inf_on_one_rank(results)
         assert result["param_err"] <= 1e-6
         assert result["empty_found"] == 1.0
         assert result["skipped"] == len(INJECT) + 1
-    for r0, r1 in zip(results[0]["rows"], results[1]["rows"]):
+    for r0, r1 in zip(results[0]["rows"], results[1]["rows"], strict=True):
         if "norm" in r0:
             assert str(r0["norm"]) == str(r1["norm"]), (r0, r1)
 

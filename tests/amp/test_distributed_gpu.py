@@ -47,7 +47,7 @@ def local(t):
 def copy_training_state(src_model, src_opt, dst_model, dst_opt):
     """dst := src (parameters and optimizer state, shard by shard): each step is then compared from the
     same state (why: test_grad_scaler.test_autocast_fp16_training_matches_torch)."""
-    for ps, pd in zip(src_model.parameters(), dst_model.parameters()):
+    for ps, pd in zip(src_model.parameters(), dst_model.parameters(), strict=True):
         local(pd).copy_(local(ps))
         for key, value in src_opt.state[ps].items():
             local(dst_opt.state[pd][key]).copy_(local(value))
@@ -55,7 +55,7 @@ def copy_training_state(src_model, src_opt, dst_model, dst_opt):
 
 def rel_err(ours, ref):
     worst = 0.0
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         a, b = local(a.detach()), local(b.detach())
         if b.numel():
             worst = max(worst, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
@@ -128,7 +128,7 @@ def ddp_body(rank, world_size, device="cuda"):
     ref = DistributedDataParallel(base)
     ours = DistributedDataParallel(TinyTransformer().to(device))
     with torch.no_grad():
-        for ps, pd in zip(ref.parameters(), ours.parameters()):
+        for ps, pd in zip(ref.parameters(), ours.parameters(), strict=True):
             pd.copy_(ps)
     fused = device == "cuda"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True)
@@ -169,7 +169,7 @@ def check(results, collectives):
                 assert row["norm"] == pytest.approx(row["norm_ref"], rel=1e-5), (rank, row)
             if "param_err" in row:
                 assert row["param_err"] <= 1e-6, (rank, row)
-    for r0, r1 in zip(*results):
+    for r0, r1 in zip(*results, strict=True):
         if not math.isinf(r0["norm"]):
             assert r0["norm"] == r1["norm"], (r0, r1)  # one clip coefficient on every rank
 

@@ -70,7 +70,7 @@ def side_by_side(device, ref, ours, opts_ref, opts_ours, sc_ref, sc_ours, steps,
 
 
 def assert_params_close(a, b, rel=1e-6):
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         tol = rel * max(pa.abs().max().item(), 1e-30)
         assert (pa - pb).abs().max().item() <= tol
 
@@ -136,7 +136,7 @@ def test_clip_other_norms_match_torch(device, norm_type):
     assert n_ours.item() == pytest.approx(n_ref.item(), rel=1e-6)
     sc_ref.step(opt_ref)
     sc_ours.step(opt_ours)
-    for pa, pb in zip(ref.parameters(), ours.parameters()):
+    for pa, pb in zip(ref.parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-6, atol=1e-9)
     assert_params_close(ref, ours)
 
@@ -155,10 +155,10 @@ def test_finalize_grads_writes_what_torch_would_have_before_step(device, inf):
     sc_ref.unscale_(opt_ref)
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     sc_ours.clip_grad_norm_(opt_ours, 0.01)
-    for p, g in zip(ours.parameters(), scaled):
+    for p, g in zip(ours.parameters(), scaled, strict=True):
         assert torch.equal(p.grad, g)  # not written yet
     sc_ours.finalize_grads_(opt_ours)
-    for pa, pb, g in zip(ref.parameters(), ours.parameters(), scaled):
+    for pa, pb, g in zip(ref.parameters(), ours.parameters(), scaled, strict=True):
         want = g if inf else pa.grad
         torch.testing.assert_close(pb.grad, want, rtol=1e-6, atol=1e-9, equal_nan=True)
     sc_ours.finalize_grads_(opt_ours)  # nothing pending any more: the gradients stay
@@ -316,7 +316,7 @@ def test_nan_in_every_gradient(device):
     assert scaler.step(opt) is None
     scaler.update()
     assert scaler.get_scale() == 32.0 and scaler.skipped_steps == 1
-    for p, b in zip(model.parameters(), before):
+    for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
     report = scaler.overflow_report()
     assert report.param_index == 0 and report.name == names[0][0] and report.step == 0
@@ -439,7 +439,7 @@ def test_enabled_false_is_a_pass_through():
     scaler.update()
     assert scaler.get_scale() == 1.0 and not scaler.is_enabled() and scaler.state_dict() == {}
     assert scaler.skipped_steps == 0 and scaler.overflow_report() is None
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -533,7 +533,7 @@ def test_scaler_kind_does_not_bind_tensors():
 
 def copy_training_state(src_model, src_opt, dst_model, dst_opt):
     with torch.no_grad():
-        for ps, pd in zip(src_model.parameters(), dst_model.parameters()):
+        for ps, pd in zip(src_model.parameters(), dst_model.parameters(), strict=True):
             pd.copy_(ps)
             for key, value in src_opt.state[ps].items():
                 dst_opt.state[pd][key].copy_(value)

@@ -68,7 +68,7 @@ def test_lightning_amp_plugin_takes_it():
     before = [p.detach().clone() for p in model.parameters()]
     plugin.backward(torch.nn.functional.mse_loss(model(x), y), model)
     plugin.optimizer_step(opt)
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert plugin.state_dict() == ours.state_dict()
 
 
@@ -120,9 +120,9 @@ def test_accelerate_reads_a_skipped_step_as_skipped(fused, fresh_accelerate_stat
             acc_sched.step()
             seen.append((acc_opt.step_was_skipped, opt.param_groups[0]["lr"], scaler.get_scale()))
         assert seen[0] == seen[1] == (poison, 0.01 * 0.5 ** (step + 1 - [1, 1, 2, 3, 3][step]), seen[1][2])
-    for pa, pb in zip(model.parameters(), twin.parameters()):
+    for pa, pb in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
-    for pa, pb in zip(model.parameters(), twin.parameters()):
+    for pa, pb in zip(model.parameters(), twin.parameters(), strict=True):
         sa, sb = runs[0][4].state[pa], runs[1][4].state[pb]
         assert float(sa["step"]) == float(sb["step"]) == 2.0
 
@@ -184,5 +184,5 @@ def test_accelerate_fp16_on_cuda_reads_skipped_steps(fused, fresh_accelerate_sta
         assert [s for s, _ in seen] == [True, False, True, False]
         results.append((seen, [p.detach().cpu().clone() for p in model.parameters()]))
     assert results[0][0] == results[1][0]
-    for pa, pb in zip(results[0][1], results[1][1]):
+    for pa, pb in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)

@@ -116,7 +116,7 @@ def assert_same(a, b, path="batch"):
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} vs {b!r}"

@@ -135,7 +135,7 @@ def _compare(ours, theirs, levels=1):
     kernel's arithmetic is; 2 against torch's uint8 tensor resize (v2 pipelines that resize after
     ToImage), whose fixed point differs from Pillow's by a level at times, and ours from it by one."""
     assert len(ours) == len(theirs)
-    for (x, y), (tx, ty) in zip(ours, theirs):
+    for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
         assert torch.equal(y, ty)
         assert x.shape == tx.shape and x.dtype == tx.dtype
         diff = (x.float() - tx.float()).abs().max().item()
@@ -211,7 +211,7 @@ def test_unrecognised_pipelines_warn_and_run_as_torch(tmp_path):
         loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, gpu_decode=True,
                                     generator=torch.Generator().manual_seed(1))
     theirs = _batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(1)))
-    for (x, y), (tx, ty) in zip(_batches(loader), theirs):
+    for (x, y), (tx, ty) in zip(_batches(loader), theirs, strict=True):
         assert torch.equal(x, tx) and torch.equal(y, ty)
     assert loader.stats.decoder is None and loader.stats.images_gpu_decoded == 0
 
@@ -233,7 +233,7 @@ def test_dtype_and_layout(tmp_path, dtype, channels_last):
     theirs = _batches(TorchDataLoader(ds, batch_size=3))
     loader = hotloop.DataLoader(ds, batch_size=3, gpu_decode=hotloop.GpuDecode(dtype=dtype, channels_last=channels_last))
     ours = _batches(loader)
-    for (x, _), (tx, _) in zip(ours, theirs):
+    for (x, _), (tx, _) in zip(ours, theirs, strict=True):
         assert x.dtype == dtype and x.shape == tx.shape
         assert x.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         tol = LEVEL + tx.abs().max().item() * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)

@@ -54,7 +54,7 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     ds = ImageFolder(root, transform=make(64))
     loader, ours, theirs = _both_ways(ds, 8, backend)
     worst = 0.0
-    for (x, y), (tx, ty) in zip(ours, theirs):
+    for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
         assert x.is_cuda and torch.equal(y.cpu(), ty)
         d = _levels(x, tx)
         worst = max(worst, d.max().item())

@@ -166,7 +166,7 @@ def test_reference_matches_torchvision_and_pillow(kind):
         images, boxes, size = batch_of(kind, 12)
         flips = [bool(randint(0, 1)) for _ in images]
         ours = checked_run(images, boxes, size, flips=flips)
-        for i, (image, box, flip) in enumerate(zip(images, boxes, flips)):
+        for i, (image, box, flip) in enumerate(zip(images, boxes, flips, strict=True)):
             what = f"{kind} image {tuple(image.shape)} stride {image.stride()} box {box} -> {size} flip {flip}"
             tv.add(ours[i], torchvision_reference(image, box, size, flip=flip), 1, "torchvision: " + what)
             if pillow_resizes_vertically_first(box[2], box[3], *size):

@@ -456,7 +456,7 @@ class Batch:
             status = decoder.decode(self.sources, dests, len(self.blobs), stream.cuda_stream)
             blocked = time.perf_counter() - t0
         stream.synchronize()
-        images = [o[:, :w * 3].reshape(h, w, 3).cpu().numpy() for o, (h, w) in zip(outs, self.shapes)]
+        images = [o[:, :w * 3].reshape(h, w, 3).cpu().numpy() for o, (h, w) in zip(outs, self.shapes, strict=True)]
         return list(status), images, outs, blocked
 
 
@@ -510,7 +510,7 @@ def test_decode_batch_against_pil(backend, interpolate):
     batch = Batch(blobs)
     statuses, images, _, blocked = batch.decode(decoder)
     stats = {}
-    for kind, status, got, data, shape in zip(kinds, statuses, images, blobs, batch.shapes):
+    for kind, status, got, data, shape in zip(kinds, statuses, images, blobs, batch.shapes, strict=True):
         entry = stats.setdefault(kind, {"statuses": [], "max": 0, "mean": [], "refused": []})
         entry["statuses"].append(status)
         if status != _C.JPEG_DECODED:
@@ -612,7 +612,7 @@ def test_decode_checks_and_lifecycle(backend):
     side = torch.cuda.Stream()
     s1, first, _, _ = batch.decode(decoder)
     s2, second, _, _ = batch.decode(decoder, stream=side)
-    assert s1 == s2 == [0, 0, 0] and all((a == b).all() for a, b in zip(first, second))
+    assert s1 == s2 == [0, 0, 0] and all((a == b).all() for a, b in zip(first, second, strict=True))
     with decoder:
         pass
     assert decoder.closed
@@ -642,7 +642,7 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
         status = decoder.decode(batch.sources, dests, len(blobs), stream.cuda_stream)
     stream.synchronize()
     assert list(status) == [_C.JPEG_DECODED] * len(blobs)
-    for i, (before, out, (h, w), data) in enumerate(zip(seen, outs, batch.shapes, blobs)):
+    for i, (before, out, (h, w), data) in enumerate(zip(seen, outs, batch.shapes, blobs, strict=True)):
         assert bool((before == 7).all()), f"image {i}: written before the work queued ahead of the decode ran"
         worst, mean = differences(out[:, :w * 3].reshape(h, w, 3).cpu().numpy(), data)
         assert within(backend, worst, mean), (i, worst, mean)
@@ -784,7 +784,7 @@ def test_a_forked_copy_leaves_the_decoder_to_its_parent(backend):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with wait status {status}"
     assert "forked copy" in said and "open one in this process" in said, said
     again = batch.decode(decoder)[1]
-    assert all((a == b).all() for a, b in zip(first, again))
+    assert all((a == b).all() for a, b in zip(first, again, strict=True))
     decoder.close()
 
 

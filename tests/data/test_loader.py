@@ -28,7 +28,7 @@ def test_same_batches_as_torch(num_workers, kind):
     theirs, ours = both(Mixed(kind=kind, seed=seed), seed, batch_size=4, shuffle=True, num_workers=num_workers,
                         generator=True)
     assert len(ours) == len(theirs) == 6
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -80,7 +80,7 @@ def test_samplers_and_collation(num_workers, config):
     else:
         theirs, ours = both(ds, **kwargs)
     assert len(ours) == len(theirs) > 0
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -104,7 +104,7 @@ class Shards(IterableDataset):
 def test_iterable_dataset(num_workers):
     theirs, ours = both(Shards(), batch_size=3, num_workers=num_workers)
     assert len(ours) == len(theirs) > 0
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -116,7 +116,7 @@ def test_in_order_false_and_persistent_workers():
         ours = list(loader)
         key = lambda b: b[0][0, 0].item()  # noqa: E731
         assert sorted(map(key, ours)) == sorted(map(key, theirs))
-        for a, b in zip(sorted(theirs, key=key), sorted(ours, key=key)):
+        for a, b in zip(sorted(theirs, key=key), sorted(ours, key=key), strict=True):
             assert_same(a, b)
     pids = [p.pid for p in loader._hl_pool.procs]
     ring = loader._hl_pool.ring
@@ -142,7 +142,7 @@ def test_persistent_workers_abandoned_epoch_then_full_epoch():
     theirs = list(ref)
     ours = list(loader)  # second epoch, after the first was abandoned
     assert len(theirs) == 20
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
     assert len(ours) == 20
 
@@ -162,7 +162,7 @@ def test_resume_mid_epoch(num_workers):
     second.load_state_dict(state)
     rest = list(second)
     assert len(head) + len(rest) == len(full)
-    for a, b in zip(full[4:], rest):
+    for a, b in zip(full[4:], rest, strict=True):
         # worker-drawn noise depends on which batches a worker did; the indices do not
         assert_same(a[2], b[2])
         assert_same(a[4], b[4])
@@ -180,7 +180,7 @@ def test_resume_after_a_finished_epoch_starts_the_next(num_workers):
     other.load_state_dict(state)
     got = list(other)
     assert len(got) == len(second_epoch) == 8
-    for a, b in zip(second_epoch, got):
+    for a, b in zip(second_epoch, got, strict=True):
         assert_same(a, b)
 
 
@@ -208,7 +208,7 @@ def test_worker_killed_every_sample_once(tmp_path, victim):
     got = list(loader)
     ref = list(TorchDataLoader(Counting(50, -1, ""), batch_size=4, shuffle=True,
                                generator=torch.Generator().manual_seed(1)))
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     ids = torch.cat([b[1] for b in got]).tolist()
     assert sorted(ids) == list(range(50))
@@ -227,7 +227,7 @@ def test_launcher_killed_every_sample_once():
     got = list(it)
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
     assert len(got) == len(ref) == 15
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     # one event, not two deaths: max_worker_restarts=1 is not used up by it (workers 1 and 2 were the
     # launcher's; worker 0 is forked by the main process and lives on)
@@ -403,11 +403,11 @@ def test_ragged_and_large_side_objects():
     loader = hotloop.DataLoader(Ragged(), batch_size=4, num_workers=2, collate_fn=lambda s: s)
     ref = list(TorchDataLoader(Ragged(), batch_size=4, collate_fn=lambda s: s))
     got = list(loader)
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     # a 70 kB string: larger than the slot's metadata area, so it takes the pipe
     theirs, ours = both(BigStrings(), batch_size=3, num_workers=2)
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -423,7 +423,7 @@ def test_layout_changes_take_the_side_path():
     ds = Growing()
     theirs, ours = both(ds, batch_size=2, num_workers=2, collate_fn=cat_collate)
     assert len(ours) == 6
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -444,7 +444,7 @@ def test_worker_init_fn_and_spawn_context():
     theirs = list(TorchDataLoader(ds, batch_size=5))
     ours = list(hotloop.DataLoader(ds, batch_size=5, num_workers=1, multiprocessing_context="spawn",
                                    worker_init_fn=_init))
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -551,7 +551,7 @@ def test_gpu_transform_on_cpu_loader():
     ref = list(TorchDataLoader(ds, batch_size=4))
     for nw in (0, 2):
         got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=nw, gpu_transform=tf))
-        for (x, i), (y, j) in zip(ref, got):
+        for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j)
             assert torch.equal(tf.reference(x), y) and y.dtype == torch.bfloat16 and y.shape == (len(i), 3, 16, 16)
 
@@ -565,7 +565,7 @@ def test_normalize_without_a_dtype_gives_float32_on_the_cpu():
     ref = list(TorchDataLoader(ds, batch_size=4))
     for nw in (0, 2):
         got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=nw, gpu_transform=tf))
-        for (x, i), (y, j) in zip(ref, got):
+        for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j) and y.dtype == torch.float32
             assert torch.equal(tf.reference(x), y)
             assert torch.equal(y, x.permute(0, 3, 1, 2).float().sub(tf.mean_scaled.view(1, 3, 1, 1))
@@ -660,7 +660,7 @@ def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_worker
     for epoch in range(2):
         got = list(loader)
         assert len(got) == len(ref) == 11  # every batch, the last ones after the prefetch included
-        for (x, i), (y, j) in zip(ref, got):
+        for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j)
             assert torch.equal(y, tf.reference(x) if tf else x)
         loader.generator.manual_seed(2)  # the next epoch in the same order as `ref` again
@@ -692,7 +692,7 @@ def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefe
     again.load_state_dict(state)
     rest = list(again)
     assert len(first) + len(rest) == len(ref)
-    for (x, i), (y, j) in zip(ref, first + rest):
+    for (x, i), (y, j) in zip(ref, first + rest, strict=True):
         assert torch.equal(i, j) and torch.equal(x, y)
     assert fake.copies == 11 + prefetch_batches and loader.stats.samples == 16  # made ahead: copied, not counted
     assert again.stats.samples == 42 - 16
@@ -729,7 +729,7 @@ def assert_sequential_batches(got, ds, lost=()):
     batches numbered in `lost`."""
     want = [k for k in range(11) if k not in lost]
     assert len(got) == len(want)
-    for k, (x, i) in zip(want, got):
+    for k, (x, i) in zip(want, got, strict=True):
         assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
 
 
@@ -746,7 +746,7 @@ def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cu
         got.append(batch)
         time.sleep(0.05)  # "the training step": the workers and the prefetch thread go on meanwhile
     assert len(got) == len(ref) == 11
-    for (x, i), (y, j) in zip(ref, got):
+    for (x, i), (y, j) in zip(ref, got, strict=True):
         assert torch.equal(x, y) and torch.equal(i, j)
     main = threading.main_thread()
     off_main = [t for t in fake_cuda.copy_threads if t is not main]
@@ -873,7 +873,7 @@ def test_state_dict_while_the_prefetch_thread_runs(fake_cuda):
     again.load_state_dict(state)
     rest = list(again)
     assert len(first) + len(rest) == len(ref)
-    for (x, i), (y, j) in zip(ref, first + rest):
+    for (x, i), (y, j) in zip(ref, first + rest, strict=True):
         assert torch.equal(x, y) and torch.equal(i, j)
 
 

@@ -57,7 +57,7 @@ def check_equal(cpu, dev, where):
             check_equal(cpu[k], dev[k], f"{where}[{k}]")
     elif isinstance(cpu, (list, tuple)):
         assert type(cpu) is type(dev) and len(cpu) == len(dev), where
-        for i, (a, b) in enumerate(zip(cpu, dev)):
+        for i, (a, b) in enumerate(zip(cpu, dev, strict=True)):
             check_equal(a, b, f"{where}[{i}]")
     else:
         assert cpu == dev, where
@@ -70,7 +70,7 @@ def test_device_batches_equal_cpu_batches(num_workers, prefetch_thread):
     got = hotloop_batches(ds, batch_size=5, shuffle=True, num_workers=num_workers, device="cuda",
                           prefetch_batches=3)
     assert len(got) == len(ref) == 10
-    for k, (a, b) in enumerate(zip(ref, got)):
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         check_equal(a, b, f"batch {k}")
 
 
@@ -118,7 +118,7 @@ def test_gpu_transform_in_loader(num_workers):
     ref = torch_batches(ds, batch_size=4, shuffle=True, num_workers=num_workers)
     got = hotloop_batches(ds, batch_size=4, shuffle=True, num_workers=num_workers, device="cuda", gpu_transform=tf)
     assert len(got) == len(ref)
-    for (x, i, meta), (y, j, meta2) in zip(ref, got):
+    for (x, i, meta), (y, j, meta2) in zip(ref, got, strict=True):
         want = tf.reference(x.cuda())
         assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(y, want)
@@ -153,7 +153,7 @@ def test_single_process_device_batches_equal_torch(prefetch_batches, normalize):
     for epoch in range(2):
         got = list(loader)
         assert len(got) == len(ref) == 11
-        for k, ((x, i, meta), (y, j, meta2)) in enumerate(zip(ref, got)):
+        for k, ((x, i, meta), (y, j, meta2)) in enumerate(zip(ref, got, strict=True)):
             if tf is not None:
                 want = tf.reference(x.cuda())
                 assert y.device.type == "cuda" and y.dtype == want.dtype and y.shape == want.shape
@@ -215,7 +215,7 @@ def test_single_process_device_fallbacks(collate):
     torch.manual_seed(0)
     got = list(hotloop.DataLoader(ds, device="cuda", prefetch_batches=2, **kw))
     assert len(got) == len(ref)
-    for k, (a, b) in enumerate(zip(ref, got)):
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         check_equal(a, b, f"batch {k}")
 
 
@@ -318,7 +318,7 @@ def test_pin_memory_batches_are_pinned_copies_not_views():
         got = [(x.is_pinned(), x.cuda(non_blocking=True), i.clone(), meta["name"]) for x, i, meta in loader]
         torch.cuda.synchronize()
         assert len(got) == len(ref) == 5
-        for (x, i, meta), (pinned, y, j, meta2) in zip(ref, got):
+        for (x, i, meta), (pinned, y, j, meta2) in zip(ref, got, strict=True):
             assert pinned == pin
             assert torch.equal(y.cpu(), x) and torch.equal(i, j) and meta["name"] == meta2
         assert loader.stats.view_batches == (0 if pin else 5)

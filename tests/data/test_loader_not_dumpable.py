@@ -54,7 +54,7 @@ def run(method, marker):
     for epoch in range(EPOCHS):
         got = list(loader)
         assert len(got) == len(ref[epoch]) == 10
-        for a, b in zip(ref[epoch], got):
+        for a, b in zip(ref[epoch], got, strict=True):
             assert_same(a, b)
     print(f"restarts={loader.stats.worker_restarts} ring_bytes={loader.stats.ring_bytes}")
 

@@ -41,7 +41,7 @@ def test_gpu_decode_survives_being_made_again(tmp_path):
     torch.manual_seed(0)
     want = list(direct)
     assert len(got) == len(want) == 3  # 7 of the 14 images, in batches of 3
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_same(a, b)
     assert again.stats.decoder == direct.stats.decoder is not None  # the image path ran
     assert again.stats.images_cpu_decoded == 7

@@ -57,7 +57,7 @@ def assert_same(a, b, path="batch"):
         assert torch.equal(a, b), f"{path}: values differ:\n{a}\n{b}"
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: {len(a)} vs {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} vs {b!r}"
@@ -65,7 +65,7 @@ def assert_same(a, b, path="batch"):
 
 def assert_batches(theirs, ours, what):
     assert len(ours) == len(theirs), f"{what}: {len(ours)} batches, expected {len(theirs)}"
-    for j, (a, b) in enumerate(zip(theirs, ours)):
+    for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         assert_same(a, b, f"{what}: batch {j}")
 
 

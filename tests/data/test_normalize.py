@@ -154,7 +154,7 @@ def check_loader_batches(ds, loader, tf, layout):
     ref = list(TorchDataLoader(ds, batch_size=4))
     got = list(loader)
     assert len(got) == len(ref) == 3
-    for (x, i, f), (y, j, g) in zip(ref, got):
+    for (x, i, f), (y, j, g) in zip(ref, got, strict=True):
         assert torch.equal(i, j) and torch.equal(f, g)  # the other leaves pass unchanged
         assert y.dtype == tf.output_dtype("cpu") and y.shape[1] == x.shape[1 if layout == "NCHW" else 3]
         assert torch.equal(y, tf(x))
@@ -189,7 +189,7 @@ def test_device_path_default_dtype_is_float16(fake_cuda):
     ds = Pictures(8, 3, torch.float32, "NCHW")
     tf = hotloop.Normalize(MEANS[3], STDS[3])
     got = list(fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=0, gpu_transform=tf)))
-    for (x, _, _), (y, _, _) in zip(TorchDataLoader(ds, batch_size=4), got):
+    for (x, _, _), (y, _, _) in zip(TorchDataLoader(ds, batch_size=4), got, strict=True):
         assert y.dtype == torch.float16
         assert torch.equal(y, hotloop.Normalize(MEANS[3], STDS[3], dtype=torch.float16)(x))
 

@@ -66,7 +66,7 @@ def test_device_loader_normalises_every_input_kind(channels, layout, in_dtype, n
     ref = list(TorchDataLoader(ds, batch_size=4))
     got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=num_workers, device="cuda", gpu_transform=tf))
     assert len(got) == len(ref) == 6
-    for (x, i, f), (y, j, g) in zip(ref, got):
+    for (x, i, f), (y, j, g) in zip(ref, got, strict=True):
         assert y.device.type == "cuda" and y.dtype == torch.float16
         assert torch.equal(j.cpu(), i) and torch.equal(g.cpu(), f)
         assert torch.equal(y.cpu(), tf(x))

@@ -307,7 +307,7 @@ def test_gathered_report_has_a_row_per_rank_and_flags_imbalance(fake_nvml_librar
         rows = got0["ranks"]
         assert [row["rank"] for row in rows] == [0, 1]
         # each row is what that rank measured itself
-        for row, own in zip(rows, (got0, got1)):
+        for row, own in zip(rows, (got0, got1), strict=True):
             assert row["peak_device_used"] == own["peak_device_used"] == figures[name][row["rank"]]["peak"]
             for field in ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "non_torch_at_peak",
                           "context_baseline", "stall_fraction", "loader_wait_s", "duration_s"):
@@ -315,7 +315,7 @@ def test_gathered_report_has_a_row_per_rank_and_flags_imbalance(fake_nvml_librar
         assert rows[1]["stall_fraction"] > 0.1 > rows[0]["stall_fraction"]
         table = r0[name]["printed"].split("per rank (2")[1].splitlines()
         assert table[1].split()[:3] == ["rank", "device", "peak"]
-        for line_, row in zip(table[2:4], rows):
+        for line_, row in zip(table[2:4], rows, strict=True):
             assert line_.split()[0] == str(row["rank"]) and format_size(row["peak_device_used"]) in line_
         assert any("rank 1 waited on its data loader" in a for a in got0["advice"])
 

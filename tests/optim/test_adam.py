@@ -87,7 +87,7 @@ def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
     beta_err = {"exp_avg": abs(float(np.float32(beta1)) - beta1) / (1 - beta1) ** 2,
                 "exp_avg_sq": abs(float(np.float32(beta2)) - beta2) / (1 - beta2)}
     beta_err["max_exp_avg_sq"] = beta_err["exp_avg_sq"]
-    for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+    for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
         bound = param_bound(steps, lr, q.detach(), (beta1, beta2))
         err = (p.detach() - q.detach()).abs()
         assert bool((err <= bound).all()), f"param {i}: worst {float((err / bound).max())} of the bound"
@@ -122,7 +122,7 @@ def assert_mostly_identical(ours, ref, ours_params, ref_params, keys, only=None)
     the parameters to count (None: all)."""
     for key in ["param"] + list(keys):
         differ, total, where = 0, 0, []
-        for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+        for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
             if only is not None and i not in only:
                 continue
             a, b = (p.detach(), q.detach()) if key == "param" else (ours.state[p][key], ref.state[q][key])
@@ -155,7 +155,7 @@ def test_matches_torch_under_grad_scaler(name, kwargs, device):
         ref_before = state_of(ref, ref_params)
         for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
             opt.zero_grad()
-            loss = sum((p * s).sum() for p, s in zip(params, sources))
+            loss = sum((p * s).sum() for p, s in zip(params, sources, strict=True))
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
@@ -183,7 +183,7 @@ def test_state_dict_loads_both_ways(name, kwargs):
             for p in params:
                 p.grad = torch.ones_like(p) * 0.5 + torch.rand_like(p)
         grads = [p.grad.clone() for p in ours_params]
-        for p, g in zip(ref_params, grads):
+        for p, g in zip(ref_params, grads, strict=True):
             p.grad = g.clone()
         ours.step()
         ref.step()
@@ -208,7 +208,7 @@ def test_state_dict_loads_both_ways(name, kwargs):
             assert back.state[p]["step"].dtype == torch.float32
         grads = [torch.randn_like(p) for p in ours_params]
         for params, opt in ((params_t, their), (params_o, back)):
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
         assert_close_to_torch(back, their, params_o, params_t, 4, kwargs.get("lr", 1e-3))
@@ -242,7 +242,7 @@ def test_c_reference_half_gradients(grad_dtype, amsgrad):
     call_adam(params, grads, states, grad_scale=scale, amsgrad=amsgrad)
     call_adam(params2, [g.float() for g in grads], states2, grad_scale=scale, amsgrad=amsgrad)
     assert_same_tensors(params, params2)
-    for s, s2 in zip(states, states2):
+    for s, s2 in zip(states, states2, strict=True):
         assert_same_tensors(list(s.values()), list(s2.values()))
     assert_same_tensors(grads, grads_before)
 
@@ -255,15 +255,15 @@ def test_c_reference_skip_and_unscale():
     before = [p.clone() for p in params], copy.deepcopy(states)
     call_adam(params, grads, states, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(1.0), amsgrad=True)
     assert_same_tensors(params, before[0])
-    for s, s2 in zip(states, before[1]):
+    for s, s2 in zip(states, before[1], strict=True):
         assert_same_tensors(list(s.values()), list(s2.values()))
     # 1024 is a power of two: dividing inside the update is exact, so the two agree bit for bit
     params2, states2 = [p.clone() for p in params], copy.deepcopy(states)
     call_adam(params, grads, states, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0), amsgrad=True)
     call_adam(params2, [g / 1024 for g in grads], states2, amsgrad=True)
     assert_same_tensors(params, params2)
-    assert not any(torch.equal(p, q) for p, q in zip(params, before[0]))
-    assert all(float(s["step"]) == float(s0["step"]) + 1 for s, s0 in zip(states, before[1]))
+    assert not any(torch.equal(p, q) for p, q in zip(params, before[0], strict=True))
+    assert all(float(s["step"]) == float(s0["step"]) + 1 for s, s0 in zip(states, before[1], strict=True))
 
 
 def test_c_reference_lr_tensor():
@@ -276,7 +276,7 @@ def test_c_reference_lr_tensor():
     call_adam(params, grads, states, lr=-5.0, lr_tensor=lr)
     call_adam(params2, grads, states2, lr=float(lr))
     assert_same_tensors(params, params2)
-    assert not any(torch.equal(p, q) for p, q in zip(params, [torch.zeros_like(p) for p in params]))
+    assert not any(torch.equal(p, q) for p, q in zip(params, [torch.zeros_like(p) for p in params], strict=True))
 
 
 def two_groups(bad):
@@ -368,9 +368,9 @@ def test_kernel_matches_c_reference(grad_dtype, amsgrad):
     lr = dict(lr=123.0, lr_tensor=lr_tensor.cuda()) if amsgrad else dict(lr=float(lr_tensor))
     call_adam(d_params, d_grads, d_states, grad_scale=scale.cuda(), found_inf=found.cuda(), amsgrad=amsgrad, **lr)
     torch.cuda.synchronize()
-    for p, q in zip(params, d_params):
+    for p, q in zip(params, d_params, strict=True):
         torch.testing.assert_close(q.cpu(), p, rtol=2.0**-21, atol=0)
-    for s, t in zip(states, d_states):
+    for s, t in zip(states, d_states, strict=True):
         for k in s:
             torch.testing.assert_close(t[k].cpu(), s[k], rtol=2.0**-21, atol=0)
 
@@ -405,7 +405,7 @@ def test_matches_torch_with_clipping(name, kwargs, device):
         ref_before = state_of(ref, ref_params)
         for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
             opt.zero_grad()
-            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources))).backward()
+            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources, strict=True))).backward()
             if scaler is ours_scaler:
                 scaler.clip_grad_norm_(opt, max_norm)
             else:

@@ -96,9 +96,9 @@ def test_threads_give_one_threads_bits(dtype):
     params2, states2 = [p.clone() for p in params], copy.deepcopy(states)
     c_calls.adam(params, grads, states, threads=1)
     c_calls.adam(params2, grads, states2, threads=3)
-    for p, q in zip(params, params2):
+    for p, q in zip(params, params2, strict=True):
         assert torch.equal(p, q)
-    for s, s2, i in zip(states, states2, range(len(shapes))):
+    for s, s2, i in zip(states, states2, range(len(shapes)), strict=True):
         assert float(s2["step"]) == float(s["step"]) == i + 1
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(s[key], s2[key])
@@ -106,7 +106,7 @@ def test_threads_give_one_threads_bits(dtype):
     params2, bufs2 = [p.clone() for p in params], [b.clone() for b in bufs]
     c_calls.sgd(params, grads, bufs, threads=1)
     c_calls.sgd(params2, grads, bufs2, threads=4)
-    assert all(torch.equal(a, b) for a, b in zip(params + bufs, params2 + bufs2))
+    assert all(torch.equal(a, b) for a, b in zip(params + bufs, params2 + bufs2, strict=True))
 
 
 def test_threads_must_be_positive():

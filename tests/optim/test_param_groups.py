@@ -33,7 +33,7 @@ def test_param_group_forms_step_as_torchs(name, kwargs):
     theirs, theirs_opt = train(lambda groups: getattr(torch.optim, name)(groups, lr=3e-3, fused=True, **kwargs),
                                copy.deepcopy(model))
     assert [len(g["params"]) for g in ours_opt.param_groups] == [len(g["params"]) for g in theirs_opt.param_groups]
-    for (key, p), q in zip(ours.named_parameters(), theirs.parameters()):
+    for (key, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         assert not torch.equal(p, model.state_dict()[key]), f"{key} never moved"
         # float32 rounding of a dozen steps on the CPU (tests/optim's bounds say how much a step may differ)
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=key)

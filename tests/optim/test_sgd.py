@@ -54,7 +54,7 @@ def snapshot(opt, params):
 
 
 def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
-    for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+    for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
         bound = param_bound(steps, lr, q.detach())
         err = (p.detach() - q.detach()).abs()
         assert bool((err <= bound).all()), f"param {i}: worst {float((err / bound).max())} of the bound"
@@ -85,7 +85,7 @@ def test_matches_torch_under_grad_scaler(kwargs, device):
         before = snapshot(ours, ours_params), snapshot(ref, ref_params)
         for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
             opt.zero_grad()
-            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources))).backward()
+            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources, strict=True))).backward()
             scaler.step(opt)
             scaler.update()
         assert ours_scaler.get_scale() == ref_scaler.get_scale(), f"step {step}"
@@ -107,7 +107,7 @@ def test_state_dict_loads_both_ways():
     for _ in range(3):
         grads = [torch.randn_like(p) for p in ours_params]
         for params, opt in ((ours_params, ours), (ref_params, ref)):
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
     saved, ref_saved = ours.state_dict(), ref.state_dict()
@@ -122,7 +122,7 @@ def test_state_dict_loads_both_ways():
         back.load_state_dict(copy.deepcopy(their.state_dict()))
         grads = [torch.randn_like(p) for p in ours_params]
         for params, opt in ((params_t, their), (params_o, back)):
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
         assert_close_to_torch(back, their, params_o, params_t, 4, kwargs["lr"])
@@ -141,7 +141,7 @@ def test_c_reference_half_gradients_and_skip(grad_dtype):
     unscaled = [g.float() / 64 for g in grads]  # kept alive: the table holds only their addresses
     c_calls.sgd(params2, unscaled, bufs2)
     assert_same_tensors(params + bufs, params2 + bufs2)
-    assert not any(torch.equal(b, b0) for b, b0 in zip(bufs, [torch.zeros_like(b) for b in bufs]))
+    assert not any(torch.equal(b, b0) for b, b0 in zip(bufs, [torch.zeros_like(b) for b in bufs], strict=True))
 
 
 def test_c_reference_lr_tensor():

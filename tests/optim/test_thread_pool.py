@@ -32,7 +32,7 @@ def _steps(seed, threads, count):
 def _same(a, b):
     """bit for bit, without a torch op: torch's own OpenMP threads, used from several Python threads before a
     fork (test_two_python_threads_at_once), can hang a forked child's next parallel op"""
-    return len(a) == len(b) and all(x.numpy().tobytes() == y.numpy().tobytes() for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.numpy().tobytes() == y.numpy().tobytes() for x, y in zip(a, b, strict=True))
 
 
 def test_many_passes_give_one_threads_bits():
