@@ -7,6 +7,8 @@ import torch
 from hotloop import _C
 from hotloop.amp.tensor_table import GradientTable
 
+from ..seeding import seeded_generator
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 555, 65536, 65537, 2**20 + 3]  # straddle the 32768-element chunks and the vector width
@@ -188,7 +190,7 @@ def test_cpu_results_do_not_depend_on_the_thread_count(dtype, mode):
     """The C reference spreads whole chunks over threads: partials, factors, the found flag and
     the gradients written are bit for bit those of one thread, for every dtype and norm."""
     def fresh():
-        gen = torch.Generator().manual_seed(11)
+        gen = seeded_generator(11)
         grads = [(torch.randn(n, generator=gen) * 30).to(dtype) for n in [2**20 + 3, 5, 2**19 + 1]]
         grads[2][-1] = float("inf")  # in the last chunk: the last thread's run
         return grads
@@ -237,7 +239,7 @@ def scale_state(dev, scale, hysteresis=1):
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_matches_torch_update_scale(device):
     dev = torch.device(device)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded_generator(1)
     ours_scale, ours_tracker, state = scale_state(dev, 3.7e4)
     their_scale, their_tracker = ours_scale.clone(), ours_tracker.clone()
     skipped = 0

@@ -9,12 +9,14 @@ import torch
 
 import hotloop
 
+from ..seeding import seeded_generator
+
 # a step whose input holds an inf: its gradients are non-finite and the step is skipped
 POISONED = [False, True, False, False]
 
 
 def tiny_model():
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded_generator(5)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     with torch.no_grad():
         for p in model.parameters():
@@ -23,7 +25,7 @@ def tiny_model():
 
 
 def batches():
-    gen = torch.Generator().manual_seed(6)
+    gen = seeded_generator(6)
     out = []
     for poison in POISONED:
         x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)

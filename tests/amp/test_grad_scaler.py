@@ -10,12 +10,14 @@ import torch
 import hotloop
 from hotloop.amp import GradScaler, OptState
 
+from ..seeding import current_seed, seeded_generator
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 OPTIMIZERS = ["sgd", "adamw_foreach", "adamw_fused"]
 
 
-def make_model(device, seed=0):
-    torch.manual_seed(seed)
+def make_model(device, seed=None):
+    torch.manual_seed(current_seed() if seed is None else seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
                                torch.nn.Linear(64, 4)).to(device)
 
@@ -84,7 +86,7 @@ def test_parity_with_torch_over_200_steps(device, kind, clip):
     opt_ref, opt_ours = make_optimizer(kind, ref.parameters()), make_optimizer(kind, ours.parameters())
     sc_ref = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=6)
     sc_ours = GradScaler(device, init_scale=2.0**12, growth_interval=6)
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded_generator(3)
     skipped = 0
     for step in range(200):
         x = torch.randn(32, 16, generator=gen).to(device)
@@ -130,10 +132,13 @@ def both_after_one_backward(device):
 def test_clip_other_norms_match_torch(device, norm_type):
     ref, ours, opt_ref, opt_ours, sc_ref, sc_ours = both_after_one_backward(device)
     sc_ref.unscale_(opt_ref)
+    # the oracle: torch's norm of the same gradients in float64. (torch's float32 one strays from it by
+    # tens of float32 roundings at norm_type 1, a sum of thousands of |g|, for some fresh draws)
+    exact = torch.nn.utils.get_total_norm([p.grad.double() for p in ref.parameters()], norm_type)
     n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=norm_type)
     n_ours = sc_ours.clip_grad_norm_(opt_ours, 0.01, norm_type=norm_type)
     assert n_ours.dtype == torch.float32 and n_ours.device == n_ref.device and n_ours.dim() == 0
-    assert n_ours.item() == pytest.approx(n_ref.item(), rel=1e-6)
+    assert n_ours.item() == pytest.approx(exact.item(), rel=2**-22)  # a few float32 roundings
     sc_ref.step(opt_ref)
     sc_ours.step(opt_ours)
     for pa, pb in zip(ref.parameters(), ours.parameters(), strict=True):

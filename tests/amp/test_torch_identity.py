@@ -8,9 +8,11 @@ import torch
 import hotloop
 from hotloop.amp import GradScaler
 
+from ..seeding import current_seed
 
-def model_and_batch(seed=0):
-    gen = torch.Generator().manual_seed(seed)
+
+def model_and_batch(seed=None):
+    gen = torch.Generator().manual_seed(current_seed() if seed is None else seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     with torch.no_grad():
         for p in model.parameters():
@@ -101,7 +103,7 @@ def test_accelerate_reads_a_skipped_step_as_skipped(fused, fresh_accelerate_stat
     state and learning rate follow torch's scaler with a non-fused AdamW, which Accelerate reads right."""
     from accelerate.scheduler import AcceleratedScheduler
 
-    model, x, y = model_and_batch(1)
+    model, x, y = model_and_batch(current_seed() + 1)
     twin = copy.deepcopy(model)
     runs = []
     for m, scaler, kind in ((model, GradScaler("cpu", init_scale=2.0**8), {"fused": fused}),
@@ -165,7 +167,7 @@ def test_accelerate_fp16_on_cuda_reads_skipped_steps(fused, fresh_accelerate_sta
             accelerator.scaler = GradScaler("cuda", init_scale=2.0**8)
         else:
             accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
-        model, x, y = model_and_batch(2)
+        model, x, y = model_and_batch(current_seed() + 2)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, **({"fused": fused} if ours else {"foreach": False}))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         model, opt, sched = accelerator.prepare(model, opt, sched)

@@ -18,10 +18,7 @@ from hotloop.memory.text import format_ranks, format_size
 
 from ..conftest import FakeNvml
 from ..distributed import run_ranks
-from .test_batch_size import BASELINE, CAPACITY, FakeMemory, FakeStep
-from .test_monitor import ScriptedAllocator, wait_for
-
-GiB, MiB = 2**30, 2**20
+from .conftest import BASELINE, CAPACITY, FakeMemory, FakeStep, GiB, MiB, ScriptedAllocator, wait_for
 
 
 # ---- find_max_batch_size ----
@@ -67,7 +64,7 @@ def finder_body(rank, world_size, scenarios, fail_at):
 
 
 @pytest.fixture(scope="module")
-def searches():
+def searches(module_seed):
     """Searches on 2 ranks (spawned once for the tests that read them): what each rank returned, and
     the figures they ran with."""
     a, b = random.uniform(1, 6) * GiB, random.uniform(20, 400) * MiB

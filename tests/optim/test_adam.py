@@ -1,7 +1,6 @@
 """hotloop.optim.Adam/AdamW against torch's fused Adam/AdamW: 200 steps under each one's GradScaler with inf/NaN
 injected, state dicts both ways, the C reference over float16/bfloat16 gradients, and bad input."""
 import copy
-import math
 
 import numpy as np
 import pytest
@@ -10,21 +9,11 @@ import torch
 import hotloop.optim
 from hotloop.amp import GradScaler
 
+from ..seeding import derived_seed
 from . import c_calls
 from .adam_bound import AdamBound, state_of
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-SHAPES = [(1,), (555,), (65536,), (65537,), (3, 7), (2**20 + 3,)]
-# On the CPU the last tensor has 3 chunks and a tail (the C reference's threads share chunks of 32768):
-# 2**20 + 3 elements test nothing more there, and made the bounds' float64 arithmetic most of the time.
-CPU_SHAPES = SHAPES[:-1] + [(3 * 32768 + 5,)]
-
-
-def shapes_for(device):
-    return SHAPES if device == "cuda" else CPU_SHAPES
-STEPS = 200
-# (step, tensor, element, value) injected into the gradient source: first, middle and last tensor and element
-INJECT = {5: (0, 0, math.inf), 37: (-1, -1, math.nan), 120: (2, "mid", -math.inf), 121: (-1, 0, math.nan)}
+from .conftest import (DEVICES, INJECT, SHAPES, STEPS, assert_mostly_identical, assert_same_tensors, fresh_state,
+                       shapes_for)
 
 CASES = [
     ("AdamW", {}),
@@ -68,11 +57,6 @@ def snapshot(opt, params):
     return [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
 
 
-def assert_same_tensors(a, b):
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
-
-
 def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
     """After a few steps from the same state (checkpoint tests): parameters within param_bound, moments
     within what one step's roundings give, ours up to 3 times, torch's CPU kernel up to 4 times, both in
@@ -111,34 +95,12 @@ def bound_for(ref, device, rel_g=0.0):
                      torch_on_cuda=device == "cuda", rel_g=rel_g)
 
 
-def assert_mostly_identical(ours, ref, ours_params, ref_params, keys, only=None):
-    """On CUDA ours does torch's arithmetic, float operation for float operation (kernels/optim_math.h):
-    bit-identical but where nvcc contracted one of torch's a*b + c into an fma where ours does not, or the
-    other way round (none, if optim_math.h guessed nvcc right). A wrong guess, or double arithmetic where
-    torch's is float, differs in a tenth to a third of the elements. So: at most 1e-4 of the elements differ,
-    counted per kind (param, each state) over all tensors of the test together: per tensor, a tensor of
-    fewer than 10,000 elements would allow none (seen: one differing element of a 1-element tensor
-    failing the old per-tensor check, where the arithmetic differed everywhere). `only`: the indices of
-    the parameters to count (None: all)."""
-    for key in ["param"] + list(keys):
-        differ, total, where = 0, 0, []
-        for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
-            if only is not None and i not in only:
-                continue
-            a, b = (p.detach(), q.detach()) if key == "param" else (ours.state[p][key], ref.state[q][key])
-            n = int((a != b).sum())
-            differ, total = differ + n, total + a.numel()
-            if n:
-                where.append(f"param {i}: {n} of {a.numel()}")
-        assert differ <= 1e-4 * total, f"{key}: {differ} of {total} elements differ ({', '.join(where)})"
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,kwargs", CASES)
 def test_matches_torch_under_grad_scaler(name, kwargs, device):
     """hotloop.GradScaler drives ours, torch.amp.GradScaler torch's fused one, on the same gradients:
     the same skipped steps, which change nothing, the same scale, parameters within param_bound."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make_pair(name, kwargs, device, seed)
     ours_scaler = GradScaler(device, init_scale=2.0**12, growth_interval=25)
     ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)
@@ -177,7 +139,7 @@ def test_matches_torch_under_grad_scaler(name, kwargs, device):
 @pytest.mark.parametrize("name,kwargs", CASES[:2] + CASES[4:5])
 def test_state_dict_loads_both_ways(name, kwargs):
     """ours -> torch's fused and non-fused and back: the same layout, and the next steps agree."""
-    ours, ref, ours_params, ref_params = make_pair(name, kwargs, "cpu", torch.seed() % 2**31)
+    ours, ref, ours_params, ref_params = make_pair(name, kwargs, "cpu", derived_seed())
     for _ in range(3):
         for opt, params in ((ours, ours_params), (ref, ref_params)):
             for p in params:
@@ -216,16 +178,6 @@ def test_state_dict_loads_both_ways(name, kwargs):
 
 
 call_adam = c_calls.adam
-
-
-def fresh_state(params, amsgrad):
-    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    out = []
-    for p in params:
-        st = {k: torch.rand_like(p) for k in keys}
-        st["step"] = torch.tensor(float(torch.randint(0, 50, ())), dtype=torch.float32)
-        out.append(st)
-    return out
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
@@ -384,7 +336,7 @@ def test_matches_torch_with_clipping(name, kwargs, device):
     Not with Adam's coupled weight decay: where g + weight_decay * p cancels to about eps, Adam's early
     steps move by about lr * sign(g + weight_decay * p), and one rounding of g may flip that sign
     (seen: 0.6 lr at one element of 2**20). Gradients that only differ by rounding cannot cancel."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make_pair(name, kwargs, device, seed)
     ours_scaler = GradScaler(device, init_scale=2.0**12, growth_interval=25)
     ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)

@@ -6,8 +6,9 @@ import torch
 
 import hotloop.optim
 
+from ..seeding import derived_seed, seeded_generator
 from . import c_calls
-from .test_adam import assert_mostly_identical, fresh_state
+from .conftest import assert_mostly_identical, fresh_state
 
 HALVES = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (555,), (65537,), (3, 7)]
@@ -62,7 +63,7 @@ def test_half_step_is_the_float32_step_rounded_once(name, kwargs, dtype):
     of their widened values, each result rounded once to the dtype (ours in float32 is torch's CUDA arithmetic,
     checked against torch in test_adam/test_sgd). Five steps, the float32 side restarted each time from the
     half values."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(derived_seed())
     half = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
     wide = [torch.nn.Parameter(p.detach().float()) for p in half]
     ours, ours32 = getattr(hotloop.optim, name)(half, **kwargs), getattr(hotloop.optim, name)(wide, **kwargs)
@@ -93,7 +94,7 @@ def test_steps_match_torch_fused_on_cpu(name, kwargs, dtype):
     a few float ulps (a few hundred for exp_avg_sq: 1 - float32(beta2) differs from float32(1 - beta2) by
     1.3e-5 of itself) and round to different half values where they straddle a rounding boundary: rarely, so
     at least 98 % of the elements of each kind are bit-identical (a wrong formula misses that by far)."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make(name, kwargs, [dtype] * len(SHAPES), "cpu", seed)
     gen = torch.Generator().manual_seed(seed + 1)
     keys = state_keys(name, kwargs)
@@ -123,8 +124,8 @@ def test_a_group_of_mixed_dtypes(name, kwargs):
     """float32, float16 and bfloat16 parameters in one param group (torch's fused optimizers group them by
     dtype): each keeps its state in its own dtype and steps as torch's; float32 within float32 rounding."""
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
-    ours, ref, ours_params, ref_params = make(name, kwargs, dtypes, "cpu", torch.seed() % 2**31)
-    set_grads(ours_params, ref_params, torch.Generator().manual_seed(7))
+    ours, ref, ours_params, ref_params = make(name, kwargs, dtypes, "cpu", derived_seed())
+    set_grads(ours_params, ref_params, seeded_generator(7))
     ours.step()
     ref.step()
     for i, (p, q, dt) in enumerate(zip(ours_params, ref_params, dtypes, strict=True)):
@@ -212,9 +213,9 @@ def test_sgd_kernel_matches_c_reference(dtype):
 def test_steps_match_torch_fused_on_gpu(name, kwargs, dtype):
     """Twenty steps against torch's fused CUDA step of the same dtype, the same float arithmetic rounded once
     on store: bit-identical but where nvcc contracted torch's source otherwise than optim_math.h guesses
-    (test_adam.assert_mostly_identical: at most 1e-4 of the elements), and all within torch's own
+    (conftest.assert_mostly_identical: at most 1e-4 of the elements), and all within torch's own
     tolerance for the dtype."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make(name, kwargs, [dtype] * len(SHAPES), "cuda", seed)
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(20):

@@ -8,11 +8,13 @@ import torch
 
 import hotloop.optim
 
+from ..seeding import current_seed
+
 TYPES = [("AdamW", {}), ("Adam", {"amsgrad": True}), ("SGD", {"momentum": 0.9})]
 
 
-def model_params(seed=0):
-    gen = torch.Generator().manual_seed(seed)
+def model_params(seed=None):
+    gen = torch.Generator().manual_seed(current_seed() if seed is None else seed)
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(8, 4), (4,), (3,)]]
 
 
