@@ -15,6 +15,7 @@ from torch.utils.data import get_worker_info
 import hotloop
 from hotloop import input_wait
 
+from ..seeding import current_seed, seeded_generator
 from .conftest import (Images, Mixed, alive, assert_same, both, fake_device, no_prefetch_thread_left, open_fds,
                        prefetch_threads, rss_kb, shm_files)
 
@@ -64,7 +65,7 @@ def test_samplers_and_collation(num_workers, config):
     kwargs = {"num_workers": num_workers}
     if config == "sampler":
         kwargs.update(batch_size=5, sampler=SubsetRandomSampler(list(range(3, 30)),
-                                                               generator=torch.Generator().manual_seed(3)))
+                                                               generator=seeded_generator(3)))
     elif config == "batch_sampler":
         kwargs.update(batch_sampler=EvenOdd(len(ds)))
     elif config == "drop_last":
@@ -75,7 +76,7 @@ def test_samplers_and_collation(num_workers, config):
         kwargs.update(batch_size=4, collate_fn=pad_collate)
     if config == "sampler":  # the sampler holds its generator: one per loader
         theirs = list(TorchDataLoader(ds, **kwargs))
-        kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=torch.Generator().manual_seed(3))
+        kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=seeded_generator(3))
         ours = list(hotloop.DataLoader(ds, **kwargs))
     else:
         theirs, ours = both(ds, **kwargs)
@@ -132,11 +133,11 @@ def test_in_order_false_and_persistent_workers():
 def test_persistent_workers_abandoned_epoch_then_full_epoch():
     ds = Rows(60)
     loader = hotloop.DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, shuffle=True,
-                                generator=torch.Generator().manual_seed(0))
+                                generator=seeded_generator())
     it = iter(loader)
     next(it), next(it)
     ref = TorchDataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=seeded_generator())
     ref_it = iter(ref)
     next(ref_it), next(ref_it)
     theirs = list(ref)
@@ -151,14 +152,14 @@ def test_persistent_workers_abandoned_epoch_then_full_epoch():
 def test_resume_mid_epoch(num_workers):
     ds = Mixed(n=41, kind="tuple")
     kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
-    full = list(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs))
-    first = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs)
+    full = list(hotloop.DataLoader(ds, generator=seeded_generator(9), **kwargs))
+    first = hotloop.DataLoader(ds, generator=seeded_generator(9), **kwargs)
     it = iter(first)
     head = [next(it) for _ in range(4)]
     state = first.state_dict()
     del it
     assert state["batches_yielded"] == 4
-    second = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(123), **kwargs)
+    second = hotloop.DataLoader(ds, generator=seeded_generator(123), **kwargs)
     second.load_state_dict(state)
     rest = list(second)
     assert len(head) + len(rest) == len(full)
@@ -172,11 +173,11 @@ def test_resume_mid_epoch(num_workers):
 def test_resume_after_a_finished_epoch_starts_the_next(num_workers):
     ds = Rows(30)
     kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
-    ref = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(5), **kwargs)
+    ref = hotloop.DataLoader(ds, generator=seeded_generator(5), **kwargs)
     list(ref)
     state = ref.state_dict()
     second_epoch = list(ref)
-    other = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(77), **kwargs)
+    other = hotloop.DataLoader(ds, generator=seeded_generator(77), **kwargs)
     other.load_state_dict(state)
     got = list(other)
     assert len(got) == len(second_epoch) == 8
@@ -204,10 +205,10 @@ class Counting(Dataset):
 def test_worker_killed_every_sample_once(tmp_path, victim):
     ds = Counting(50, victim=victim, marker=str(tmp_path / "died"))
     loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
-                                generator=torch.Generator().manual_seed(1))
+                                generator=seeded_generator(1))
     got = list(loader)
     ref = list(TorchDataLoader(Counting(50, -1, ""), batch_size=4, shuffle=True,
-                               generator=torch.Generator().manual_seed(1)))
+                               generator=seeded_generator(1)))
     for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     ids = torch.cat([b[1] for b in got]).tolist()
@@ -220,12 +221,12 @@ def test_launcher_killed_every_sample_once():
     # workers 1.. are forked by a launcher process; if it dies they are replaced like dead workers
     ds = Counting(60, victim=-1, marker="")
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=3, shuffle=True, max_worker_restarts=1,
-                                generator=torch.Generator().manual_seed(3))
+                                generator=seeded_generator(3))
     it = iter(loader)
     launcher = it._pool.launcher
     os.kill(launcher.pid, signal.SIGKILL)
     got = list(it)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(3)))
     assert len(got) == len(ref) == 15
     for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
@@ -651,11 +652,11 @@ def test_interpreter_exit_and_ctrl_c_reap_workers(tmp_path, how):
                          [(1, 0, False), (3, 2, True), (2, 3, False), (0, 0, False), (0, 2, True), (0, 3, False)])
 def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_workers, prefetch_batches, transform):
     ds = Images(n=42, size=12)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(2)))
     fake = fake_cuda
     tf = hotloop.Normalize((0.4, 0.5, 0.6), (0.2, 0.3, 0.25), dtype=torch.float16) if transform else None
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=num_workers, gpu_transform=tf,
-                                            generator=torch.Generator().manual_seed(2),
+                                            generator=seeded_generator(2),
                                             prefetch_batches=prefetch_batches))
     for epoch in range(2):
         got = list(loader)
@@ -663,7 +664,7 @@ def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_worker
         for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j)
             assert torch.equal(y, tf.reference(x) if tf else x)
-        loader.generator.manual_seed(2)  # the next epoch in the same order as `ref` again
+        loader.generator.manual_seed(current_seed() + 2)  # the next epoch in the same order as `ref` again
     assert fake.copies == 2 * 11 and fake.waited >= 2 * 11 * 2  # copy stream and consumer stream both wait
     assert 0 < len(fake.registered) <= num_workers * 2 + prefetch_batches + 3
     st = loader.stats
@@ -675,12 +676,12 @@ def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefe
     """num_workers=0 with a device: batches made ahead do not move the resume point, and an error
     in a batch made ahead is raised when that batch is due, after the batches before it."""
     ds = Images(n=42, size=12)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(3)))
     fake = fake_cuda
 
     def make(dataset):
         return fake_device(hotloop.DataLoader(dataset, batch_size=4, shuffle=True,
-                                              generator=torch.Generator().manual_seed(3),
+                                              generator=seeded_generator(3),
                                               prefetch_batches=prefetch_batches))
 
     loader = make(ds)
@@ -738,9 +739,9 @@ def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cu
     queued by the prefetch thread while the consumer works on it, not by the consumer's thread;
     the batches are torch's, and the thread ends with the epoch."""
     ds = Images(n=42, size=12)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(5)))
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
-                                             generator=torch.Generator().manual_seed(5)))
+                                             generator=seeded_generator(5)))
     got = []
     for batch in loader:
         got.append(batch)
@@ -855,11 +856,11 @@ def test_state_dict_while_the_prefetch_thread_runs(fake_cuda):
     resumed loader yields exactly the rest, as torch's loader would have (random crops included)."""
     ds = RandomCrops()
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
-                               generator=torch.Generator().manual_seed(7)))
+                               generator=seeded_generator(7)))
 
     def make():
         return fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
-                                               generator=torch.Generator().manual_seed(7)))
+                                               generator=seeded_generator(7)))
 
     loader = make()
     it = iter(loader)

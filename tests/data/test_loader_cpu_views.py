@@ -11,6 +11,7 @@ import hotloop
 from hotloop.data._batch import flatten
 from hotloop.data._pool import LEASE_SLOTS
 
+from ..seeding import seeded_generator
 from .conftest import Mixed, assert_same, both, open_fds, rss_kb, shm_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -73,8 +74,8 @@ def test_holding_every_batch_keeps_their_values(persistent):
     deadlock, and no held batch is overwritten, neither in its epoch nor in the next ones."""
     ds = Blocks(n=64)
     loader = hotloop.DataLoader(ds, batch_size=2, num_workers=3, shuffle=True,
-                                generator=torch.Generator().manual_seed(5), persistent_workers=persistent)
-    ref = list(TorchDataLoader(ds, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5)))
+                                generator=seeded_generator(5), persistent_workers=persistent)
+    ref = list(TorchDataLoader(ds, batch_size=2, shuffle=True, generator=seeded_generator(5)))
     held = []
     for epoch in range(3):
         batches = list(loader)

@@ -76,9 +76,10 @@ def test_overlapping_leaves_as_torch_delivers_them(case, device, request):
             if keep:
                 ours.append(batch)
         del batch
-        assert len(ours) == (len(theirs) if keep else 0)
-        for a, b in zip(theirs, ours, strict=True):
-            _check(a, b)
+        assert i + 1 == len(theirs) and len(ours) == (len(theirs) if keep else 0)  # no batch short
+        if keep:  # every batch kept: each still torch's once the loader went on
+            for a, b in zip(theirs, ours, strict=True):
+                _check(a, b)
     pool = loader._hl_pool
     # the slot holds the metadata and what each leaf reaches: a few pages, not 4 to 16 MiB of elements
     assert pool.ring.slot_bytes <= (1 << 20), pool.ring.slot_bytes

@@ -5,7 +5,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 
-from .test_normalize import MEANS, STDS, IN_DTYPES, OUT_DTYPES, Pictures, assert_matches_torchvision, random_images
+from .pictures import IN_DTYPES, MEANS, OUT_DTYPES, STDS, Pictures, assert_matches_torchvision, random_images
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
