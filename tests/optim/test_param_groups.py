@@ -8,6 +8,8 @@ import torch
 
 import hotloop.optim
 
+from ..seeding import seeded_generator
+
 
 def train(make, model, steps=12, add_at=6):
     opt = make([{"params": model[0].parameters(), "lr": 1e-2},  # generators, read once
@@ -18,7 +20,7 @@ def train(make, model, steps=12, add_at=6):
         if i == add_at:
             model[1].weight.requires_grad_(True)
             opt.add_param_group({"params": model[1].parameters(), "lr": 1e-3})
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+        x = torch.randn(16, 8, generator=seeded_generator(i))  # the same batches for torch's run and ours
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
