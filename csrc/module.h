@@ -20,6 +20,8 @@ typedef struct {
 
 hl_state *hl_state_of(PyObject *module);
 
+/* Errors (errors.c): the exception types and the one function per library that raises them. */
+
 /* Where a failing CUDA call happened; filled without the GIL, raised once the GIL is back. */
 typedef struct {
     int code; /* CUresult; 0 while nothing failed */
@@ -56,6 +58,9 @@ int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call
    `detail` more text (may be empty). Only nvjpeg.c calls it. */
 int hl_raise_nvjpeg(PyObject *module, int code, const char *name, const char *detail, const char *call,
                     const char *file, int line);
+
+/* Add hotloop.CudaError, NvmlError and NvjpegError to the module and keep them in its state. */
+int hl_errors_exec(PyObject *module);
 
 /* A constant C owns and Python reads from _C (Python keeps no copy of the number). */
 typedef struct {

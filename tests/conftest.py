@@ -1,6 +1,7 @@
-"""Test set-up: `gpu`-marked tests skip unless hotloop and torch can both use a CUDA device; a fake
-NVML library for the monitor and the command line (fake_nvml/fake_nvml.c); under AddressSanitizer,
-torch's reference loaders wait for their feeder threads at shutdown (see the end)."""
+"""Test set-up: every test runs under a fresh seed that its failure prints (tests/seeding.py); `gpu`-marked
+tests skip unless hotloop and torch can both use a CUDA device; a fake NVML library for the monitor and
+the command line (fake_nvml/fake_nvml.c); under AddressSanitizer, torch's reference loaders wait for their
+feeder threads at shutdown (see the end)."""
 import ctypes
 import os
 import shutil
@@ -12,6 +13,41 @@ import pytest
 import torch
 
 import hotloop
+
+from . import seeding
+
+
+@pytest.fixture(autouse=True)
+def hotloop_seed(request):
+    """Seeds torch, random and numpy with a fresh seed (or HOTLOOP_TEST_SEED) before the test; the
+    report of a failing test says which (pytest_runtest_makereport, below)."""
+    seed = seeding.fresh_seed("HOTLOOP_TEST_SEED")
+    request.node.hotloop_seed = seed
+    seeding.seed_test(seed)
+    return seed
+
+
+@pytest.fixture(scope="module")
+def module_seed(request):
+    """For a module-scoped fixture that draws random data: seeds torch, random and numpy with a fresh
+    seed (or HOTLOOP_MODULE_SEED) before it draws; the report of a failing test that used it says which.
+    (The test's own seed is set after it, as function-scoped fixtures come after module-scoped ones.)"""
+    seed = seeding.fresh_seed("HOTLOOP_MODULE_SEED")
+    seeding.seed_everything(seed)
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report gets a "seed" section: its seed and how to run it again under it."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or not hasattr(item, "hotloop_seed"):
+        return
+    rerun = f"HOTLOOP_TEST_SEED={item.hotloop_seed}"
+    if "module_seed" in getattr(item, "funcargs", {}):
+        rerun += f" HOTLOOP_MODULE_SEED={item.funcargs['module_seed']}"
+    report.sections.append(("seed", f"seed: {item.hotloop_seed} (rerun with {rerun})"))
 
 
 def gpu_usable() -> bool:

@@ -7,6 +7,8 @@ import torch
 from hotloop import _C
 from hotloop.amp.tensor_table import GradientTable
 
+from ..seeding import seeded_generator
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 555, 65536, 65537, 2**20 + 3]  # straddle the 32768-element chunks and the vector width
@@ -65,7 +67,7 @@ def test_unscale_writes_what_torch_writes(device, dtype):
     scale = torch.full((), 3.0 * 2**13, device=dev)
     aux, report, _ = run_check(grads, scale=scale, write=True, mode=0)
     inv = inv_of(scale)
-    for g, e in zip(grads, expect):
+    for g, e in zip(grads, expect, strict=True):
         assert same_bits(g, unscaled(e, inv))
     aux = aux.cpu()
     assert aux[0].item() == 0.0 and report[2].item() == 0
@@ -92,7 +94,7 @@ def test_every_non_finite_is_found(device, dtype, which_tensor, where, bad):
     # the read-only check wrote nothing, and apply writes nothing when the step is skipped
     table = GradientTable(None, grads, list(range(len(grads))), dev, stream_of(dev))
     run_apply(table, aux.to(dev), True, True)
-    for x, y in zip(grads, before):
+    for x, y in zip(grads, before, strict=True):
         assert same_bits(x, y)
 
 
@@ -163,7 +165,7 @@ def test_apply_is_torch_unscale_then_clip_bit_for_bit(device, dtype, unscale, cl
     run_apply(table, aux, unscale, clip)
     inv = inv_of(scale)
     coef = aux[2].cpu()
-    for g, e in zip(grads, expect):
+    for g, e in zip(grads, expect, strict=True):
         if unscale:
             e = unscaled(e, inv)
         if clip:
@@ -188,7 +190,7 @@ def test_cpu_results_do_not_depend_on_the_thread_count(dtype, mode):
     """The C reference spreads whole chunks over threads: partials, factors, the found flag and
     the gradients written are bit for bit those of one thread, for every dtype and norm."""
     def fresh():
-        gen = torch.Generator().manual_seed(11)
+        gen = seeded_generator(11)
         grads = [(torch.randn(n, generator=gen) * 30).to(dtype) for n in [2**20 + 3, 5, 2**19 + 1]]
         grads[2][-1] = float("inf")  # in the last chunk: the last thread's run
         return grads
@@ -205,7 +207,7 @@ def test_cpu_results_do_not_depend_on_the_thread_count(dtype, mode):
     for aux, report, partials, grads in runs[1:]:
         assert same_bits(aux, runs[0][0]) and torch.equal(report, runs[0][1])
         assert same_bits(partials, runs[0][2])
-        assert all(same_bits(g, e) for g, e in zip(grads, runs[0][3]))
+        assert all(same_bits(g, e) for g, e in zip(grads, runs[0][3], strict=True))
     assert report[0].item() == 2  # the inf's parameter, found by another thread than the caller's
 
 
@@ -237,7 +239,7 @@ def scale_state(dev, scale, hysteresis=1):
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_matches_torch_update_scale(device):
     dev = torch.device(device)
-    gen = torch.Generator().manual_seed(1)
+    gen = seeded_generator(1)
     ours_scale, ours_tracker, state = scale_state(dev, 3.7e4)
     their_scale, their_tracker = ours_scale.clone(), ours_tracker.clone()
     skipped = 0
@@ -319,11 +321,11 @@ def test_cuda_kernels_match_c_reference(dtype, norm_type):
         # apply with the same factors on both sides: bit for bit
         run_apply(gt, ca.cuda(), True, True)
         run_apply(ct, ca, True, True)
-        for g, c in zip(gpu, cpu):
+        for g, c in zip(gpu, cpu, strict=True):
             assert same_bits(g.cpu(), c)
     for grads in (gpu, cpu):
         run_check(grads, scale=torch.full((), 8.0, device=grads[0].device), write=True, mode=0)
-    for g, c in zip(gpu, cpu):
+    for g, c in zip(gpu, cpu, strict=True):
         assert same_bits(g.cpu(), c)
 
 

@@ -9,12 +9,14 @@ import torch
 
 import hotloop
 
+from ..seeding import seeded_generator
+
 # a step whose input holds an inf: its gradients are non-finite and the step is skipped
 POISONED = [False, True, False, False]
 
 
 def tiny_model():
-    gen = torch.Generator().manual_seed(5)
+    gen = seeded_generator(5)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     with torch.no_grad():
         for p in model.parameters():
@@ -23,7 +25,7 @@ def tiny_model():
 
 
 def batches():
-    gen = torch.Generator().manual_seed(6)
+    gen = seeded_generator(6)
     out = []
     for poison in POISONED:
         x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
@@ -75,14 +77,14 @@ def train(make_step, opt_class, scaler_class, compiled, device="cpu", **opt_kwar
 
 def assert_same_run(a, b, rel):
     (rec_a, params_a), (rec_b, params_b) = a, b
-    for (loss_a, norm_a, scale_a), (loss_b, norm_b, scale_b), poisoned in zip(rec_a, rec_b, POISONED):
+    for (loss_a, norm_a, scale_a), (loss_b, norm_b, scale_b), poisoned in zip(rec_a, rec_b, POISONED, strict=True):
         assert scale_a == scale_b
         assert loss_a == pytest.approx(loss_b, rel=rel)  # tanh keeps the poisoned loss finite
         if poisoned:  # a non-finite norm both ways
             assert not math.isfinite(norm_a) and not math.isfinite(norm_b)
         else:
             assert norm_a == pytest.approx(norm_b, rel=rel)
-    for pa, pb in zip(params_a, params_b):
+    for pa, pb in zip(params_a, params_b, strict=True):
         torch.testing.assert_close(pa, pb, rtol=rel, atol=rel)
 
 
@@ -117,5 +119,5 @@ def test_compiled_optimizer_step_matches_eager():
                 step()
     # the step leaves the graph whole: Dynamo never meets hotloop's C calls (it warns when it does)
     assert not [w for w in caught if "hotloop._C" in str(w.message)], [str(w.message) for w in caught]
-    for pa, pb in zip(model.parameters(), twin.parameters()):
+    for pa, pb in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(pa, pb)

@@ -8,6 +8,8 @@ import torch
 from hotloop.amp import GradScaler
 from tests.distributed import run_ranks
 
+from ..seeding import current_seed, seed_test
+
 STEPS = 12
 # (step, rank) -> (parameter, element, value): an inf/NaN in one rank's shard only; every rank must skip
 INJECT = {(2, 1): (2, 0, math.inf), (5, 0): (0, -1, math.nan), (8, 1): (4, 3, math.nan), (9, 0): (1, 5, -math.inf)}
@@ -17,15 +19,15 @@ SKIP_STEPS = {step for step, _ in INJECT}
 PLANS = [(2.0, 0.05), "step", (math.inf, 0.01), "unscale", (2.0, math.inf), (1.0, 0.1)]
 
 
-def make_model(seed=0, out=3):
+def make_model(seed=None, out=3):
     # under FSDP2 on 2 ranks the last layer's rows split 2 + 1; with out=1 rank 1's shards are empty
-    torch.manual_seed(seed)
+    torch.manual_seed(current_seed() if seed is None else seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 20), torch.nn.GELU(),
                                torch.nn.Linear(20, out))
 
 
 def batch(rank, step, out=3):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
+    gen = torch.Generator().manual_seed(current_seed() + 1000 * step + rank)
     return torch.randn(8, 16, generator=gen), torch.randn(8, out, generator=gen)
 
 
@@ -53,7 +55,7 @@ def found_of(scaler, opt):
 def rel_err(ours, ref):
     """max over the pairs of max|ours - ref| / max|ref| (0 for empty shards): every element counts."""
     worst = 0.0
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         if b.numel():
             worst = max(worst, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
     return worst
@@ -74,17 +76,19 @@ def seq(group):
     return group._get_sequence_number_for_group()
 
 
-def ranks_body(rank, world_size):
+def ranks_body(rank, world_size, seed):
     """The three set-ups one after the other on the same ranks: one spawn and one import of torch's
-    distributed machinery (several seconds on CI's two cores) for all the tests below."""
+    distributed machinery (several seconds on CI's two cores) for all the tests below. Every rank runs
+    under the same `seed`: the same model on each, batches of their own."""
+    seed_test(seed)
     torch.set_num_threads(1)  # two ranks on CI's two cores
     return {"fsdp2": fsdp2_body(rank, world_size), "sharded": sharded_optimizer_body(rank, world_size),
             "ddp": ddp_body(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(ranks_body, 2)
+def results(module_seed):
+    return run_ranks(ranks_body, 2, args=(module_seed,))
 
 
 def fsdp2_body(rank, world_size):
@@ -138,7 +142,7 @@ def fsdp2_body(rank, world_size):
                         [p.detach().to_local() for p in ref.parameters()])
 
     # empty shards (rank 1 holds no row of a 1-row layer); an inf on rank 0: both skip, then clip alike
-    ref1, ours1 = make_model(1, out=1), make_model(1, out=1)
+    ref1, ours1 = make_model(current_seed() + 1, out=1), make_model(current_seed() + 1, out=1)
     for model in (ref1, ours1):
         fully_shard_all(model, mesh)
     opt_ref1, opt_ours1 = torch.optim.SGD(ref1.parameters(), lr=0.05), torch.optim.SGD(ours1.parameters(), lr=0.05)
@@ -244,7 +248,7 @@ def test_fsdp2_matches_torch_with_inf_on_one_rank(results):
         assert result["empty_param_err"] <= 1e-6
         assert "plain-tensor gradient among DTensor ones" in result["mixed_error"]
     # the same norm and clip coefficient on both ranks, to the bit (str: NaN equals NaN)
-    for r0, r1 in zip(results[0]["rows"], results[1]["rows"]):
+    for r0, r1 in zip(results[0]["rows"], results[1]["rows"], strict=True):
         if "norm" in r0:
             assert (str(r0["norm"]), str(r0["coef"])) == (str(r1["norm"]), str(r1["coef"])), (r0, r1)
     # each rank reports its own first bad parameter: rank 1 put the inf into parameter 2 at step 2
@@ -336,7 +340,7 @@ def test_process_group_matches_sharded_grad_scaler_with_inf_on_one_rank(results)
         assert result["param_err"] <= 1e-6
         assert result["empty_found"] == 1.0
         assert result["skipped"] == len(INJECT) + 1
-    for r0, r1 in zip(results[0]["rows"], results[1]["rows"]):
+    for r0, r1 in zip(results[0]["rows"], results[1]["rows"], strict=True):
         if "norm" in r0:
             assert str(r0["norm"]) == str(r1["norm"]), (r0, r1)
 

@@ -7,6 +7,8 @@ import torch
 from hotloop.amp import GradScaler
 from tests.distributed import run_ranks
 
+from ..seeding import current_seed, seed_test
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
@@ -35,7 +37,7 @@ class TinyTransformer(torch.nn.Module):
 
 
 def tokens(rank, step, device):
-    gen = torch.Generator().manual_seed(1000 * step + rank)
+    gen = torch.Generator().manual_seed(current_seed() + 1000 * step + rank)
     return torch.randint(0, VOCAB, (8, SEQ + 1), generator=gen).to(device)
 
 
@@ -47,7 +49,7 @@ def local(t):
 def copy_training_state(src_model, src_opt, dst_model, dst_opt):
     """dst := src (parameters and optimizer state, shard by shard): each step is then compared from the
     same state (why: test_grad_scaler.test_autocast_fp16_training_matches_torch)."""
-    for ps, pd in zip(src_model.parameters(), dst_model.parameters()):
+    for ps, pd in zip(src_model.parameters(), dst_model.parameters(), strict=True):
         local(pd).copy_(local(ps))
         for key, value in src_opt.state[ps].items():
             local(dst_opt.state[pd][key]).copy_(local(value))
@@ -55,7 +57,7 @@ def copy_training_state(src_model, src_opt, dst_model, dst_opt):
 
 def rel_err(ours, ref):
     worst = 0.0
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         a, b = local(a.detach()), local(b.detach())
         if b.numel():
             worst = max(worst, (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30))
@@ -119,16 +121,16 @@ def train_side_by_side(rank, ref, ours, opt_ref, opt_ours, group, device, inject
     return rows
 
 
-def ddp_body(rank, world_size, device="cuda"):
+def ddp_body(rank, world_size, seed, device="cuda"):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.manual_seed(0)
+    seed_test(seed)  # the test's seed, on every rank: the same model on each, batches of their own
     base = TinyTransformer().to(device)
     ref = DistributedDataParallel(base)
     ours = DistributedDataParallel(TinyTransformer().to(device))
     with torch.no_grad():
-        for ps, pd in zip(ref.parameters(), ours.parameters()):
+        for ps, pd in zip(ref.parameters(), ours.parameters(), strict=True):
             pd.copy_(ps)
     fused = device == "cuda"
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=fused, foreach=None if fused else True)
@@ -137,14 +139,15 @@ def ddp_body(rank, world_size, device="cuda"):
     return train_side_by_side(rank, ref, ours, opt_ref, opt_ours, dist.group.WORLD, device, range(world_size))
 
 
-def fsdp2_body(rank, world_size, device="cuda"):
+def fsdp2_body(rank, world_size, seed, device="cuda"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    seed_test(seed)  # the test's seed, on every rank: the same models on each, batches of their own
     mesh = init_device_mesh(device, (world_size,))
     models = []
     for _ in range(2):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = TinyTransformer().to(device)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
@@ -169,14 +172,14 @@ def check(results, collectives):
                 assert row["norm"] == pytest.approx(row["norm_ref"], rel=1e-5), (rank, row)
             if "param_err" in row:
                 assert row["param_err"] <= 1e-6, (rank, row)
-    for r0, r1 in zip(*results):
+    for r0, r1 in zip(*results, strict=True):
         if not math.isinf(r0["norm"]):
             assert r0["norm"] == r1["norm"], (r0, r1)  # one clip coefficient on every rank
 
 
 def test_ddp_transformer_matches_torch_without_a_collective():
-    check(run_ranks(ddp_body, 2, backend="nccl", timeout=300), collectives=0)
+    check(run_ranks(ddp_body, 2, args=(current_seed(),), backend="nccl", timeout=300), collectives=0)
 
 
 def test_fsdp2_transformer_matches_torch_with_inf_on_one_rank():
-    check(run_ranks(fsdp2_body, 2, backend="nccl", timeout=300), collectives=1)
+    check(run_ranks(fsdp2_body, 2, args=(current_seed(),), backend="nccl", timeout=300), collectives=1)

@@ -100,7 +100,6 @@ def test_cpu_loss_with_a_cuda_scaler(fused, unscale):
 @pytest.mark.parametrize("how", ["step", "unscale", "clip"])
 @pytest.mark.parametrize("bad", [None, math.inf, math.nan])
 def test_sparse_embedding_gradients(device, how, bad):
-    torch.manual_seed(torch.seed() % 2**31)
     emb_r = torch.nn.Embedding(40, 6, sparse=True).to(device)
     lin_r = torch.nn.Linear(6, 3).to(device)
     emb_o, lin_o = torch.nn.Embedding(40, 6, sparse=True).to(device), torch.nn.Linear(6, 3).to(device)
@@ -138,7 +137,7 @@ def test_sparse_embedding_gradients(device, how, bad):
     assert ours.get_scale() == ref.get_scale()
     if how == "clip" and bad is None:
         assert n_o.item() == pytest.approx(n_r.item(), rel=1e-6)
-    for a, b in zip(p_o, p_r):
+    for a, b in zip(p_o, p_r, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if how == "unscale":
         torch.testing.assert_close(g_o.coalesce().to_dense(), g_r.coalesce().to_dense(), rtol=0, atol=0,
@@ -188,7 +187,7 @@ def test_non_dense_gradient_views_are_unscaled_in_place(device, dtype, bad):
         assert found_sum(sc, opt) == (0.0 if bad is None else 1.0)
         sc.step(opt)
         owners.append((owner, p.detach(), q.detach(), q.grad))
-    for a, b in zip(owners[1], owners[0]):
+    for a, b in zip(owners[1], owners[0], strict=True):
         assert_same(a, b)  # the owner saw the unscaled values, and only where the view is
 
 
@@ -215,7 +214,7 @@ def test_gapped_and_float64_gradients_through_clip(device):
         sc.step(opt)
         out.append((norm, p.detach(), d.detach(), owner))
     assert out[1][0].item() == pytest.approx(out[0][0].item(), rel=1e-6)
-    for a, b in zip(out[1][1:], out[0][1:]):
+    for a, b in zip(out[1][1:], out[0][1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -234,7 +233,6 @@ def test_overlapping_gradient_is_refused_as_torch_refuses_it(device):
 
 def two_device_case(devices, fused):
     """One model split over two devices (pipeline parallel), torch's copy and ours, one optimizer each."""
-    torch.manual_seed(torch.seed() % 2**31)
     d0, d1 = devices
     a, b = torch.nn.Linear(8, 16).to(d0), torch.nn.Linear(16, 4).to(d1)
     a2, b2 = torch.nn.Linear(8, 16).to(d0), torch.nn.Linear(16, 4).to(d1)
@@ -269,7 +267,7 @@ def run_two_devices(devices, fused, clip):
         assert per[1] == per[0]  # a found_inf per device, keyed and valued as torch's
         assert ours.get_scale() == ref.get_scale()
     for p, q in zip([*ref_case[0].parameters(), *ref_case[1].parameters()],
-                    [*our_case[0].parameters(), *our_case[1].parameters()]):
+                    [*our_case[0].parameters(), *our_case[1].parameters()], strict=True):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
@@ -389,7 +387,7 @@ def test_private_unscale_grads_as_torch_s(device, inject):
         if inject >= 0:
             grads[inject][2, 2] = math.inf
         params = [torch.nn.Parameter(torch.empty_like(t)) for t in grads]
-        for p, t in zip(params, grads):
+        for p, t in zip(params, grads, strict=True):
             p.grad = t
         opt = torch.optim.SGD(params, lr=1.0)
         master = torch.zeros(1, device=device)
@@ -400,5 +398,5 @@ def test_private_unscale_grads_as_torch_s(device, inject):
             sc._unscale_grads_(opt, inv, master, False)
     (f_r, g_r), (f_o, g_o) = out
     assert f_o.shape == f_r.shape and f_o.item() == f_r.item() == (1.0 if inject >= 0 else 0.0)
-    for a, b in zip(g_o, g_r):
+    for a, b in zip(g_o, g_r, strict=True):
         assert_same(a, b)

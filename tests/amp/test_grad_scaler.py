@@ -10,12 +10,14 @@ import torch
 import hotloop
 from hotloop.amp import GradScaler, OptState
 
+from ..seeding import current_seed, seeded_generator
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 OPTIMIZERS = ["sgd", "adamw_foreach", "adamw_fused"]
 
 
-def make_model(device, seed=0):
-    torch.manual_seed(seed)
+def make_model(device, seed=None):
+    torch.manual_seed(current_seed() if seed is None else seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
                                torch.nn.Linear(64, 4)).to(device)
 
@@ -70,7 +72,7 @@ def side_by_side(device, ref, ours, opts_ref, opts_ours, sc_ref, sc_ours, steps,
 
 
 def assert_params_close(a, b, rel=1e-6):
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         tol = rel * max(pa.abs().max().item(), 1e-30)
         assert (pa - pb).abs().max().item() <= tol
 
@@ -84,7 +86,7 @@ def test_parity_with_torch_over_200_steps(device, kind, clip):
     opt_ref, opt_ours = make_optimizer(kind, ref.parameters()), make_optimizer(kind, ours.parameters())
     sc_ref = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=6)
     sc_ours = GradScaler(device, init_scale=2.0**12, growth_interval=6)
-    gen = torch.Generator().manual_seed(3)
+    gen = seeded_generator(3)
     skipped = 0
     for step in range(200):
         x = torch.randn(32, 16, generator=gen).to(device)
@@ -130,13 +132,16 @@ def both_after_one_backward(device):
 def test_clip_other_norms_match_torch(device, norm_type):
     ref, ours, opt_ref, opt_ours, sc_ref, sc_ours = both_after_one_backward(device)
     sc_ref.unscale_(opt_ref)
+    # the oracle: torch's norm of the same gradients in float64. (torch's float32 one strays from it by
+    # tens of float32 roundings at norm_type 1, a sum of thousands of |g|, for some fresh draws)
+    exact = torch.nn.utils.get_total_norm([p.grad.double() for p in ref.parameters()], norm_type)
     n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=norm_type)
     n_ours = sc_ours.clip_grad_norm_(opt_ours, 0.01, norm_type=norm_type)
     assert n_ours.dtype == torch.float32 and n_ours.device == n_ref.device and n_ours.dim() == 0
-    assert n_ours.item() == pytest.approx(n_ref.item(), rel=1e-6)
+    assert n_ours.item() == pytest.approx(exact.item(), rel=2**-22)  # a few float32 roundings
     sc_ref.step(opt_ref)
     sc_ours.step(opt_ours)
-    for pa, pb in zip(ref.parameters(), ours.parameters()):
+    for pa, pb in zip(ref.parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-6, atol=1e-9)
     assert_params_close(ref, ours)
 
@@ -155,10 +160,10 @@ def test_finalize_grads_writes_what_torch_would_have_before_step(device, inf):
     sc_ref.unscale_(opt_ref)
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     sc_ours.clip_grad_norm_(opt_ours, 0.01)
-    for p, g in zip(ours.parameters(), scaled):
+    for p, g in zip(ours.parameters(), scaled, strict=True):
         assert torch.equal(p.grad, g)  # not written yet
     sc_ours.finalize_grads_(opt_ours)
-    for pa, pb, g in zip(ref.parameters(), ours.parameters(), scaled):
+    for pa, pb, g in zip(ref.parameters(), ours.parameters(), scaled, strict=True):
         want = g if inf else pa.grad
         torch.testing.assert_close(pb.grad, want, rtol=1e-6, atol=1e-9, equal_nan=True)
     sc_ours.finalize_grads_(opt_ours)  # nothing pending any more: the gradients stay
@@ -316,7 +321,7 @@ def test_nan_in_every_gradient(device):
     assert scaler.step(opt) is None
     scaler.update()
     assert scaler.get_scale() == 32.0 and scaler.skipped_steps == 1
-    for p, b in zip(model.parameters(), before):
+    for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
     report = scaler.overflow_report()
     assert report.param_index == 0 and report.name == names[0][0] and report.step == 0
@@ -439,7 +444,7 @@ def test_enabled_false_is_a_pass_through():
     scaler.update()
     assert scaler.get_scale() == 1.0 and not scaler.is_enabled() and scaler.state_dict() == {}
     assert scaler.skipped_steps == 0 and scaler.overflow_report() is None
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -533,7 +538,7 @@ def test_scaler_kind_does_not_bind_tensors():
 
 def copy_training_state(src_model, src_opt, dst_model, dst_opt):
     with torch.no_grad():
-        for ps, pd in zip(src_model.parameters(), dst_model.parameters()):
+        for ps, pd in zip(src_model.parameters(), dst_model.parameters(), strict=True):
             pd.copy_(ps)
             for key, value in src_opt.state[ps].items():
                 dst_opt.state[pd][key].copy_(value)

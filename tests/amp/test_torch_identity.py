@@ -8,9 +8,11 @@ import torch
 import hotloop
 from hotloop.amp import GradScaler
 
+from ..seeding import current_seed
 
-def model_and_batch(seed=0):
-    gen = torch.Generator().manual_seed(seed)
+
+def model_and_batch(seed=None):
+    gen = torch.Generator().manual_seed(current_seed() if seed is None else seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     with torch.no_grad():
         for p in model.parameters():
@@ -68,7 +70,7 @@ def test_lightning_amp_plugin_takes_it():
     before = [p.detach().clone() for p in model.parameters()]
     plugin.backward(torch.nn.functional.mse_loss(model(x), y), model)
     plugin.optimizer_step(opt)
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert plugin.state_dict() == ours.state_dict()
 
 
@@ -101,7 +103,7 @@ def test_accelerate_reads_a_skipped_step_as_skipped(fused, fresh_accelerate_stat
     state and learning rate follow torch's scaler with a non-fused AdamW, which Accelerate reads right."""
     from accelerate.scheduler import AcceleratedScheduler
 
-    model, x, y = model_and_batch(1)
+    model, x, y = model_and_batch(current_seed() + 1)
     twin = copy.deepcopy(model)
     runs = []
     for m, scaler, kind in ((model, GradScaler("cpu", init_scale=2.0**8), {"fused": fused}),
@@ -120,9 +122,9 @@ def test_accelerate_reads_a_skipped_step_as_skipped(fused, fresh_accelerate_stat
             acc_sched.step()
             seen.append((acc_opt.step_was_skipped, opt.param_groups[0]["lr"], scaler.get_scale()))
         assert seen[0] == seen[1] == (poison, 0.01 * 0.5 ** (step + 1 - [1, 1, 2, 3, 3][step]), seen[1][2])
-    for pa, pb in zip(model.parameters(), twin.parameters()):
+    for pa, pb in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
-    for pa, pb in zip(model.parameters(), twin.parameters()):
+    for pa, pb in zip(model.parameters(), twin.parameters(), strict=True):
         sa, sb = runs[0][4].state[pa], runs[1][4].state[pb]
         assert float(sa["step"]) == float(sb["step"]) == 2.0
 
@@ -165,7 +167,7 @@ def test_accelerate_fp16_on_cuda_reads_skipped_steps(fused, fresh_accelerate_sta
             accelerator.scaler = GradScaler("cuda", init_scale=2.0**8)
         else:
             accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
-        model, x, y = model_and_batch(2)
+        model, x, y = model_and_batch(current_seed() + 2)
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, **({"fused": fused} if ours else {"foreach": False}))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         model, opt, sched = accelerator.prepare(model, opt, sched)
@@ -184,5 +186,5 @@ def test_accelerate_fp16_on_cuda_reads_skipped_steps(fused, fresh_accelerate_sta
         assert [s for s, _ in seen] == [True, False, True, False]
         results.append((seen, [p.detach().cpu().clone() for p in model.parameters()]))
     assert results[0][0] == results[1][0]
-    for pa, pb in zip(results[0][1], results[1][1]):
+    for pa, pb in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)

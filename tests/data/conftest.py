@@ -18,6 +18,8 @@ import hotloop
 from hotloop.bench.procfs import descendants, process_stats
 from hotloop.data._device import CudaCalls, DeviceCopies
 
+from ..seeding import current_seed
+
 
 def _read(path):
     try:
@@ -65,8 +67,8 @@ Point = collections.namedtuple("Point", ["a", "b"])
 class Mixed(Dataset):
     """Samples of every kind default_collate handles, with random draws from torch, numpy and random."""
 
-    def __init__(self, n=23, kind="tuple", seed=0):
-        g = torch.Generator().manual_seed(seed)
+    def __init__(self, n=23, kind="tuple", seed=None):
+        g = torch.Generator().manual_seed(current_seed() if seed is None else seed)
         self.base = torch.randn(n, 3, 5, generator=g)
         self.n, self.kind = n, kind
 
@@ -116,14 +118,16 @@ def assert_same(a, b, path="batch"):
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
-def both(dataset, seed=0, **kwargs):
-    """(torch's batches, hotloop's batches) for the same arguments, generators and global seeds."""
+def both(dataset, seed=None, **kwargs):
+    """(torch's batches, hotloop's batches) for the same arguments, generators and global seeds (the
+    test's seed unless `seed` is given)."""
+    seed = current_seed() if seed is None else seed
     out = []
     for cls in (TorchDataLoader, hotloop.DataLoader):
         torch.manual_seed(seed)

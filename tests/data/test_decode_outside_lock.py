@@ -2,61 +2,21 @@
 next() hands out a batch prepared earlier while a later batch decodes, a decode's error is raised at
 its batch's turn, and batches prepared but never handed out free their slots without being decoded.
 The device path runs on the CPU (fake_cuda), with PIL standing in for nvjpeg."""
-import array
-import ctypes
-import io
 import random
 import signal
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
 from hotloop.data._device import ImageLaunch
 
 from .conftest import fake_device, open_with, wait_for
-from .test_gpu_decode import TRAIN_V2, _compare, make_folder
-
-
-class GatedDecoder:
-    """nvjpeg's part played by PIL on the CPU, as test_gpu_decode's PilDecoder; its calls from the `gate_from`-th on say that they
-    started and wait for `release`; the `fail_at`-th raises, as a CUDA error would. It records the
-    thread of each call."""
-
-    library = "PIL, standing in for nvjpeg"
-
-    def __init__(self):
-        self.gate_from = None
-        self.fail_at = None
-        self.calls = []
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def decode(self, sources, dests, count, stream):
-        self.calls.append(threading.current_thread().name)
-        if self.gate_from is not None and len(self.calls) >= self.gate_from:
-            self.entered.set()
-            self.release.wait(30)
-        if len(self.calls) == self.fail_at:
-            raise RuntimeError("stand-in decoder failed")
-        src, dst = array.array("q", sources), array.array("q", dests)
-        statuses = bytearray()
-        for k in range(count):
-            image = Image.open(io.BytesIO(ctypes.string_at(src[2 * k], src[2 * k + 1]))).convert("RGB")
-            pixels = np.ascontiguousarray(np.asarray(image))
-            for r in range(pixels.shape[0]):
-                ctypes.memmove(dst[2 * k] + r * dst[2 * k + 1], pixels[r].ctypes.data, pixels.shape[1] * 3)
-            statuses.append(0)
-        return bytes(statuses)
-
-    def close(self):
-        pass
+from .image_folders import TRAIN_V2, assert_batches_close, make_folder
+from .stand_in_decoder import GatedDecoder, gpu_decode_loaders, take_batch
 
 
 @pytest.fixture
@@ -65,19 +25,6 @@ def stand_in(monkeypatch):
     decoder = GatedDecoder()
     open_with(monkeypatch, decoder)
     return decoder
-
-
-def _loaders(ds, seed, **kw):
-    """torch's loader and hotloop's (gpu_decode, the device path under fake_cuda), same seed."""
-    theirs = TorchDataLoader(ds, generator=torch.Generator().manual_seed(seed), **kw)
-    ours = fake_device(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(seed), gpu_decode=True,
-                                          prefetch_batches=2, **kw))
-    return theirs, ours
-
-
-def _take(it):
-    x, y = next(it)
-    return x.clone(), y.clone()
 
 
 def _first_tasks_done(it, n):
@@ -90,7 +37,7 @@ def _second_epoch(tmp_path, stand_in):
     first], ours, the iterator of our second epoch) with the stand-in's calls cleared and the first
     three batches done by the workers, so that the top-up after the first next() prepares 2 and 3."""
     ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V2(28))
-    theirs, ours = _loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2,
+    theirs, ours = gpu_decode_loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2,
                             persistent_workers=True)
     expected = [[(x.clone(), y.clone()) for x, y in theirs] for _ in range(2)]
     got = [[(x.clone(), y.clone()) for x, y in ours]]  # the first epoch makes the ring
@@ -103,13 +50,13 @@ def _second_epoch(tmp_path, stand_in):
 def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_cuda, stand_in):
     expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.gate_from = 3  # batch 1 decodes in next() (nothing prepared yet), 2 and 3 in the prefetch thread
-    got.append([_take(it)])
+    got.append([take_batch(it)])
     wait_for(stand_in.entered.is_set)  # batch 3's decode has started, in the prefetch thread
     releaser = threading.Timer(3.0, stand_in.release.set)  # what a next() that waits for it would need
     releaser.start()
     try:
         t0 = time.monotonic()
-        got[1].append(_take(it))
+        got[1].append(take_batch(it))
         took = time.monotonic() - t0
         still_decoding = not stand_in.release.is_set()
     finally:
@@ -119,13 +66,13 @@ def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_c
     assert still_decoding and took < 1.5, f"next() took {took:.2f} s: it waited for batch 3's decode"
     assert stand_in.calls[:3] == ["MainThread", "hotloop-prefetch", "hotloop-prefetch"]
     for epoch in range(2):
-        _compare(got[epoch], expected[epoch], levels=2)
+        assert_batches_close(got[epoch], expected[epoch], levels=2)
 
 
 def test_ctrl_c_while_next_waits_for_a_decode_loses_no_batch(tmp_path, fake_cuda, stand_in):
     expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.gate_from = 2  # batch 2's decode, in the prefetch thread, waits
-    got.append([_take(it)])
+    got.append([take_batch(it)])
     wait_for(stand_in.entered.is_set)
     # Ctrl-C as in a terminal, also where the tests run in a background job (which inherits SIGINT ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -140,7 +87,7 @@ def test_ctrl_c_while_next_waits_for_a_decode_loses_no_batch(tmp_path, fake_cuda
         stand_in.release.set()
     got[1] += [(x.clone(), y.clone()) for x, y in it]  # batch 2 first: the interrupted next() lost nothing
     for epoch in range(2):
-        _compare(got[epoch], expected[epoch], levels=2)
+        assert_batches_close(got[epoch], expected[epoch], levels=2)
 
 
 def _outcomes(it, n):
@@ -160,7 +107,7 @@ def _outcomes(it, n):
 def test_an_error_in_a_deferred_decode_is_raised_at_its_batch(tmp_path, fake_cuda, stand_in):
     expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.fail_at = 3  # nvjpeg failing at batch 3, which the prefetch thread decodes
-    got.append([_take(it)])
+    got.append([take_batch(it)])
     wait_for(lambda: len(stand_in.calls) >= 3)
     got[1] += _outcomes(it, len(ours) - 1)
     with pytest.raises(StopIteration):
@@ -168,8 +115,8 @@ def test_an_error_in_a_deferred_decode_is_raised_at_its_batch(tmp_path, fake_cud
     assert stand_in.calls[1:3] == ["hotloop-prefetch", "hotloop-prefetch"]
     assert isinstance(got[1][2], RuntimeError) and "stand-in decoder failed" in str(got[1][2])
     assert len(ours._hl_pool.free_slots) == ours._hl_pool.ring.nslots  # the failed batch's slot came back
-    _compare(got[0], expected[0], levels=2)
-    _compare(got[1][:2] + got[1][3:], expected[1][:2] + expected[1][3:], levels=2)  # nothing lost around it
+    assert_batches_close(got[0], expected[0], levels=2)
+    assert_batches_close(got[1][:2] + got[1][3:], expected[1][:2] + expected[1][3:], levels=2)  # nothing lost around it
 
 
 def test_batches_prepared_but_not_handed_out_free_their_slots(tmp_path, fake_cuda, stand_in):

@@ -16,7 +16,7 @@ from hotloop.data.image.gpu_decode import ImagePipeline
 from hotloop.data.image.stage import ImageStage
 from hotloop.data.stats import LoaderStats
 
-from .test_gpu_decode import TRAIN_V2, make_folder
+from .image_folders import TRAIN_V2, make_folder
 
 OPEN_S = 0.5
 

@@ -7,7 +7,6 @@ CPU pipeline's by at most 1 level of 255 before normalising (asserted on every e
 import array
 import ctypes
 import io
-import os
 import random
 import warnings
 
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms as v1
-import torchvision.transforms.v2 as v2
 from PIL import Image
 from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
@@ -25,47 +23,16 @@ from hotloop.data.image.gpu_decode import ImagePipeline
 from hotloop.data.image.plan import ImagePlan
 from hotloop.data.image.source import collate_encoded
 
+from ..seeding import derived_seed, seeded_generator
 from .conftest import open_with
-
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-LEVEL = 1 / 255 / min(STD) + 1e-5  # one level of 255, normalised
-
-
-def _photo(rng, h, w):
-    """Smooth content with some noise: compresses like a photo, not like white noise."""
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    base = [np.sin(x / rng.uniform(5, 30) + rng.uniform(0, 6)) * np.cos(y / rng.uniform(5, 30)) for _ in range(3)]
-    img = np.stack(base, -1) * 100 + 128 + rng.normal(0, 12, (h, w, 3))
-    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
-
-
-def make_folder(root, n=24, classes=3, seed=None, sizes=(40, 140), extra=()):
-    """An ImageFolder of JPEGs (plus `extra`: (name, bytes) files in class 0)."""
-    rng = np.random.default_rng(seed)
-    for c in range(classes):
-        os.makedirs(os.path.join(root, f"c{c}"), exist_ok=True)
-    for i in range(n):
-        h, w = (int(v) for v in rng.integers(*sizes, size=2))
-        _photo(rng, h, w).save(os.path.join(root, f"c{i % classes}", f"{i:04d}.jpg"), quality=90)
-    for name, data in extra:
-        with open(os.path.join(root, "c0", name), "wb") as f:
-            f.write(data)
-    return root
+from .image_folders import (EVAL_V1, EVAL_V2, LEVEL, MEAN, STD, TRAIN_V1, TRAIN_V2, assert_batches_close, make_folder,
+                            make_photo, seeded_batches)
 
 
 def encoded(image, fmt="JPEG", **kw):
     buf = io.BytesIO()
     image.save(buf, fmt, **kw)
     return buf.getvalue()
-
-
-TRAIN_V1 = lambda size: v1.Compose([v1.RandomResizedCrop(size), v1.RandomHorizontalFlip(), v1.ToTensor(),
-                                    v1.Normalize(MEAN, STD)])
-TRAIN_V2 = lambda size: v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(),
-                                    v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
-EVAL_V1 = lambda size: v1.Compose([v1.Resize(size + size // 7), v1.CenterCrop(size), v1.ToTensor(), v1.Normalize(MEAN, STD)])
-EVAL_V2 = lambda size: v2.Compose([v2.Resize(size + size // 7), v2.CenterCrop(size), v2.PILToTensor(),
-                                   v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
 
 
 @pytest.mark.parametrize("make", [TRAIN_V1, TRAIN_V2, EVAL_V1, EVAL_V2])
@@ -96,7 +63,7 @@ def test_draws_are_the_transforms_own(make):
     show the crops are the ones the transform makes.)"""
     t = make(24)
     plan = ImagePlan.of(t)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     for _ in range(200):
         h, w = (int(v) for v in rng.integers(8, 300, size=2))
         seed = int(rng.integers(2**31))
@@ -116,7 +83,7 @@ def test_draws_are_the_transforms_own(make):
 
 def test_a_flip_before_the_crop_mirrors_the_box():
     plan = ImagePlan.of(v1.Compose([v1.RandomHorizontalFlip(p=1.0), v1.RandomResizedCrop(16), v1.ToTensor()]))
-    for seed in range(50):
+    for seed in [derived_seed() for _ in range(50)]:
         torch.manual_seed(seed)
         geo = plan.draw(60, 90)
         torch.manual_seed(seed)
@@ -125,82 +92,67 @@ def test_a_flip_before_the_crop_mirrors_the_box():
         assert (geo.box_top, geo.box_left, geo.box_h, geo.box_w, geo.flip) == (top, 90 - left - w, h, w, 1)
 
 
-def _batches(loader, seed=0):
-    torch.manual_seed(seed)  # num_workers=0: the transform draws from the main process's generator
-    return [(x.clone(), y.clone()) for x, y in loader]
-
-
-def _compare(ours, theirs, levels=1):
-    """Every element within `levels` levels of 255 (normalised): 1 against Pillow's resize, which the
-    kernel's arithmetic is; 2 against torch's uint8 tensor resize (v2 pipelines that resize after
-    ToImage), whose fixed point differs from Pillow's by a level at times, and ours from it by one."""
-    assert len(ours) == len(theirs)
-    for (x, y), (tx, ty) in zip(ours, theirs):
-        assert torch.equal(y, ty)
-        assert x.shape == tx.shape and x.dtype == tx.dtype
-        diff = (x.float() - tx.float()).abs().max().item()
-        assert diff <= levels * LEVEL, f"max difference {diff} > {levels} level(s) ({levels * LEVEL})"
-
-
 @pytest.mark.parametrize("make", [TRAIN_V1, TRAIN_V2, EVAL_V1, EVAL_V2])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_match_the_cpu_pipeline(tmp_path, make, workers):
     root = make_folder(str(tmp_path), n=22)
     seed = random.randrange(2**31)
     ds = ImageFolder(root, transform=make(32))
-    theirs = _batches(TorchDataLoader(ds, batch_size=5, shuffle=True, num_workers=workers,
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=5, shuffle=True, num_workers=workers,
                                       generator=torch.Generator().manual_seed(seed)))
     loader = hotloop.DataLoader(ds, batch_size=5, shuffle=True, num_workers=workers,
                                 generator=torch.Generator().manual_seed(seed), gpu_decode=True)
-    _compare(_batches(loader), theirs, levels=2 if make is TRAIN_V2 else 1)
+    assert_batches_close(seeded_batches(loader), theirs, levels=2 if make is TRAIN_V2 else 1)
     st = loader.stats
     assert st.decoder.startswith("cpu") and st.images_cpu_decoded == 22 and st.images_gpu_decoded == 0
 
 
 def test_files_the_jpeg_path_cannot_take_fall_back(tmp_path):
-    rng = np.random.default_rng()
-    photo = _photo(rng, 50, 70)
+    rng = np.random.default_rng(derived_seed())
+    photo = make_photo(rng, 50, 70)
     extra = [("png_named.jpg", encoded(photo, "PNG")), ("grey.jpg", encoded(photo.convert("L"))),
              ("cmyk.jpg", encoded(photo.convert("CMYK"))), ("progressive.jpg", encoded(photo, progressive=True)),
              ("real.png", encoded(photo, "PNG"))]
     root = make_folder(str(tmp_path), n=10, extra=extra)
     ds = ImageFolder(root, transform=TRAIN_V1(24))
     seed = random.randrange(2**31)
-    theirs = _batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(seed)))
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(seed)))
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(seed),
                                 gpu_decode=True)
-    _compare(_batches(loader), theirs)
+    assert_batches_close(seeded_batches(loader), theirs)
 
 
 def test_center_crop_larger_than_the_image_runs_the_transform(tmp_path):
     root = make_folder(str(tmp_path), n=8, sizes=(20, 60))
     tf = v1.Compose([v1.CenterCrop(48), v1.ToTensor(), v1.Normalize(MEAN, STD)])
     ds = ImageFolder(root, transform=tf)
-    theirs = _batches(TorchDataLoader(ds, batch_size=4))
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=4))
     loader = hotloop.DataLoader(ds, batch_size=4, gpu_decode=True)
-    _compare(_batches(loader), theirs)
+    assert_batches_close(seeded_batches(loader), theirs)
     assert loader.stats.images_cpu_pipeline > 0
 
 
-@pytest.mark.parametrize("bad", [b"\xff\xd8\xff\xe0 truncated", os.urandom(3000), b""])
+@pytest.mark.parametrize("bad", [b"\xff\xd8\xff\xe0 truncated", "noise", b""])
 def test_a_bad_file_raises_what_pil_raises(tmp_path, bad):
+    if bad == "noise":
+        bad = random.randbytes(3000)  # drawn under the test's seed, not at collection
     root = make_folder(str(tmp_path), n=6, extra=[("bad.jpg", bad)])
     ds = ImageFolder(root, transform=TRAIN_V1(24))
     with pytest.raises(Exception) as theirs:
-        _batches(TorchDataLoader(ds, batch_size=7, num_workers=0))
+        seeded_batches(TorchDataLoader(ds, batch_size=7, num_workers=0))
     with pytest.raises(type(theirs.value)) as ours:
-        _batches(hotloop.DataLoader(ds, batch_size=7, num_workers=0, gpu_decode=True))
+        seeded_batches(hotloop.DataLoader(ds, batch_size=7, num_workers=0, gpu_decode=True))
     assert str(ours.value) == str(theirs.value)  # PIL's words (naming the file where PIL does)
 
 
 def test_a_truncated_jpeg_raises_what_pil_raises(tmp_path):
-    whole = encoded(_photo(np.random.default_rng(), 80, 80))
+    whole = encoded(make_photo(np.random.default_rng(derived_seed()), 80, 80))
     root = make_folder(str(tmp_path), n=6, extra=[("cut.jpg", whole[:len(whole) // 2])])
     ds = ImageFolder(root, transform=TRAIN_V1(24))
     with pytest.raises(Exception) as theirs:
-        _batches(TorchDataLoader(ds, batch_size=7, num_workers=2))
+        seeded_batches(TorchDataLoader(ds, batch_size=7, num_workers=2))
     with pytest.raises(type(theirs.value)) as ours:
-        _batches(hotloop.DataLoader(ds, batch_size=7, num_workers=2, gpu_decode=True))
+        seeded_batches(hotloop.DataLoader(ds, batch_size=7, num_workers=2, gpu_decode=True))
     assert str(theirs.value).splitlines()[-1] in str(ours.value)
 
 
@@ -209,20 +161,20 @@ def test_unrecognised_pipelines_warn_and_run_as_torch(tmp_path):
     ds = ImageFolder(root, transform=v1.Compose([v1.RandomResizedCrop(24), v1.ColorJitter(0.3), v1.ToTensor()]))
     with pytest.warns(UserWarning, match="gpu_decode is off"):
         loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, gpu_decode=True,
-                                    generator=torch.Generator().manual_seed(1))
-    theirs = _batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=torch.Generator().manual_seed(1)))
-    for (x, y), (tx, ty) in zip(_batches(loader), theirs):
+                                    generator=seeded_generator(1))
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=4, num_workers=2, generator=seeded_generator(1)))
+    for (x, y), (tx, ty) in zip(seeded_batches(loader), theirs, strict=True):
         assert torch.equal(x, tx) and torch.equal(y, ty)
     assert loader.stats.decoder is None and loader.stats.images_gpu_decoded == 0
 
 
 def test_encoded_image_dataset_from_bytes():
-    rng = np.random.default_rng()
-    items = [(encoded(_photo(rng, int(rng.integers(30, 90)), int(rng.integers(30, 90)))), i % 4) for i in range(13)]
+    rng = np.random.default_rng(derived_seed())
+    items = [(encoded(make_photo(rng, int(rng.integers(30, 90)), int(rng.integers(30, 90)))), i % 4) for i in range(13)]
     ds = hotloop.EncodedImageDataset(lambda i: items[i], len(items), transform=EVAL_V2(24))
-    theirs = _batches(TorchDataLoader(ds, batch_size=4))
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=4))
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, gpu_decode=True)
-    _compare(_batches(loader), theirs)
+    assert_batches_close(seeded_batches(loader), theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -230,10 +182,10 @@ def test_encoded_image_dataset_from_bytes():
 def test_dtype_and_layout(tmp_path, dtype, channels_last):
     root = make_folder(str(tmp_path), n=9)
     ds = ImageFolder(root, transform=EVAL_V1(24))
-    theirs = _batches(TorchDataLoader(ds, batch_size=3))
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=3))
     loader = hotloop.DataLoader(ds, batch_size=3, gpu_decode=hotloop.GpuDecode(dtype=dtype, channels_last=channels_last))
-    ours = _batches(loader)
-    for (x, _), (tx, _) in zip(ours, theirs):
+    ours = seeded_batches(loader)
+    for (x, _), (tx, _) in zip(ours, theirs, strict=True):
         assert x.dtype == dtype and x.shape == tx.shape
         assert x.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         tol = LEVEL + tx.abs().max().item() * (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11)
@@ -299,17 +251,17 @@ def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers)
     decodes what the decoder refused itself, and the batches equal the CPU pipeline's."""
     decoder = PilDecoder()
     open_with(monkeypatch, decoder)
-    photo = _photo(np.random.default_rng(), 60, 50)
+    photo = make_photo(np.random.default_rng(derived_seed()), 60, 50)
     extra = [("grey.jpg", encoded(photo.convert("L"))), ("cmyk.jpg", encoded(photo.convert("CMYK"))),
              ("progressive.jpg", encoded(photo, progressive=True)), ("png_named.jpg", encoded(photo, "PNG"))]
     root = make_folder(str(tmp_path), n=23, extra=extra)
     ds = ImageFolder(root, transform=TRAIN_V2(28))
     seed = random.randrange(2**31)
-    theirs = _batches(TorchDataLoader(ds, batch_size=6, shuffle=True, num_workers=workers,
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=6, shuffle=True, num_workers=workers,
                                       generator=torch.Generator().manual_seed(seed)))
     loader = hotloop.DataLoader(ds, batch_size=6, shuffle=True, num_workers=workers, gpu_decode=True,
                                 generator=torch.Generator().manual_seed(seed))
-    _compare(_batches(loader), theirs, levels=2)  # TRAIN_V2 resizes tensors
+    assert_batches_close(seeded_batches(loader), theirs, levels=2)  # TRAIN_V2 resizes tensors
     st = loader.stats
     assert st.images_gpu_decoded == decoder.decoded > 0 and st.images_refused == decoder.refused > 0
     # the CMYK, progressive and PNG files never reach the decoder: the workers decode them

@@ -22,7 +22,7 @@ from torchvision.datasets import ImageFolder
 import hotloop
 
 from .conftest import descendant_states
-from .test_gpu_decode import TRAIN_V1, make_folder
+from .image_folders import TRAIN_V1, make_folder
 
 pytestmark = pytest.mark.gpu
 

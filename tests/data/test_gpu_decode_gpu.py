@@ -16,7 +16,7 @@ from torchvision.datasets import ImageFolder
 
 import hotloop
 
-from .test_gpu_decode import STD, TRAIN_V1, EVAL_V2, _batches, _compare, make_folder
+from .image_folders import EVAL_V2, STD, TRAIN_V1, assert_batches_close, make_folder, seeded_batches
 
 pytestmark = pytest.mark.gpu
 
@@ -34,13 +34,13 @@ def _both_ways(ds, batch, backend):
     """(hotloop's loader, its batches, torch's batches): the same shuffled epoch from a fresh seed,
     hotloop decoding with `backend` (skips where the GPU has no hardware JPEG decoder)."""
     seed = random.randrange(2**31)
-    theirs = _batches(TorchDataLoader(ds, batch_size=batch, shuffle=True, num_workers=2,
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=batch, shuffle=True, num_workers=2,
                                       generator=torch.Generator().manual_seed(seed)))
     try:
         loader = hotloop.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, device="cuda",
                                     generator=torch.Generator().manual_seed(seed),
                                     gpu_decode=hotloop.GpuDecode(backend=backend))
-        return loader, _batches(loader), theirs
+        return loader, seeded_batches(loader), theirs
     except RuntimeError as exc:
         if backend == "hardware" and "hardware" in str(exc):
             pytest.skip(f"no hardware JPEG decoder here: {exc}")
@@ -54,7 +54,7 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     ds = ImageFolder(root, transform=make(64))
     loader, ours, theirs = _both_ways(ds, 8, backend)
     worst = 0.0
-    for (x, y), (tx, ty) in zip(ours, theirs):
+    for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
         assert x.is_cuda and torch.equal(y.cpu(), ty)
         d = _levels(x, tx)
         worst = max(worst, d.max().item())
@@ -68,11 +68,11 @@ def test_cpu_backend_on_the_gpu_is_within_one_level(tmp_path):
     root = make_folder(str(tmp_path), n=30)
     ds = ImageFolder(root, transform=TRAIN_V1(48))
     seed = random.randrange(2**31)
-    theirs = _batches(TorchDataLoader(ds, batch_size=7, num_workers=2, generator=torch.Generator().manual_seed(seed)))
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=7, num_workers=2, generator=torch.Generator().manual_seed(seed)))
     loader = hotloop.DataLoader(ds, batch_size=7, num_workers=2, device="cuda", gpu_decode="cpu",
                                 generator=torch.Generator().manual_seed(seed))
-    ours = [(x.cpu(), y.cpu()) for x, y in _batches(loader)]
-    _compare(ours, theirs)
+    ours = [(x.cpu(), y.cpu()) for x, y in seeded_batches(loader)]
+    assert_batches_close(ours, theirs)
 
 
 @pytest.mark.parametrize("backend", ["hardware", "cuda", "cpu"])
@@ -87,7 +87,7 @@ def test_batches_larger_than_one_ring_registration(tmp_path, backend):
     assert sum(sizes[:batch]) > 8 << 20, "the premise: even the smallest files of a batch fill more than 8 MiB"
     loader, ours, theirs = _both_ways(ds, batch, backend)
     if backend == "cpu":
-        _compare([(x.cpu(), y.cpu()) for x, y in ours], theirs)
+        assert_batches_close([(x.cpu(), y.cpu()) for x, y in ours], theirs)
     else:
         for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
             assert torch.equal(y.cpu(), ty) and _levels(x, tx).max().item() <= DECODE_MAX_LEVELS

@@ -11,9 +11,10 @@ from torchvision.datasets import ImageFolder
 from hotloop.data import _device
 from hotloop.data.image import stage as image_stage
 
+from ..seeding import current_seed
 from .conftest import open_with
-from .test_decode_outside_lock import GatedDecoder, _loaders
-from .test_gpu_decode import TRAIN_V1, make_folder
+from .image_folders import TRAIN_V1, make_folder
+from .stand_in_decoder import GatedDecoder, gpu_decode_loaders
 
 _BATCH_KINDS = (_device.Pending, _device.ImageLaunch, image_stage._Prepared)
 
@@ -22,7 +23,7 @@ _BATCH_KINDS = (_device.Pending, _device.ImageLaunch, image_stage._Prepared)
 def test_no_batch_object_is_left_in_a_cycle(tmp_path, fake_cuda, monkeypatch, broken_off):
     open_with(monkeypatch, GatedDecoder())
     ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V1(28))
-    _, ours = _loaders(ds, 0, batch_size=5, shuffle=True, num_workers=2)
+    _, ours = gpu_decode_loaders(ds, current_seed(), batch_size=5, shuffle=True, num_workers=2)
     gc.collect()
     gc.disable()  # what the loops below leave in cycles stays for the look after them
     try:

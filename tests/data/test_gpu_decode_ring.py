@@ -11,8 +11,8 @@ import hotloop
 from hotloop.data._device import DeviceCopies
 
 from .conftest import Images, fake_device, open_with
-from .test_decode_outside_lock import GatedDecoder, _loaders, _take
-from .test_gpu_decode import TRAIN_V1, _compare, make_folder
+from .image_folders import TRAIN_V1, assert_batches_close, make_folder
+from .stand_in_decoder import GatedDecoder, gpu_decode_loaders, take_batch
 
 
 def _record_populate(monkeypatch):
@@ -33,15 +33,15 @@ def test_a_gpu_decode_ring_is_not_page_locked(tmp_path, fake_cuda, monkeypatch):
     fake_cuda.background_pins = False  # a slot counts as page-locked only once register() did it
     asked = _record_populate(monkeypatch)
     ds = ImageFolder(make_folder(str(tmp_path), n=30), transform=TRAIN_V1(28))
-    theirs, ours = _loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2)
+    theirs, ours = gpu_decode_loaders(ds, random.randrange(2**31), batch_size=5, shuffle=True, num_workers=2)
     expected = [(x.clone(), y.clone()) for x, y in theirs]
     it = iter(ours)
-    got = [_take(it) for _ in range(len(ours) - 1)]
+    got = [take_batch(it) for _ in range(len(ours) - 1)]
     pool = it._pool  # the epoch's, until its last batch
     assert pool.ring.nslots > 0 and not pool.copies.pin_slots
-    got.append(_take(it))
+    got.append(take_batch(it))
     assert fake_cuda.registered == set() and asked == []  # neither in the background nor before a copy
-    _compare(got, expected)
+    assert_batches_close(got, expected)
 
 
 def test_a_ring_without_gpu_decode_still_is(fake_cuda, monkeypatch):

@@ -10,6 +10,8 @@ import hotloop
 from hotloop.data.image.resize import (ImageEntry, empty_batch, image_entry, pack_entries, resize_batch,
                                        resize_images)
 
+from ..seeding import derived_seed
+
 HANG_GUARD_S = 300  # the C reference of a 256-image batch and of a 10000 x 10000 source takes seconds
 
 DTYPES = [torch.uint8, torch.float32, torch.float16, torch.bfloat16]
@@ -166,7 +168,7 @@ def test_reference_matches_torchvision_and_pillow(kind):
         images, boxes, size = batch_of(kind, 12)
         flips = [bool(randint(0, 1)) for _ in images]
         ours = checked_run(images, boxes, size, flips=flips)
-        for i, (image, box, flip) in enumerate(zip(images, boxes, flips)):
+        for i, (image, box, flip) in enumerate(zip(images, boxes, flips, strict=True)):
             what = f"{kind} image {tuple(image.shape)} stride {image.stride()} box {box} -> {size} flip {flip}"
             tv.add(ours[i], torchvision_reference(image, box, size, flip=flip), 1, "torchvision: " + what)
             if pillow_resizes_vertically_first(box[2], box[3], *size):
@@ -354,7 +356,7 @@ def gpu_entries(images, size):
 
 
 @pytest.fixture(scope="module")
-def batch_256():
+def batch_256(module_seed):
     return gpu_batch(256, 700)
 
 
@@ -424,7 +426,7 @@ def test_cuda_batch_arguments():
 def test_cuda_table_through_page_locked_memory():
     """table_host: the table goes through page-locked memory, with the same images out as from pageable
     memory; too small a table_host is refused before any copy."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     images = [random_image(int(rng.integers(8, 300)), int(rng.integers(8, 300)), device="cuda") for _ in range(40)]
     rows = []
     for img in images:

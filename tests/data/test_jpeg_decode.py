@@ -24,6 +24,8 @@ import hotloop
 from hotloop import _C
 from hotloop.data.image.nvjpeg import SONAME, nvjpeg_library_candidates
 
+from ..seeding import derived_seed
+
 HANG_GUARD_S = 600  # the GPU tests encode and decode 100-megapixel images
 
 REPORT = {}
@@ -101,7 +103,7 @@ SIZES = [(1, 1), (1, 7), (7, 1), (8, 8), (15, 17), (16, 16), (33, 65), (375, 500
 @pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
 @pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
 def test_header_matches_pil(size, mode, progressive):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     h, w = size
     image = Image.fromarray(natural(h, w, rng)).convert(mode)
     options = dict(quality=int(rng.choice([5, 50, 75, 90, 95, 100])), optimize=bool(rng.integers(2)),
@@ -122,7 +124,7 @@ def test_header_matches_pil(size, mode, progressive):
 
 
 def test_header_other_markers_and_layouts():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     image = Image.fromarray(natural(48, 80, rng))
     # EXIF orientation 6 (rotate 90): PIL's loader (ImageFolder's) does not apply it, nor does the header
     exif = Image.Exif()
@@ -147,7 +149,7 @@ def test_header_end_of_file():
     """ends_with_eoi: EOI last, after any 00/FF padding. A file without it goes to PIL (the workers'
     CPU path), which refuses it as truncated, unless its scan happens to end whole: 12 of 400 random
     images here decode without their last byte or two."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     data = make_jpeg(rng, 40, 56)
     padded = [data + b"\0" * int(rng.integers(1, 5000)), data + b"\xff" * 3, data + b"\0\xff\0"]
     for whole in [data] + padded:
@@ -165,7 +167,7 @@ def test_header_end_of_file():
 
 
 def test_header_not_a_jpeg():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     png = io.BytesIO()
     Image.fromarray(natural(10, 10, rng)).save(png, "PNG")
     for data in [b"", b"\xff", b"\xd8\xff", png.getvalue(), b"GIF89a" + bytes(100), b"\x00\xff\xd8\xff"]:
@@ -173,7 +175,7 @@ def test_header_not_a_jpeg():
 
 
 def test_header_corrupt_raises_value_error():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     data = make_jpeg(rng, 16, 16)
     sof, sof_end = segment(data, 0xC0)
     cases = {
@@ -201,7 +203,7 @@ def test_header_corrupt_raises_value_error():
 
 
 def test_header_buffer_kinds():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     data = make_jpeg(rng, 20, 30, "grey")
     expected = tuple(_C.jpeg_header(data))
     array = np.frombuffer(data, np.uint8).copy()
@@ -221,7 +223,7 @@ def mmap_copy(data):
 
 
 def test_header_every_truncation():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     files = [make_jpeg(rng, 24, 32, "420", exif=b"Exif\0\0" + bytes(300)),
              make_jpeg(rng, 9, 17, "grey", progressive=True), make_jpeg(rng, 8, 8, "cmyk")]
     for data in files:
@@ -279,7 +281,7 @@ def parse_safely(view):
 
 
 def test_header_fuzz_behind_a_guard_page():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     guard = GuardedBuffer(1 << 16)
     try:
         seeds = [make_jpeg(rng, 24, 40, kind) for kind in ("420", "grey", "progressive", "cmyk", "rgb")]
@@ -318,7 +320,7 @@ def test_header_fuzz_behind_a_guard_page():
 
 @pytest.mark.skipif(bool(hotloop.build_info()["sanitizers"]), reason="timed: not under sanitizers")
 def test_header_is_fast():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     data = encode(Image.fromarray(natural(375, 500, rng, noise=11)), quality=90,
                   exif=b"Exif\0\0" + bytes(2000))
     assert 50_000 < len(data) < 120_000
@@ -456,7 +458,7 @@ class Batch:
             status = decoder.decode(self.sources, dests, len(self.blobs), stream.cuda_stream)
             blocked = time.perf_counter() - t0
         stream.synchronize()
-        images = [o[:, :w * 3].reshape(h, w, 3).cpu().numpy() for o, (h, w) in zip(outs, self.shapes)]
+        images = [o[:, :w * 3].reshape(h, w, 3).cpu().numpy() for o, (h, w) in zip(outs, self.shapes, strict=True)]
         return list(status), images, outs, blocked
 
 
@@ -499,7 +501,7 @@ def within(backend, worst, mean, interpolate=True):
 @pytest.mark.parametrize("interpolate", [True, False], ids=["interpolate", "replicate"])
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_decode_batch_against_pil(backend, interpolate):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     kinds = [KINDS[i % len(KINDS)] for i in range(64)]
     rng.shuffle(kinds)
     blobs = [make_jpeg(rng, int(rng.integers(8, 700)), int(rng.integers(8, 700)), k,
@@ -510,7 +512,7 @@ def test_decode_batch_against_pil(backend, interpolate):
     batch = Batch(blobs)
     statuses, images, _, blocked = batch.decode(decoder)
     stats = {}
-    for kind, status, got, data, shape in zip(kinds, statuses, images, blobs, batch.shapes):
+    for kind, status, got, data, shape in zip(kinds, statuses, images, blobs, batch.shapes, strict=True):
         entry = stats.setdefault(kind, {"statuses": [], "max": 0, "mean": [], "refused": []})
         entry["statuses"].append(status)
         if status != _C.JPEG_DECODED:
@@ -539,7 +541,7 @@ def test_decode_batch_against_pil(backend, interpolate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_unsupported_and_corrupt_images_keep_the_others(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     good = [make_jpeg(rng, int(rng.integers(32, 300)), int(rng.integers(32, 300))) for _ in range(12)]
     bad_table = corrupt_huffman_table(make_jpeg(rng, 64, 64))
     with pytest.raises(Exception):
@@ -582,7 +584,7 @@ def test_unsupported_and_corrupt_images_keep_the_others(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_decode_checks_and_lifecycle(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     blobs = [make_jpeg(rng, 50, 70) for _ in range(3)]
     decoder = open_decoder(backend, 4)
     assert decoder.backend == backend and decoder.device == torch.cuda.current_device()
@@ -612,7 +614,7 @@ def test_decode_checks_and_lifecycle(backend):
     side = torch.cuda.Stream()
     s1, first, _, _ = batch.decode(decoder)
     s2, second, _, _ = batch.decode(decoder, stream=side)
-    assert s1 == s2 == [0, 0, 0] and all((a == b).all() for a, b in zip(first, second))
+    assert s1 == s2 == [0, 0, 0] and all((a == b).all() for a, b in zip(first, second, strict=True))
     with decoder:
         pass
     assert decoder.closed
@@ -628,7 +630,7 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
     included: here reads of the outputs queued behind ~100 ms of GPU time see the poison, not pixels.
     nvjpeg's hardware batched decode was reported to write while the call runs (torchcodec #1634:
     12.3-13.2 on H100), hence nvjpeg.c's host wait; on the H200 with 13.0.1 this passed without it."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     blobs = [make_jpeg(rng, int(rng.integers(64, 500)), int(rng.integers(64, 500))) for _ in range(32)]
     decoder = open_decoder(backend, 32)
     batch = Batch(blobs)
@@ -642,7 +644,7 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
         status = decoder.decode(batch.sources, dests, len(blobs), stream.cuda_stream)
     stream.synchronize()
     assert list(status) == [_C.JPEG_DECODED] * len(blobs)
-    for i, (before, out, (h, w), data) in enumerate(zip(seen, outs, batch.shapes, blobs)):
+    for i, (before, out, (h, w), data) in enumerate(zip(seen, outs, batch.shapes, blobs, strict=True)):
         assert bool((before == 7).all()), f"image {i}: written before the work queued ahead of the decode ran"
         worst, mean = differences(out[:, :w * 3].reshape(h, w, 3).cpu().numpy(), data)
         assert within(backend, worst, mean), (i, worst, mean)
@@ -679,7 +681,7 @@ def test_back_to_back_decodes_each_keep_their_images(backend):
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_throughput_report(backend):
     """Not a benchmark gate: the figures for the report (256 PIL-made 500x375 q90 JPEGs, ~74 KB)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     blobs = [encode(Image.fromarray(natural(375, 500, rng, noise=11)), quality=90) for _ in range(256)]
     batch = Batch(blobs)
     outs, dests = batch.outputs(0)
@@ -727,7 +729,7 @@ def test_throughput_report(backend):
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_very_large_image(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     h = w = 10000
     y = np.linspace(0, 255, h, dtype=np.float32)[:, None]
     x = np.linspace(0, 255, w, dtype=np.float32)[None, :]
@@ -754,7 +756,7 @@ def test_very_large_image(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_no_leak_over_50_decoders(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     batch = Batch([make_jpeg(rng, 120, 160), make_jpeg(rng, 90, 60, "progressive")])
 
     def one_round():
@@ -782,7 +784,7 @@ def test_a_forked_copy_leaves_the_decoder_to_its_parent(backend):
     """A DataLoader worker forked while a decoder lives (torch's, in the H200 suite) garbage-collected
     its copy; nvjpeg's destroy calls there threw and aborted the worker. The copy is let go of, and a
     decode in it says why it cannot run; the parent's decoder works on."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     batch = Batch([make_jpeg(rng, 64, 96) for _ in range(2)])
     decoder = open_decoder(backend, 4)
     first = batch.decode(decoder)[1]
@@ -810,13 +812,13 @@ def test_a_forked_copy_leaves_the_decoder_to_its_parent(backend):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with wait status {status}"
     assert "forked copy" in said and "open one in this process" in said, said
     again = batch.decode(decoder)[1]
-    assert all((a == b).all() for a, b in zip(first, again))
+    assert all((a == b).all() for a, b in zip(first, again, strict=True))
     decoder.close()
 
 
 @pytest.mark.gpu
 def test_one_decoder_per_thread():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     batches = [Batch([make_jpeg(rng, 200, 300) for _ in range(8)]) for _ in range(2)]
     results = [None, None]
 

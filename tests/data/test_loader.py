@@ -15,6 +15,7 @@ from torch.utils.data import get_worker_info
 import hotloop
 from hotloop import input_wait
 
+from ..seeding import current_seed, seeded_generator
 from .conftest import (Images, Mixed, alive, assert_same, both, fake_device, no_prefetch_thread_left, open_fds,
                        prefetch_threads, rss_kb, shm_files)
 
@@ -28,7 +29,7 @@ def test_same_batches_as_torch(num_workers, kind):
     theirs, ours = both(Mixed(kind=kind, seed=seed), seed, batch_size=4, shuffle=True, num_workers=num_workers,
                         generator=True)
     assert len(ours) == len(theirs) == 6
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -64,7 +65,7 @@ def test_samplers_and_collation(num_workers, config):
     kwargs = {"num_workers": num_workers}
     if config == "sampler":
         kwargs.update(batch_size=5, sampler=SubsetRandomSampler(list(range(3, 30)),
-                                                               generator=torch.Generator().manual_seed(3)))
+                                                               generator=seeded_generator(3)))
     elif config == "batch_sampler":
         kwargs.update(batch_sampler=EvenOdd(len(ds)))
     elif config == "drop_last":
@@ -75,12 +76,12 @@ def test_samplers_and_collation(num_workers, config):
         kwargs.update(batch_size=4, collate_fn=pad_collate)
     if config == "sampler":  # the sampler holds its generator: one per loader
         theirs = list(TorchDataLoader(ds, **kwargs))
-        kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=torch.Generator().manual_seed(3))
+        kwargs["sampler"] = SubsetRandomSampler(list(range(3, 30)), generator=seeded_generator(3))
         ours = list(hotloop.DataLoader(ds, **kwargs))
     else:
         theirs, ours = both(ds, **kwargs)
     assert len(ours) == len(theirs) > 0
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -104,7 +105,7 @@ class Shards(IterableDataset):
 def test_iterable_dataset(num_workers):
     theirs, ours = both(Shards(), batch_size=3, num_workers=num_workers)
     assert len(ours) == len(theirs) > 0
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -116,7 +117,7 @@ def test_in_order_false_and_persistent_workers():
         ours = list(loader)
         key = lambda b: b[0][0, 0].item()  # noqa: E731
         assert sorted(map(key, ours)) == sorted(map(key, theirs))
-        for a, b in zip(sorted(theirs, key=key), sorted(ours, key=key)):
+        for a, b in zip(sorted(theirs, key=key), sorted(ours, key=key), strict=True):
             assert_same(a, b)
     pids = [p.pid for p in loader._hl_pool.procs]
     ring = loader._hl_pool.ring
@@ -132,17 +133,17 @@ def test_in_order_false_and_persistent_workers():
 def test_persistent_workers_abandoned_epoch_then_full_epoch():
     ds = Rows(60)
     loader = hotloop.DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, shuffle=True,
-                                generator=torch.Generator().manual_seed(0))
+                                generator=seeded_generator())
     it = iter(loader)
     next(it), next(it)
     ref = TorchDataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+                          generator=seeded_generator())
     ref_it = iter(ref)
     next(ref_it), next(ref_it)
     theirs = list(ref)
     ours = list(loader)  # second epoch, after the first was abandoned
     assert len(theirs) == 20
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
     assert len(ours) == 20
 
@@ -151,18 +152,18 @@ def test_persistent_workers_abandoned_epoch_then_full_epoch():
 def test_resume_mid_epoch(num_workers):
     ds = Mixed(n=41, kind="tuple")
     kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
-    full = list(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs))
-    first = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(9), **kwargs)
+    full = list(hotloop.DataLoader(ds, generator=seeded_generator(9), **kwargs))
+    first = hotloop.DataLoader(ds, generator=seeded_generator(9), **kwargs)
     it = iter(first)
     head = [next(it) for _ in range(4)]
     state = first.state_dict()
     del it
     assert state["batches_yielded"] == 4
-    second = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(123), **kwargs)
+    second = hotloop.DataLoader(ds, generator=seeded_generator(123), **kwargs)
     second.load_state_dict(state)
     rest = list(second)
     assert len(head) + len(rest) == len(full)
-    for a, b in zip(full[4:], rest):
+    for a, b in zip(full[4:], rest, strict=True):
         # worker-drawn noise depends on which batches a worker did; the indices do not
         assert_same(a[2], b[2])
         assert_same(a[4], b[4])
@@ -172,15 +173,15 @@ def test_resume_mid_epoch(num_workers):
 def test_resume_after_a_finished_epoch_starts_the_next(num_workers):
     ds = Rows(30)
     kwargs = dict(batch_size=4, shuffle=True, num_workers=num_workers)
-    ref = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(5), **kwargs)
+    ref = hotloop.DataLoader(ds, generator=seeded_generator(5), **kwargs)
     list(ref)
     state = ref.state_dict()
     second_epoch = list(ref)
-    other = hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(77), **kwargs)
+    other = hotloop.DataLoader(ds, generator=seeded_generator(77), **kwargs)
     other.load_state_dict(state)
     got = list(other)
     assert len(got) == len(second_epoch) == 8
-    for a, b in zip(second_epoch, got):
+    for a, b in zip(second_epoch, got, strict=True):
         assert_same(a, b)
 
 
@@ -204,11 +205,11 @@ class Counting(Dataset):
 def test_worker_killed_every_sample_once(tmp_path, victim):
     ds = Counting(50, victim=victim, marker=str(tmp_path / "died"))
     loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
-                                generator=torch.Generator().manual_seed(1))
+                                generator=seeded_generator(1))
     got = list(loader)
     ref = list(TorchDataLoader(Counting(50, -1, ""), batch_size=4, shuffle=True,
-                               generator=torch.Generator().manual_seed(1)))
-    for a, b in zip(ref, got):
+                               generator=seeded_generator(1)))
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     ids = torch.cat([b[1] for b in got]).tolist()
     assert sorted(ids) == list(range(50))
@@ -220,14 +221,14 @@ def test_launcher_killed_every_sample_once():
     # workers 1.. are forked by a launcher process; if it dies they are replaced like dead workers
     ds = Counting(60, victim=-1, marker="")
     loader = hotloop.DataLoader(ds, batch_size=4, num_workers=3, shuffle=True, max_worker_restarts=1,
-                                generator=torch.Generator().manual_seed(3))
+                                generator=seeded_generator(3))
     it = iter(loader)
     launcher = it._pool.launcher
     os.kill(launcher.pid, signal.SIGKILL)
     got = list(it)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(3)))
     assert len(got) == len(ref) == 15
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     # one event, not two deaths: max_worker_restarts=1 is not used up by it (workers 1 and 2 were the
     # launcher's; worker 0 is forked by the main process and lives on)
@@ -403,11 +404,11 @@ def test_ragged_and_large_side_objects():
     loader = hotloop.DataLoader(Ragged(), batch_size=4, num_workers=2, collate_fn=lambda s: s)
     ref = list(TorchDataLoader(Ragged(), batch_size=4, collate_fn=lambda s: s))
     got = list(loader)
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     # a 70 kB string: larger than the slot's metadata area, so it takes the pipe
     theirs, ours = both(BigStrings(), batch_size=3, num_workers=2)
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -423,7 +424,7 @@ def test_layout_changes_take_the_side_path():
     ds = Growing()
     theirs, ours = both(ds, batch_size=2, num_workers=2, collate_fn=cat_collate)
     assert len(ours) == 6
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -444,7 +445,7 @@ def test_worker_init_fn_and_spawn_context():
     theirs = list(TorchDataLoader(ds, batch_size=5))
     ours = list(hotloop.DataLoader(ds, batch_size=5, num_workers=1, multiprocessing_context="spawn",
                                    worker_init_fn=_init))
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
 
 
@@ -551,7 +552,7 @@ def test_gpu_transform_on_cpu_loader():
     ref = list(TorchDataLoader(ds, batch_size=4))
     for nw in (0, 2):
         got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=nw, gpu_transform=tf))
-        for (x, i), (y, j) in zip(ref, got):
+        for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j)
             assert torch.equal(tf.reference(x), y) and y.dtype == torch.bfloat16 and y.shape == (len(i), 3, 16, 16)
 
@@ -565,7 +566,7 @@ def test_normalize_without_a_dtype_gives_float32_on_the_cpu():
     ref = list(TorchDataLoader(ds, batch_size=4))
     for nw in (0, 2):
         got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=nw, gpu_transform=tf))
-        for (x, i), (y, j) in zip(ref, got):
+        for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j) and y.dtype == torch.float32
             assert torch.equal(tf.reference(x), y)
             assert torch.equal(y, x.permute(0, 3, 1, 2).float().sub(tf.mean_scaled.view(1, 3, 1, 1))
@@ -651,19 +652,19 @@ def test_interpreter_exit_and_ctrl_c_reap_workers(tmp_path, how):
                          [(1, 0, False), (3, 2, True), (2, 3, False), (0, 0, False), (0, 2, True), (0, 3, False)])
 def test_device_path_logic_with_fake_cuda(fake_cuda, prefetch_thread, num_workers, prefetch_batches, transform):
     ds = Images(n=42, size=12)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(2)))
     fake = fake_cuda
     tf = hotloop.Normalize((0.4, 0.5, 0.6), (0.2, 0.3, 0.25), dtype=torch.float16) if transform else None
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=num_workers, gpu_transform=tf,
-                                            generator=torch.Generator().manual_seed(2),
+                                            generator=seeded_generator(2),
                                             prefetch_batches=prefetch_batches))
     for epoch in range(2):
         got = list(loader)
         assert len(got) == len(ref) == 11  # every batch, the last ones after the prefetch included
-        for (x, i), (y, j) in zip(ref, got):
+        for (x, i), (y, j) in zip(ref, got, strict=True):
             assert torch.equal(i, j)
             assert torch.equal(y, tf.reference(x) if tf else x)
-        loader.generator.manual_seed(2)  # the next epoch in the same order as `ref` again
+        loader.generator.manual_seed(current_seed() + 2)  # the next epoch in the same order as `ref` again
     assert fake.copies == 2 * 11 and fake.waited >= 2 * 11 * 2  # copy stream and consumer stream both wait
     assert 0 < len(fake.registered) <= num_workers * 2 + prefetch_batches + 3
     st = loader.stats
@@ -675,12 +676,12 @@ def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefe
     """num_workers=0 with a device: batches made ahead do not move the resume point, and an error
     in a batch made ahead is raised when that batch is due, after the batches before it."""
     ds = Images(n=42, size=12)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(3)))
     fake = fake_cuda
 
     def make(dataset):
         return fake_device(hotloop.DataLoader(dataset, batch_size=4, shuffle=True,
-                                              generator=torch.Generator().manual_seed(3),
+                                              generator=seeded_generator(3),
                                               prefetch_batches=prefetch_batches))
 
     loader = make(ds)
@@ -692,7 +693,7 @@ def test_single_process_device_resume_and_errors_with_fake_cuda(fake_cuda, prefe
     again.load_state_dict(state)
     rest = list(again)
     assert len(first) + len(rest) == len(ref)
-    for (x, i), (y, j) in zip(ref, first + rest):
+    for (x, i), (y, j) in zip(ref, first + rest, strict=True):
         assert torch.equal(i, j) and torch.equal(x, y)
     assert fake.copies == 11 + prefetch_batches and loader.stats.samples == 16  # made ahead: copied, not counted
     assert again.stats.samples == 42 - 16
@@ -729,7 +730,7 @@ def assert_sequential_batches(got, ds, lost=()):
     batches numbered in `lost`."""
     want = [k for k in range(11) if k not in lost]
     assert len(got) == len(want)
-    for k, (x, i) in zip(want, got):
+    for k, (x, i) in zip(want, got, strict=True):
         assert torch.equal(x, ds.data[4 * k:4 * k + 4]) and torch.equal(i, torch.arange(4 * k, min(4 * k + 4, 42)))
 
 
@@ -738,15 +739,15 @@ def test_prefetch_thread_queues_the_next_copies_while_the_consumer_works(fake_cu
     queued by the prefetch thread while the consumer works on it, not by the consumer's thread;
     the batches are torch's, and the thread ends with the epoch."""
     ds = Images(n=42, size=12)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)))
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(5)))
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
-                                             generator=torch.Generator().manual_seed(5)))
+                                             generator=seeded_generator(5)))
     got = []
     for batch in loader:
         got.append(batch)
         time.sleep(0.05)  # "the training step": the workers and the prefetch thread go on meanwhile
     assert len(got) == len(ref) == 11
-    for (x, i), (y, j) in zip(ref, got):
+    for (x, i), (y, j) in zip(ref, got, strict=True):
         assert torch.equal(x, y) and torch.equal(i, j)
     main = threading.main_thread()
     off_main = [t for t in fake_cuda.copy_threads if t is not main]
@@ -855,11 +856,11 @@ def test_state_dict_while_the_prefetch_thread_runs(fake_cuda):
     resumed loader yields exactly the rest, as torch's loader would have (random crops included)."""
     ds = RandomCrops()
     ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
-                               generator=torch.Generator().manual_seed(7)))
+                               generator=seeded_generator(7)))
 
     def make():
         return fake_device(hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=3,
-                                               generator=torch.Generator().manual_seed(7)))
+                                               generator=seeded_generator(7)))
 
     loader = make()
     it = iter(loader)
@@ -873,7 +874,7 @@ def test_state_dict_while_the_prefetch_thread_runs(fake_cuda):
     again.load_state_dict(state)
     rest = list(again)
     assert len(first) + len(rest) == len(ref)
-    for (x, i), (y, j) in zip(ref, first + rest):
+    for (x, i), (y, j) in zip(ref, first + rest, strict=True):
         assert torch.equal(x, y) and torch.equal(i, j)
 
 

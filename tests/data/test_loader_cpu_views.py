@@ -11,6 +11,7 @@ import hotloop
 from hotloop.data._batch import flatten
 from hotloop.data._pool import LEASE_SLOTS
 
+from ..seeding import seeded_generator
 from .conftest import Mixed, assert_same, both, open_fds, rss_kb, shm_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -41,7 +42,7 @@ def _in_ring(t, pool):
 def test_view_batches_equal_torch(kind):
     theirs, ours = both(Mixed(n=37, kind=kind), batch_size=4, num_workers=2, shuffle=True, generator=True)
     assert len(theirs) == len(ours) == 10
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
     for batch in ours:  # each tensor has a storage of its own bytes, as a collated one has
         tensors = []
@@ -73,8 +74,8 @@ def test_holding_every_batch_keeps_their_values(persistent):
     deadlock, and no held batch is overwritten, neither in its epoch nor in the next ones."""
     ds = Blocks(n=64)
     loader = hotloop.DataLoader(ds, batch_size=2, num_workers=3, shuffle=True,
-                                generator=torch.Generator().manual_seed(5), persistent_workers=persistent)
-    ref = list(TorchDataLoader(ds, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5)))
+                                generator=seeded_generator(5), persistent_workers=persistent)
+    ref = list(TorchDataLoader(ds, batch_size=2, shuffle=True, generator=seeded_generator(5)))
     held = []
     for epoch in range(3):
         batches = list(loader)
@@ -83,7 +84,7 @@ def test_holding_every_batch_keeps_their_values(persistent):
         # held batches never come back: a pool lends LEASE_SLOTS of them (persistent: one pool for all)
         assert loader.stats.view_batches == LEASE_SLOTS * (1 if persistent else epoch + 1)
         if epoch == 0:
-            for (x, i), (y, j) in zip(ref, batches):
+            for (x, i), (y, j) in zip(ref, batches, strict=True):
                 assert torch.equal(i, j) and torch.equal(x, y)
         for old in held:  # this epoch's, and every earlier one's, still hold their samples
             assert torch.equal(torch.cat([j for _, j in old]).sort().values, torch.arange(64))

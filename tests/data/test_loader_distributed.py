@@ -57,7 +57,7 @@ def seed_all(seed):
 
 def assert_batches(theirs, ours, what):
     assert len(ours) == len(theirs), f"{what}: {len(ours)} batches, expected {len(theirs)}"
-    for j, (a, b) in enumerate(zip(theirs, ours)):
+    for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         assert_same(a, b, f"{what}: batch {j}")
 
 
@@ -379,7 +379,7 @@ def _on_each_gpu(rank, world_size, seed, nw):
     for e in range(2):
         theirs, ours = runs[0][e], runs[1][e]
         assert len(ours) == len(theirs) > 0
-        for j, (a, b) in enumerate(zip(theirs, ours)):
+        for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
             for k in range(len(b)):
                 assert b[k].device == torch.device("cuda", rank), f"rank {rank}: batch {j}[{k}] on {b[k].device}"
             assert_same(list(a), [t.cpu() for t in b], f"rank {rank}, epoch {e}, batch {j}")

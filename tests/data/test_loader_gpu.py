@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 
+from ..seeding import current_seed, seeded_generator
 from .conftest import prefetch_threads, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
@@ -37,13 +38,13 @@ class Images(Dataset):
 
 
 def torch_batches(ds, **kw):
-    torch.manual_seed(0)
-    return list(TorchDataLoader(ds, generator=torch.Generator().manual_seed(7), **kw))
+    torch.manual_seed(current_seed())
+    return list(TorchDataLoader(ds, generator=seeded_generator(7), **kw))
 
 
 def hotloop_batches(ds, **kw):
-    torch.manual_seed(0)
-    return list(hotloop.DataLoader(ds, generator=torch.Generator().manual_seed(7), **kw))
+    torch.manual_seed(current_seed())
+    return list(hotloop.DataLoader(ds, generator=seeded_generator(7), **kw))
 
 
 def check_equal(cpu, dev, where):
@@ -57,7 +58,7 @@ def check_equal(cpu, dev, where):
             check_equal(cpu[k], dev[k], f"{where}[{k}]")
     elif isinstance(cpu, (list, tuple)):
         assert type(cpu) is type(dev) and len(cpu) == len(dev), where
-        for i, (a, b) in enumerate(zip(cpu, dev)):
+        for i, (a, b) in enumerate(zip(cpu, dev, strict=True)):
             check_equal(a, b, f"{where}[{i}]")
     else:
         assert cpu == dev, where
@@ -70,7 +71,7 @@ def test_device_batches_equal_cpu_batches(num_workers, prefetch_thread):
     got = hotloop_batches(ds, batch_size=5, shuffle=True, num_workers=num_workers, device="cuda",
                           prefetch_batches=3)
     assert len(got) == len(ref) == 10
-    for k, (a, b) in enumerate(zip(ref, got)):
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         check_equal(a, b, f"batch {k}")
 
 
@@ -118,7 +119,7 @@ def test_gpu_transform_in_loader(num_workers):
     ref = torch_batches(ds, batch_size=4, shuffle=True, num_workers=num_workers)
     got = hotloop_batches(ds, batch_size=4, shuffle=True, num_workers=num_workers, device="cuda", gpu_transform=tf)
     assert len(got) == len(ref)
-    for (x, i, meta), (y, j, meta2) in zip(ref, got):
+    for (x, i, meta), (y, j, meta2) in zip(ref, got, strict=True):
         want = tf.reference(x.cuda())
         assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(y, want)
@@ -145,15 +146,15 @@ def test_single_process_device_batches_equal_torch(prefetch_batches, normalize):
     stream; every batch equals torch's DataLoader + .to(device) (+ the transform), epoch after epoch."""
     ds = Images(n=43)
     tf = hotloop.Normalize(MEAN, STD, dtype=torch.bfloat16) if normalize else None
-    torch.manual_seed(0)
-    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)))
-    torch.manual_seed(0)
-    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7),
+    torch.manual_seed(current_seed())
+    ref = list(TorchDataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(7)))
+    torch.manual_seed(current_seed())
+    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, generator=seeded_generator(7),
                                 device="cuda", prefetch_batches=prefetch_batches, gpu_transform=tf)
     for epoch in range(2):
         got = list(loader)
         assert len(got) == len(ref) == 11
-        for k, ((x, i, meta), (y, j, meta2)) in enumerate(zip(ref, got)):
+        for k, ((x, i, meta), (y, j, meta2)) in enumerate(zip(ref, got, strict=True)):
             if tf is not None:
                 want = tf.reference(x.cuda())
                 assert y.device.type == "cuda" and y.dtype == want.dtype and y.shape == want.shape
@@ -162,8 +163,8 @@ def test_single_process_device_batches_equal_torch(prefetch_batches, normalize):
                 check_equal(x, y, f"epoch {epoch} batch {k} x")
             check_equal(i, j, f"epoch {epoch} batch {k} i")
             check_equal(meta, meta2, f"epoch {epoch} batch {k} meta")
-        torch.manual_seed(0)
-        loader.generator.manual_seed(7)
+        torch.manual_seed(current_seed())
+        loader.generator.manual_seed(current_seed() + 7)
     ring = loader._hl_local_ring.ring
     assert ring.registered  # the batches went through the page-locked ring
     st = loader.stats
@@ -210,12 +211,12 @@ def test_single_process_device_fallbacks(collate):
     kw = dict(batch_size=3, collate_fn=_cat) if collate == "custom" else dict(batch_size=3)
     if collate == "default":
         ds = Images(n=17)  # 17 = 5 * 3 + 2: a short last batch
-    torch.manual_seed(0)
+    torch.manual_seed(current_seed())
     ref = list(TorchDataLoader(ds, **kw))
-    torch.manual_seed(0)
+    torch.manual_seed(current_seed())
     got = list(hotloop.DataLoader(ds, device="cuda", prefetch_batches=2, **kw))
     assert len(got) == len(ref)
-    for k, (a, b) in enumerate(zip(ref, got)):
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         check_equal(a, b, f"batch {k}")
 
 
@@ -309,16 +310,16 @@ def test_pin_memory_batches_are_pinned_copies_not_views():
     """pin_memory=True: batches are copied into torch's pinned memory (a view of a slot could be read
     by a queued non_blocking copy after the slot went back to a worker); without it they are views."""
     ds = Images(n=20)
-    torch.manual_seed(0)
+    torch.manual_seed(current_seed())
     ref = list(TorchDataLoader(ds, batch_size=4, num_workers=2, pin_memory=True))
     for pin in (True, False):
-        torch.manual_seed(0)
+        torch.manual_seed(current_seed())
         loader = hotloop.DataLoader(ds, batch_size=4, num_workers=2, pin_memory=pin)
         # nothing of a batch is kept but copies: with pin=False each batch's slot comes back at once
         got = [(x.is_pinned(), x.cuda(non_blocking=True), i.clone(), meta["name"]) for x, i, meta in loader]
         torch.cuda.synchronize()
         assert len(got) == len(ref) == 5
-        for (x, i, meta), (pinned, y, j, meta2) in zip(ref, got):
+        for (x, i, meta), (pinned, y, j, meta2) in zip(ref, got, strict=True):
             assert pinned == pin
             assert torch.equal(y.cpu(), x) and torch.equal(i, j) and meta["name"] == meta2
         assert loader.stats.view_batches == (0 if pin else 5)

@@ -3,6 +3,7 @@ across fork, or sent over a socket with SCM_RIGHTS), never reopened through /pro
 refuses a worker once its parent called prctl(PR_SET_DUMPABLE, 0) or changed credentials (as some
 schedulers and sandboxes do)."""
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import torch
 from torch.utils.data import Dataset
 
 from hotloop import _C
+
+from ..seeding import current_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EPOCHS = 2
@@ -36,9 +39,9 @@ class KillsOnce(Dataset):
         return torch.rand(6) + i, i
 
 
-def run(method, marker):
+def run(method, marker, seed):
     """In the non-dumpable subprocess: torch's epochs and hotloop's (a worker killed in its first
-    epoch), batch by batch; prints what the pool did."""
+    epoch), batch by batch, under the test's `seed`; prints what the pool did."""
     import hotloop
     from torch.utils.data import DataLoader as TorchDataLoader
 
@@ -46,15 +49,15 @@ def run(method, marker):
 
     # batch 3 goes to worker 1 (a launched worker under fork), given only once the ring was made
     kw = dict(batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context=method)
-    torch.manual_seed(0)
-    theirs = TorchDataLoader(KillsOnce(), generator=torch.Generator().manual_seed(5), **kw)
+    torch.manual_seed(seed)
+    theirs = TorchDataLoader(KillsOnce(), generator=torch.Generator().manual_seed(seed + 5), **kw)
     ref = [list(theirs) for _ in range(EPOCHS)]
-    torch.manual_seed(0)
-    loader = hotloop.DataLoader(KillsOnce(13, marker), generator=torch.Generator().manual_seed(5), **kw)
+    torch.manual_seed(seed)
+    loader = hotloop.DataLoader(KillsOnce(13, marker), generator=torch.Generator().manual_seed(seed + 5), **kw)
     for epoch in range(EPOCHS):
         got = list(loader)
         assert len(got) == len(ref[epoch]) == 10
-        for a, b in zip(ref[epoch], got):
+        for a, b in zip(ref[epoch], got, strict=True):
             assert_same(a, b)
     print(f"restarts={loader.stats.worker_restarts} ring_bytes={loader.stats.ring_bytes}")
 
@@ -81,15 +84,15 @@ if os.geteuid() == 0:
 if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
     sys.exit("prctl(PR_SET_DUMPABLE, 0) failed")
 from tests.data.test_loader_not_dumpable import run
-run(sys.argv[1], sys.argv[2])
+run(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 """
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_workers_of_a_main_process_that_is_not_dumpable(method, tmp_path):
     marker = str(tmp_path / "killed")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, method, marker], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, method, marker, str(current_seed())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert os.path.exists(marker)  # the victim did die: its successor needed the ring's fd too
     restarts, ring_bytes = (int(kv.split("=")[1]) for kv in proc.stdout.split())
@@ -101,7 +104,7 @@ def test_ring_attaches_by_fd():
     ring = _C.Ring(3, 5000)
     fd = os.dup(ring.fd)
     other = _C.Ring(3, 5000, fd=fd)
-    data = os.urandom(5000)
+    data = random.randbytes(5000)
     other.view(2)[:5000] = data
     assert bytes(ring.view(2)[:5000]) == data and other.fd == fd
     other.close()

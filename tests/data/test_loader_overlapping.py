@@ -48,13 +48,13 @@ def _tensors(batch):
 
 
 def _reached_bytes(t):
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
 
 
 def _check(a, b):
     """b is torch's batch a: values, dtypes, shapes and strides, on no more storage than it reaches."""
     assert_same(a, b)
-    for x, y in zip(_tensors(a), _tensors(b)):
+    for x, y in zip(_tensors(a), _tensors(b), strict=True):
         assert x.stride() == y.stride()
         assert y.untyped_storage().nbytes() <= max(_reached_bytes(y), y.numel() * y.element_size())
 
@@ -76,9 +76,10 @@ def test_overlapping_leaves_as_torch_delivers_them(case, device, request):
             if keep:
                 ours.append(batch)
         del batch
-        assert len(ours) == (len(theirs) if keep else 0)
-        for a, b in zip(theirs, ours):
-            _check(a, b)
+        assert i + 1 == len(theirs) and len(ours) == (len(theirs) if keep else 0)  # no batch short
+        if keep:  # every batch kept: each still torch's once the loader went on
+            for a, b in zip(theirs, ours, strict=True):
+                _check(a, b)
     pool = loader._hl_pool
     # the slot holds the metadata and what each leaf reaches: a few pages, not 4 to 16 MiB of elements
     assert pool.ring.slot_bytes <= (1 << 20), pool.ring.slot_bytes
@@ -100,7 +101,7 @@ def test_unbatched_expanded_samples():
     loader = hotloop.DataLoader(Expanded(), batch_size=None, num_workers=2, persistent_workers=True)
     ours = list(loader)
     assert len(ours) == len(theirs) == 12
-    for a, b in zip(theirs, ours):
+    for a, b in zip(theirs, ours, strict=True):
         assert_same(a, b)
         assert a.stride() == b.stride() == (0, 1)
     assert loader._hl_pool.ring.slot_bytes <= (1 << 20)
@@ -122,6 +123,6 @@ def test_samples_counted_from_the_view_not_its_storage(num_workers):
     got = list(loader)
     ref = list(TorchDataLoader(Stream(), batch_size=4, num_workers=num_workers, collate_fn=collate))
     assert len(got) == len(ref)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         assert_same(a, b)
     assert loader.stats.samples == sum(len(i) for _, i in ref)  # every worker streams it all, as in torch

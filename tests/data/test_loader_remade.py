@@ -14,8 +14,9 @@ from torchvision.datasets import ImageFolder
 import hotloop
 from hotloop.data import dataloader
 
+from ..seeding import current_seed
 from .conftest import Images, assert_same
-from .test_gpu_decode import TRAIN_V2, make_folder
+from .image_folders import TRAIN_V2, make_folder
 
 
 def remade(loader, sampler):
@@ -36,12 +37,12 @@ def test_gpu_decode_survives_being_made_again(tmp_path):
         warnings.simplefilter("error")  # "gpu_decode is off" (torch's default_collate taken as a collate_fn given)
         again = remade(loader, sampler)
     direct = hotloop.DataLoader(ds, batch_size=3, num_workers=2, gpu_decode=True, sampler=sampler)
-    torch.manual_seed(0)
+    torch.manual_seed(current_seed())
     got = list(again)
-    torch.manual_seed(0)
+    torch.manual_seed(current_seed())
     want = list(direct)
     assert len(got) == len(want) == 3  # 7 of the 14 images, in batches of 3
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_same(a, b)
     assert again.stats.decoder == direct.stats.decoder is not None  # the image path ran
     assert again.stats.images_cpu_decoded == 7

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 
+from ..seeding import current_seed, seeded_generator
 from .conftest import draw_from_rngs, fake_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -57,7 +58,7 @@ def assert_same(a, b, path="batch"):
         assert torch.equal(a, b), f"{path}: values differ:\n{a}\n{b}"
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: {len(a)} vs {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} vs {b!r}"
@@ -65,7 +66,7 @@ def assert_same(a, b, path="batch"):
 
 def assert_batches(theirs, ours, what):
     assert len(ours) == len(theirs), f"{what}: {len(ours)} batches, expected {len(theirs)}"
-    for j, (a, b) in enumerate(zip(theirs, ours)):
+    for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         assert_same(a, b, f"{what}: batch {j}")
 
 
@@ -243,9 +244,9 @@ class DyingStream(IterableDataset):
 def test_iterable_worker_killed_is_replaced(tmp_path, victim):
     marker = str(tmp_path / "died")
     kwargs = dict(batch_size=4, num_workers=3)
-    torch.manual_seed(5)
+    torch.manual_seed(current_seed() + 5)
     ref = list(TorchDataLoader(DyingStream(50, -1, ""), **kwargs))
-    torch.manual_seed(5)
+    torch.manual_seed(current_seed() + 5)
     loader = hotloop.DataLoader(DyingStream(50, victim, marker), **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -260,11 +261,11 @@ def test_iterable_worker_killed_is_replaced(tmp_path, victim):
 def test_iterable_worker_killed_with_persistent_workers(tmp_path):
     marker = str(tmp_path / "died")
     kwargs = dict(batch_size=3, num_workers=2, persistent_workers=True)
-    torch.manual_seed(6)
+    torch.manual_seed(current_seed() + 6)
     ref_loader = TorchDataLoader(DyingStream(30, -1, ""), **kwargs)
     ref = [list(ref_loader) for _ in range(3)]
     del ref_loader  # its workers and queue threads end before hotloop's workers are forked (conftest.py)
-    torch.manual_seed(6)
+    torch.manual_seed(current_seed() + 6)
     loader = hotloop.DataLoader(DyingStream(30, -1, marker), **kwargs)
     first = list(loader)
     loader.dataset.victim = 13  # the workers hold their own copy: only a replacement sees this
@@ -291,10 +292,10 @@ def test_map_worker_killed_redoes_the_same_random_draws(tmp_path):
             return draw_from_rngs(i, 3)
 
     kwargs = dict(batch_size=4, num_workers=3, shuffle=True)
-    torch.manual_seed(8)
-    ref = list(TorchDataLoader(Noisy(50), generator=torch.Generator().manual_seed(4), **kwargs))
-    torch.manual_seed(8)
-    loader = hotloop.DataLoader(Dying(50), generator=torch.Generator().manual_seed(4), **kwargs)
+    torch.manual_seed(current_seed() + 8)
+    ref = list(TorchDataLoader(Noisy(50), generator=seeded_generator(4), **kwargs))
+    torch.manual_seed(current_seed() + 8)
+    loader = hotloop.DataLoader(Dying(50), generator=seeded_generator(4), **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = list(loader)

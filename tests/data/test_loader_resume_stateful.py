@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 import hotloop
 
+from ..seeding import current_seed, seeded_generator
 from .conftest import assert_same, draw_from_rngs, fake_device
 
 # torchdata's loader is the oracle here: a machine without torchdata (the GPU one) skips the module
@@ -74,7 +75,7 @@ def samples(batches):
 
 def cut_and_resume(make, made):
     """(the uninterrupted run's batches after CUT, the resumed run's, samples the resumed run made)."""
-    torch.manual_seed(11)
+    torch.manual_seed(current_seed() + 11)
     loader = make()
     it = iter(loader)
     head = [next(it) for _ in range(CUT)]
@@ -82,7 +83,7 @@ def cut_and_resume(make, made):
     state, rng = loader.state_dict(), global_rng()
     rest = list(it)
     del it
-    torch.manual_seed(12)
+    torch.manual_seed(current_seed() + 12)
     resumed = make()
     resumed.load_state_dict(state)
     set_global_rng(rng)  # num_workers=0: the samples draw from the caller's generators
@@ -101,7 +102,7 @@ def test_stateful_stream_is_set_where_it_stood_not_replayed(num_workers):
     # a generator of its own: with none, the loader rewinds torch's global one, where num_workers=0 draws
     rest, got, count = cut_and_resume(
         lambda: hotloop.DataLoader(CountingStream(made), batch_size=BATCH, num_workers=num_workers,
-                                   generator=torch.Generator().manual_seed(3)), made)
+                                   generator=seeded_generator(3)), made)
     for j, (want, have) in enumerate(zip(samples(rest), samples(got), strict=True)):
         assert_same(want, have, f"sample {j} after the state")
     assert count == N - CUT * BATCH
@@ -128,7 +129,7 @@ def test_stateful_stream_with_batches_prepared_for_the_device(fake_cuda, num_wor
 
     def make():
         return fake_device(hotloop.DataLoader(CountingStream(made), batch_size=BATCH, num_workers=num_workers,
-                                              prefetch_batches=3, generator=torch.Generator().manual_seed(3)))
+                                              prefetch_batches=3, generator=seeded_generator(3)))
 
     rest, got, count = cut_and_resume(make, made)
     for j, (want, have) in enumerate(zip(samples(rest), samples(got), strict=True)):
@@ -144,9 +145,9 @@ def test_stateful_stream_worker_killed_is_set_where_it_stood(tmp_path):
     predecessor: every sample once, equal to an uninterrupted run's, and none made twice but those lost."""
     made = multiprocessing.Value("i", 0)
     kwargs = dict(batch_size=BATCH, num_workers=2)
-    torch.manual_seed(13)
+    torch.manual_seed(current_seed() + 13)
     ref = list(hotloop.DataLoader(CountingStream(made), **kwargs))
-    torch.manual_seed(13)
+    torch.manual_seed(current_seed() + 13)
     made.value = 0
     loader = hotloop.DataLoader(CountingStream(made, die_at=41, marker=str(tmp_path / "died")), **kwargs)
     with warnings.catch_warnings():
@@ -245,7 +246,7 @@ def test_stateful_stream_persistent_or_out_of_order(persistent, in_order):
     def key(b):
         return tuple(b[0].tolist())
 
-    torch.manual_seed(14)
+    torch.manual_seed(current_seed() + 14)
     loader = make()
     list(loader)
     it = iter(loader)
@@ -321,11 +322,11 @@ def test_stateful_map_dataset_worker_killed_is_set_where_it_stood(tmp_path):
     """A replaced map-style worker starts from its predecessor's dataset state (and RNG states) after
     the last batch taken from it: its redone batches equal those of a run without a death."""
     kwargs = dict(batch_size=BATCH, num_workers=2, shuffle=True)
-    torch.manual_seed(15)
-    ref = list(hotloop.DataLoader(Serving(), generator=torch.Generator().manual_seed(4), **kwargs))
-    torch.manual_seed(15)
+    torch.manual_seed(current_seed() + 15)
+    ref = list(hotloop.DataLoader(Serving(), generator=seeded_generator(4), **kwargs))
+    torch.manual_seed(current_seed() + 15)
     loader = hotloop.DataLoader(Serving(die_at=37, marker=str(tmp_path / "died")),
-                                generator=torch.Generator().manual_seed(4), **kwargs)
+                                generator=seeded_generator(4), **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = list(loader)

@@ -125,7 +125,7 @@ def test_workers_free_each_sample_once_in_its_row(num_workers):
     want = list(TorchDataLoader(ds, batch_size=8, num_workers=num_workers))
     got = list(hotloop.DataLoader(ds, batch_size=8, num_workers=num_workers))
     assert len(got) == len(want) == 6
-    for k, ((x, i, held), (x0, i0, held0)) in enumerate(zip(got, want)):
+    for k, ((x, i, held), (x0, i0, held0)) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(x, x0) and torch.equal(i, i0)
         assert held0.tolist()[2:] == list(range(2, 8))
         if k >= num_workers:

@@ -113,7 +113,7 @@ def test_first_batches_same_as_torch(num_workers, mode, by_launcher, request, mo
 
     def check(epoch, got):
         assert len(got) == len(ref[epoch]) == 14
-        for a, b in zip(ref[epoch], got):
+        for a, b in zip(ref[epoch], got, strict=True):
             assert_same(a, b)
         assert sorted(i for b in got for i in b[2].tolist()) == list(range(53))
 
@@ -128,7 +128,7 @@ def test_first_batches_in_order_false(ring_made):
     def check(epoch, got):
         key = lambda b: b[2][0].item()  # noqa: E731
         assert sorted(map(key, got)) == sorted(map(key, ref[epoch]))
-        for a, b in zip(sorted(ref[epoch], key=key), sorted(got, key=key)):
+        for a, b in zip(sorted(ref[epoch], key=key), sorted(got, key=key), strict=True):
             assert_same(a, b)
 
     ours_epochs(ds, 2, seed, check, batch_size=4, num_workers=3, in_order=False)
@@ -257,7 +257,7 @@ def test_iterable_workers_that_stop_on_their_first_task(empty, gated, request):
     def check(epoch, got):
         if epoch == 0:
             assert len(got) == len(ref) > 0
-            for a, b in zip(ref, got):
+            for a, b in zip(ref, got, strict=True):
                 assert_same(a, b)
         wanted = sorted(f"s{i}" for i in range(29) if i % 3 not in empty)
         assert sorted(s for b in got for s in b[1]) == wanted
@@ -312,7 +312,7 @@ def test_side_path_and_ragged_first_batches(gated, request):
 
     def check(epoch, got):
         assert len(got) == len(ref) == 5
-        for a, b in zip(ref, got):
+        for a, b in zip(ref, got, strict=True):
             assert_same(a, b)
 
     ours = hotloop.DataLoader(SideAndRagged(gate), batch_size=4, num_workers=3, persistent_workers=True,
@@ -325,7 +325,7 @@ def test_side_path_and_ragged_first_batches(gated, request):
     ours = hotloop.DataLoader(SideAndRagged(gate), batch_size=1, num_workers=3, persistent_workers=True)
     got = list(ours)
     assert len(got) == len(ref) == 20
-    for a, b in zip(ref, got):
+    for a, b in zip(ref, got, strict=True):
         assert_same(a, b)
     del got
     assert_ring_free(ours._hl_pool)
@@ -355,7 +355,7 @@ def test_first_batches_the_fast_plan_gives_up_on(gated, request):
 
     def check(epoch, got):
         assert len(got) == len(ref[epoch]) == 8
-        for a, b in zip(ref[epoch], got):
+        for a, b in zip(ref[epoch], got, strict=True):
             assert_same(a, b)
 
     ours_epochs(Ordered(gate), 2, seed, check, **kw)
@@ -390,7 +390,7 @@ def test_worker_killed_after_its_first_sample(tmp_path, victim, gated, request):
     for _ in range(2):
         got = list(loader)
         assert len(got) == len(ref) == 10
-        for a, b in zip(ref, got):
+        for a, b in zip(ref, got, strict=True):
             assert_same(a, b)
         del got, a, b
         assert_ring_free(loader._hl_pool)

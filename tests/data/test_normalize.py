@@ -1,5 +1,4 @@
 """hotloop.Normalize on uint8 and float, NCHW and NHWC, 1/3/4-channel batches against torchvision's ToTensor + Normalize, directly and as a DataLoader's gpu_transform."""
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -10,48 +9,10 @@ from torchvision.datasets import ImageFolder
 import hotloop
 
 from .conftest import fake_device
-from .test_gpu_decode import TRAIN_V2, make_folder
+from .image_folders import TRAIN_V2, make_folder
+from .pictures import IN_DTYPES, MEANS, OUT_DTYPES, STDS, Pictures, assert_matches_torchvision, random_images
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
-
-MEANS = {1: (0.45,), 3: (0.485, 0.456, 0.406), 4: (0.485, 0.456, 0.406, 0.5)}
-STDS = {1: (0.225,), 3: (0.229, 0.224, 0.225), 4: (0.229, 0.224, 0.225, 0.3)}
-IN_DTYPES = [torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.float64]
-OUT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def random_images(n, c, h, w, dtype, layout, generator=None):
-    """Fresh random images [n, c, h, w] (NCHW) or [n, h, w, c] (NHWC): uint8 over 0-255, floats over [0, 1]."""
-    if dtype == torch.uint8:
-        x = torch.randint(0, 256, (n, h, w, c), dtype=torch.uint8, generator=generator)
-    else:
-        x = torch.rand((n, h, w, c), generator=generator, dtype=torch.float64).to(dtype)
-    return x if layout == "NHWC" else x.permute(0, 3, 1, 2).contiguous()
-
-
-def torchvision_normalized(x, layout, mean, std):
-    """What torchvision's pipeline makes of each image, float32 [n, c, h, w]: uint8 through ToTensor()
-    (from the numpy HWC array it takes) then Normalize; floats (already ToTensor's [0, 1]) through
-    Normalize alone, in float32."""
-    nhwc = x if layout == "NHWC" else x.permute(0, 2, 3, 1)
-    norm = T.Normalize(mean, std)
-    if x.dtype == torch.uint8:
-        return torch.stack([norm(T.ToTensor()(np.ascontiguousarray(img.numpy()))) for img in nhwc])
-    return torch.stack([norm(img.permute(2, 0, 1).float()) for img in nhwc])
-
-
-def assert_matches_torchvision(got, x, layout, tf):
-    """Every element against torchvision, rounded to the output's dtype: float inputs bit for bit (the
-    same float32 sub and div); uint8 within one rounding of the output (x / 255 - m) / s against
-    (x - 255 m) / (255 s))."""
-    want = torchvision_normalized(x, layout, tf.mean, tf.std)
-    out_dtype = got.dtype
-    assert got.shape == want.shape
-    if x.dtype != torch.uint8:
-        assert torch.equal(got, want.to(out_dtype)), "float input: not torchvision's values bit for bit"
-    else:
-        eps = torch.finfo(out_dtype).eps if out_dtype != torch.float32 else 2e-6
-        torch.testing.assert_close(got.float(), want.to(out_dtype).float(), rtol=eps, atol=eps)
 
 
 def poisoned_like_output(tf, x):
@@ -135,26 +96,11 @@ def test_what_it_cannot_take_raises_naming_what_it_got(x):
 
 # --- as a DataLoader's gpu_transform -----------------------------------------------------------------
 
-class Pictures(Dataset):
-    """Images of one dtype and layout (CHW or HWC per sample), a label and a float feature vector."""
-
-    def __init__(self, n, channels, dtype, layout, size=6):
-        g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-        self.images = random_images(n, channels, size, size + 1, dtype, layout, generator=g)
-        self.features = torch.rand(n, 2, generator=g)
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, i):
-        return self.images[i], i, self.features[i]
-
-
 def check_loader_batches(ds, loader, tf, layout):
     ref = list(TorchDataLoader(ds, batch_size=4))
     got = list(loader)
     assert len(got) == len(ref) == 3
-    for (x, i, f), (y, j, g) in zip(ref, got):
+    for (x, i, f), (y, j, g) in zip(ref, got, strict=True):
         assert torch.equal(i, j) and torch.equal(f, g)  # the other leaves pass unchanged
         assert y.dtype == tf.output_dtype("cpu") and y.shape[1] == x.shape[1 if layout == "NCHW" else 3]
         assert torch.equal(y, tf(x))
@@ -189,7 +135,7 @@ def test_device_path_default_dtype_is_float16(fake_cuda):
     ds = Pictures(8, 3, torch.float32, "NCHW")
     tf = hotloop.Normalize(MEANS[3], STDS[3])
     got = list(fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=0, gpu_transform=tf)))
-    for (x, _, _), (y, _, _) in zip(TorchDataLoader(ds, batch_size=4), got):
+    for (x, _, _), (y, _, _) in zip(TorchDataLoader(ds, batch_size=4), got, strict=True):
         assert y.dtype == torch.float16
         assert torch.equal(y, hotloop.Normalize(MEANS[3], STDS[3], dtype=torch.float16)(x))
 

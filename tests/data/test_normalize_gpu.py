@@ -5,7 +5,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 
-from .test_normalize import MEANS, STDS, IN_DTYPES, OUT_DTYPES, Pictures, assert_matches_torchvision, random_images
+from .pictures import IN_DTYPES, MEANS, OUT_DTYPES, STDS, Pictures, assert_matches_torchvision, random_images
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
@@ -66,7 +66,7 @@ def test_device_loader_normalises_every_input_kind(channels, layout, in_dtype, n
     ref = list(TorchDataLoader(ds, batch_size=4))
     got = list(hotloop.DataLoader(ds, batch_size=4, num_workers=num_workers, device="cuda", gpu_transform=tf))
     assert len(got) == len(ref) == 6
-    for (x, i, f), (y, j, g) in zip(ref, got):
+    for (x, i, f), (y, j, g) in zip(ref, got, strict=True):
         assert y.device.type == "cuda" and y.dtype == torch.float16
         assert torch.equal(j.cpu(), i) and torch.equal(g.cpu(), f)
         assert torch.equal(y.cpu(), tf(x))

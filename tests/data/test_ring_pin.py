@@ -78,7 +78,7 @@ def test_background_page_locking_and_copies_across_chunks():
         pieces = [(0, 100), (CHUNK - 7, 20), (CHUNK + 3, CHUNK), (2 * CHUNK - 1, 5 * 4096 + 1), (12345, 2 * CHUNK)]
         for slot in range(4):
             expected, got = _fill_and_copy(ring, slot, pieces)
-            for k, (a, b) in enumerate(zip(expected, got)):
+            for k, (a, b) in enumerate(zip(expected, got, strict=True)):
                 assert torch.equal(a, b), f"slot {slot} piece {k}"
     finally:
         ring.close()
@@ -98,7 +98,7 @@ def test_register_slot_on_the_main_thread_and_copy():
         with pytest.raises(IndexError):
             ring.slot_pinned(2)
         expected, got = _fill_and_copy(ring, 1, [(0, CHUNK + 4096), (CHUNK - 1, 2)])
-        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
         # a slot never registered still copies correctly (the runtime stages pageable memory)
         expected, got = _fill_and_copy(ring, 0, [(10, CHUNK)])
         assert torch.equal(expected[0], got[0])

@@ -57,7 +57,7 @@ def epochs(loader, n):
 
 def assert_same(theirs, ours, what, draws=True):
     assert len(ours) == len(theirs), f"{what}: {len(ours)} batches, expected {len(theirs)}"
-    for j, (a, b) in enumerate(zip(theirs, ours)):
+    for j, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         assert b[0] == a[0], f"{what}, batch {j}: samples {b[0]}, expected {a[0]}"
         assert not draws or torch.equal(b[1], a[1]), f"{what}, batch {j}: the workers' draws differ"
         assert torch.equal(b[2], a[2]), f"{what}, batch {j}: images differ"
@@ -95,7 +95,7 @@ def _shards(rank, world_size, seed, nw, tmp):
     normed = prepare_data_loader(acc, hotloop.DataLoader(ds, gpu_transform=norm, **loader_args(nw)))
     got = epochs(normed, 1)[0]
     assert len(got) == len(want[0])
-    for j, (a, b) in enumerate(zip(want[0], got)):
+    for j, (a, b) in enumerate(zip(want[0], got, strict=True)):
         assert b[0] == a[0] and b[2].dtype == torch.float32 and b[2].shape == (3, 3, 4, 5), (j, b[2].dtype, b[2].shape)
         torch.testing.assert_close(b[2], norm(a[2]), rtol=0, atol=0)
 

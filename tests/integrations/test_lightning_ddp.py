@@ -96,7 +96,7 @@ def _ranks(rank, world_size, seed, nw, tmp):
     seen, losses, params, _ = _fit("hotloop", seed, nw, save_at=(tmp, 8), max_epochs=2)
     assert seen == seen_t, f"rank {rank}: batches {seen}, Lightning with torch's loader {seen_t}"
     torch.testing.assert_close(losses, losses_t, rtol=1e-5, atol=1e-6)
-    for a, b in zip(params_t, params):
+    for a, b in zip(params_t, params, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
     # the checkpoint at step 8, in the middle of epoch 1 (6 batches per rank per epoch), resumed by a new Trainer
@@ -105,7 +105,7 @@ def _ranks(rank, world_size, seed, nw, tmp):
     assert not epoch_warnings, epoch_warnings
     assert rest == seen[8:], f"rank {rank}: resumed with {rest}, expected {seen[8:]}"
     torch.testing.assert_close(rest_losses, losses[8:], rtol=1e-5, atol=1e-6)
-    for a, b in zip(params, rest_params):
+    for a, b in zip(params, rest_params, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     return [i for b in seen for i in b]
 

@@ -78,13 +78,13 @@ def sgd(**kw):  # its step is linear in the gradient: the clip's factor shows in
 
 def assert_same_runs(theirs, ours, ckpt_theirs, ckpt_ours, rtol=1e-4, atol=1e-5):
     assert len(ours.losses) == len(theirs.losses) > 0
-    for j, (a, b) in enumerate(zip(theirs.losses, ours.losses)):
+    for j, (a, b) in enumerate(zip(theirs.losses, ours.losses, strict=True)):
         if math.isfinite(a):
             torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m: f"step {j}: {m}")
         else:
             assert not math.isfinite(b), f"step {j}: Lightning's loss {a}, ours {b}"
     assert ours.scales == theirs.scales  # the same steps skipped, the same growth
-    for (n, a), b in zip(theirs.named_parameters(), ours.parameters()):
+    for (n, a), b in zip(theirs.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
     # the checkpoints hold the same entries: the plugin's under the same name, with the same scaler state
     assert ckpt_ours.keys() == ckpt_theirs.keys()
@@ -217,7 +217,7 @@ def test_bf16_has_no_scaler_and_clips_as_lightning(tmp_path):
         pl.Trainer(accelerator="cpu", devices=1, plugins=[p], max_epochs=1, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=0.05).fit(
             m, torch.utils.data.DataLoader(data(seed), batch_size=8))
-    for a, b in zip(theirs_model.parameters(), model.parameters()):
+    for a, b in zip(theirs_model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
@@ -292,8 +292,8 @@ def test_manual_optimization_clips_as_torchs_own_loop(tmp_path):
         scaler.update()
         scales.append(scaler.get_scale())
     assert model.scales == scales
-    for j, (a, b) in enumerate(zip(losses, model.losses)):
+    for j, (a, b) in enumerate(zip(losses, model.losses, strict=True)):
         if math.isfinite(a):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {j}: {m}")
-    for a, b in zip(reference.parameters(), model.parameters()):
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -2,7 +2,6 @@
 above it): the answer is exact or safe, and takes far fewer trials than doubling then bisecting."""
 import math
 import random
-import weakref
 
 import pytest
 import torch
@@ -10,47 +9,7 @@ import torch
 import hotloop
 from hotloop.memory.batch_size import is_out_of_memory
 
-GiB, MiB = 2**30, 2**20
-CAPACITY, BASELINE = 80 * GiB, 4 * GiB
-
-
-class FakeMemory:
-    """What torch's allocator would say: the step sets the peak, reset() goes back to the baseline."""
-
-    def __init__(self, capacity=CAPACITY, baseline=BASELINE):
-        self.cap, self.base, self.current = capacity, baseline, baseline
-        self.resets = 0
-
-    def reset(self):
-        self.current = self.base
-        self.resets += 1
-
-    def in_use(self):
-        return self.base
-
-    def peak(self):
-        return self.current
-
-
-class FakeStep:
-    """A training step whose peak is peak_of(size); above the capacity it raises as torch does, with
-    a tensor of its own in the failing frame (the finder must let it go)."""
-
-    def __init__(self, memory, peak_of, error=None):
-        self.memory, self.peak_of, self.error = memory, peak_of, error
-        self.sizes, self.lost = [], []
-
-    def __call__(self, size):
-        self.sizes.append(size)
-        need = self.peak_of(size)
-        activations = torch.empty(16)
-        if need > self.memory.cap:
-            self.lost.append(weakref.ref(activations))
-            raise self.error or torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {need / GiB:.2f} GiB")
-        self.memory.current = max(self.memory.current, need)
-
-
-FakeMemory.capacity = lambda self: self.cap
+from .conftest import BASELINE, CAPACITY, FakeMemory, FakeStep, GiB, MiB
 
 
 def doubling_then_bisection(fits, start=1):

@@ -18,10 +18,7 @@ from hotloop.memory.text import format_ranks, format_size
 
 from ..conftest import FakeNvml
 from ..distributed import run_ranks
-from .test_batch_size import BASELINE, CAPACITY, FakeMemory, FakeStep
-from .test_monitor import ScriptedAllocator, wait_for
-
-GiB, MiB = 2**30, 2**20
+from .conftest import BASELINE, CAPACITY, FakeMemory, FakeStep, GiB, MiB, ScriptedAllocator, wait_for
 
 
 # ---- find_max_batch_size ----
@@ -67,7 +64,7 @@ def finder_body(rank, world_size, scenarios, fail_at):
 
 
 @pytest.fixture(scope="module")
-def searches():
+def searches(module_seed):
     """Searches on 2 ranks (spawned once for the tests that read them): what each rank returned, and
     the figures they ran with."""
     a, b = random.uniform(1, 6) * GiB, random.uniform(20, 400) * MiB
@@ -307,7 +304,7 @@ def test_gathered_report_has_a_row_per_rank_and_flags_imbalance(fake_nvml_librar
         rows = got0["ranks"]
         assert [row["rank"] for row in rows] == [0, 1]
         # each row is what that rank measured itself
-        for row, own in zip(rows, (got0, got1)):
+        for row, own in zip(rows, (got0, got1), strict=True):
             assert row["peak_device_used"] == own["peak_device_used"] == figures[name][row["rank"]]["peak"]
             for field in ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "non_torch_at_peak",
                           "context_baseline", "stall_fraction", "loader_wait_s", "duration_s"):
@@ -315,7 +312,7 @@ def test_gathered_report_has_a_row_per_rank_and_flags_imbalance(fake_nvml_librar
         assert rows[1]["stall_fraction"] > 0.1 > rows[0]["stall_fraction"]
         table = r0[name]["printed"].split("per rank (2")[1].splitlines()
         assert table[1].split()[:3] == ["rank", "device", "peak"]
-        for line_, row in zip(table[2:4], rows):
+        for line_, row in zip(table[2:4], rows, strict=True):
             assert line_.split()[0] == str(row["rank"]) and format_size(row["peak_device_used"]) in line_
         assert any("rank 1 waited on its data loader" in a for a in got0["advice"])
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -19,16 +18,8 @@ from hotloop import _C, input_wait, memory
 from hotloop.memory.advice import compute_advice
 
 from ..forked import wait_for_child
-
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the sampler"
-        time.sleep(0.005)
+from ..seeding import derived_seed
+from .conftest import GiB, MiB, ScriptedAllocator, wait_for
 
 
 def thread_count():
@@ -36,7 +27,7 @@ def thread_count():
 
 
 def test_exact_peak_includes_a_spike_the_ring_dropped(fake):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     base = int(rng.integers(1, 4)) * GiB + int(rng.integers(0, MiB))
     step = int(rng.integers(1, 1000)) * 4096
     spike_call = int(rng.integers(20, 40))
@@ -206,7 +197,7 @@ def test_unsupported_readings_are_none_not_errors(fake):
 def test_jpeg_engine_utilisation(fake):
     """nvmlDeviceGetJpgUtilization: in every slow sample and in nvml_device_info; a GPU without JPEG
     engines answers NOT_SUPPORTED, which is NaN / None, not an error."""
-    busy = int(np.random.default_rng().integers(1, 100))
+    busy = int(np.random.default_rng(derived_seed()).integers(1, 100))
     fake.set("util_jpeg", busy)
     m = _C.Monitor(0, interval_ms=1.0, slow_interval_ms=2.0, capacity=256)
     m.start()
@@ -228,7 +219,7 @@ def test_jpeg_engine_utilisation(fake):
 
 
 def test_report_shows_the_jpeg_engines_beside_the_sms(fake):
-    busy = int(np.random.default_rng().integers(1, 100))
+    busy = int(np.random.default_rng(derived_seed()).integers(1, 100))
     fake.set("util_jpeg", busy)
     with hotloop.MemoryMonitor(interval_ms=1.0, slow_interval_ms=2.0) as mon:
         wait_for(lambda: mon.timeline.slow.size >= 3)
@@ -488,29 +479,6 @@ def test_sampler_keeps_the_rate_without_the_gil(fake):
         t.join()
     s = m.snapshot()
     assert s["memory_samples"] + s["ticks_missed"] >= 200  # ~300 ticks in 0.3 s; lenient on a busy CI box
-
-
-class ScriptedAllocator:
-    """torch.cuda's allocator queries answering scripted figures, so the CUDA code path runs on a CPU."""
-
-    def __init__(self, reserved0, peak_allocated, peak_reserved):
-        self.reserved0, self.peak_allocated, self.peak_reserved = reserved0, peak_allocated, peak_reserved
-        self.synced = 0
-
-    def install(self, monkeypatch):
-        cuda = torch.cuda
-        props = types.SimpleNamespace(uuid="fake-0")
-        for name, fn in {
-            "is_available": lambda: True, "current_device": lambda: 0, "get_device_properties": lambda d: props,
-            "synchronize": lambda d=None: setattr(self, "synced", self.synced + 1),
-            "reset_peak_memory_stats": lambda d=None: None, "memory_reserved": lambda d=None: self.reserved0,
-            "memory_allocated": lambda d=None: self.peak_allocated // 2,
-            "max_memory_allocated": lambda d=None: self.peak_allocated,
-            "max_memory_reserved": lambda d=None: self.peak_reserved, "get_device_name": lambda d=None: "Scripted",
-            "memory_stats": lambda d=None: {"num_alloc_retries": 2, "num_ooms": 0,
-                                            "inactive_split_bytes.all.peak": 123 * MiB},
-        }.items():
-            monkeypatch.setattr(cuda, name, fn)
 
 
 def test_torch_and_nvml_figures_add_up(fake, monkeypatch):

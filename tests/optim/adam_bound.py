@@ -75,7 +75,7 @@ class AdamBound:
         # ours takes the bias corrections from float32 betas, torch's CPU kernel from double ones: the update
         # moves by t beta^(t-1) |dbeta| / (1 - beta^t) of itself (half that through bc2's square root)
         bc_err = t * b1 ** (t - 1) * self.d1 / (1 - b1**t) + t * b2 ** (t - 1) * self.d2 / (2 * (1 - b2**t))
-        for i, (g, (p, m, v, _), (p1, m1, v1, vmax1)) in enumerate(zip(grads, before, after)):
+        for i, (g, (p, m, v, _), (p1, m1, v1, vmax1)) in enumerate(zip(grads, before, after, strict=True)):
             g, p, m, v = g.double().abs(), p.double().abs(), m.double().abs(), v.double()
             p1, m1, v1 = p1.double(), m1.double().abs(), v1.double()
             e_p = self.e_p[i]
@@ -104,7 +104,7 @@ class AdamBound:
 
     def check(self, ours, ref, ours_params, ref_params):
         """Every element of ours within the bound of torch's: parameters and moments."""
-        for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+        for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
             so, sr = ours.state[p], ref.state[q]
             pairs = [(p.detach(), q.detach(), self.e_p[i], "param"), (so["exp_avg"], sr["exp_avg"], self.e_m[i], "exp_avg"),
                      (so["exp_avg_sq"], sr["exp_avg_sq"], self.e_v[i], "exp_avg_sq")]

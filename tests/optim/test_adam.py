@@ -1,7 +1,6 @@
 """hotloop.optim.Adam/AdamW against torch's fused Adam/AdamW: 200 steps under each one's GradScaler with inf/NaN
 injected, state dicts both ways, the C reference over float16/bfloat16 gradients, and bad input."""
 import copy
-import math
 
 import numpy as np
 import pytest
@@ -10,21 +9,11 @@ import torch
 import hotloop.optim
 from hotloop.amp import GradScaler
 
+from ..seeding import derived_seed
 from . import c_calls
 from .adam_bound import AdamBound, state_of
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-SHAPES = [(1,), (555,), (65536,), (65537,), (3, 7), (2**20 + 3,)]
-# On the CPU the last tensor has 3 chunks and a tail (the C reference's threads share chunks of 32768):
-# 2**20 + 3 elements test nothing more there, and made the bounds' float64 arithmetic most of the time.
-CPU_SHAPES = SHAPES[:-1] + [(3 * 32768 + 5,)]
-
-
-def shapes_for(device):
-    return SHAPES if device == "cuda" else CPU_SHAPES
-STEPS = 200
-# (step, tensor, element, value) injected into the gradient source: first, middle and last tensor and element
-INJECT = {5: (0, 0, math.inf), 37: (-1, -1, math.nan), 120: (2, "mid", -math.inf), 121: (-1, 0, math.nan)}
+from .conftest import (DEVICES, INJECT, SHAPES, STEPS, assert_mostly_identical, assert_same_tensors, fresh_state,
+                       shapes_for)
 
 CASES = [
     ("AdamW", {}),
@@ -68,11 +57,6 @@ def snapshot(opt, params):
     return [p.detach().clone() for p in params] + [t.clone() for p in params for t in opt.state[p].values()]
 
 
-def assert_same_tensors(a, b):
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
-
-
 def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
     """After a few steps from the same state (checkpoint tests): parameters within param_bound, moments
     within what one step's roundings give, ours up to 3 times, torch's CPU kernel up to 4 times, both in
@@ -87,7 +71,7 @@ def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
     beta_err = {"exp_avg": abs(float(np.float32(beta1)) - beta1) / (1 - beta1) ** 2,
                 "exp_avg_sq": abs(float(np.float32(beta2)) - beta2) / (1 - beta2)}
     beta_err["max_exp_avg_sq"] = beta_err["exp_avg_sq"]
-    for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+    for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
         bound = param_bound(steps, lr, q.detach(), (beta1, beta2))
         err = (p.detach() - q.detach()).abs()
         assert bool((err <= bound).all()), f"param {i}: worst {float((err / bound).max())} of the bound"
@@ -111,34 +95,12 @@ def bound_for(ref, device, rel_g=0.0):
                      torch_on_cuda=device == "cuda", rel_g=rel_g)
 
 
-def assert_mostly_identical(ours, ref, ours_params, ref_params, keys, only=None):
-    """On CUDA ours does torch's arithmetic, float operation for float operation (kernels/optim_math.h):
-    bit-identical but where nvcc contracted one of torch's a*b + c into an fma where ours does not, or the
-    other way round (none, if optim_math.h guessed nvcc right). A wrong guess, or double arithmetic where
-    torch's is float, differs in a tenth to a third of the elements. So: at most 1e-4 of the elements differ,
-    counted per kind (param, each state) over all tensors of the test together: per tensor, a tensor of
-    fewer than 10,000 elements would allow none (seen: one differing element of a 1-element tensor
-    failing the old per-tensor check, where the arithmetic differed everywhere). `only`: the indices of
-    the parameters to count (None: all)."""
-    for key in ["param"] + list(keys):
-        differ, total, where = 0, 0, []
-        for i, (p, q) in enumerate(zip(ours_params, ref_params)):
-            if only is not None and i not in only:
-                continue
-            a, b = (p.detach(), q.detach()) if key == "param" else (ours.state[p][key], ref.state[q][key])
-            n = int((a != b).sum())
-            differ, total = differ + n, total + a.numel()
-            if n:
-                where.append(f"param {i}: {n} of {a.numel()}")
-        assert differ <= 1e-4 * total, f"{key}: {differ} of {total} elements differ ({', '.join(where)})"
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,kwargs", CASES)
 def test_matches_torch_under_grad_scaler(name, kwargs, device):
     """hotloop.GradScaler drives ours, torch.amp.GradScaler torch's fused one, on the same gradients:
     the same skipped steps, which change nothing, the same scale, parameters within param_bound."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make_pair(name, kwargs, device, seed)
     ours_scaler = GradScaler(device, init_scale=2.0**12, growth_interval=25)
     ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)
@@ -155,7 +117,7 @@ def test_matches_torch_under_grad_scaler(name, kwargs, device):
         ref_before = state_of(ref, ref_params)
         for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
             opt.zero_grad()
-            loss = sum((p * s).sum() for p, s in zip(params, sources))
+            loss = sum((p * s).sum() for p, s in zip(params, sources, strict=True))
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
@@ -177,13 +139,13 @@ def test_matches_torch_under_grad_scaler(name, kwargs, device):
 @pytest.mark.parametrize("name,kwargs", CASES[:2] + CASES[4:5])
 def test_state_dict_loads_both_ways(name, kwargs):
     """ours -> torch's fused and non-fused and back: the same layout, and the next steps agree."""
-    ours, ref, ours_params, ref_params = make_pair(name, kwargs, "cpu", torch.seed() % 2**31)
+    ours, ref, ours_params, ref_params = make_pair(name, kwargs, "cpu", derived_seed())
     for _ in range(3):
         for opt, params in ((ours, ours_params), (ref, ref_params)):
             for p in params:
                 p.grad = torch.ones_like(p) * 0.5 + torch.rand_like(p)
         grads = [p.grad.clone() for p in ours_params]
-        for p, g in zip(ref_params, grads):
+        for p, g in zip(ref_params, grads, strict=True):
             p.grad = g.clone()
         ours.step()
         ref.step()
@@ -208,7 +170,7 @@ def test_state_dict_loads_both_ways(name, kwargs):
             assert back.state[p]["step"].dtype == torch.float32
         grads = [torch.randn_like(p) for p in ours_params]
         for params, opt in ((params_t, their), (params_o, back)):
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
         assert_close_to_torch(back, their, params_o, params_t, 4, kwargs.get("lr", 1e-3))
@@ -216,16 +178,6 @@ def test_state_dict_loads_both_ways(name, kwargs):
 
 
 call_adam = c_calls.adam
-
-
-def fresh_state(params, amsgrad):
-    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    out = []
-    for p in params:
-        st = {k: torch.rand_like(p) for k in keys}
-        st["step"] = torch.tensor(float(torch.randint(0, 50, ())), dtype=torch.float32)
-        out.append(st)
-    return out
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
@@ -242,7 +194,7 @@ def test_c_reference_half_gradients(grad_dtype, amsgrad):
     call_adam(params, grads, states, grad_scale=scale, amsgrad=amsgrad)
     call_adam(params2, [g.float() for g in grads], states2, grad_scale=scale, amsgrad=amsgrad)
     assert_same_tensors(params, params2)
-    for s, s2 in zip(states, states2):
+    for s, s2 in zip(states, states2, strict=True):
         assert_same_tensors(list(s.values()), list(s2.values()))
     assert_same_tensors(grads, grads_before)
 
@@ -255,15 +207,15 @@ def test_c_reference_skip_and_unscale():
     before = [p.clone() for p in params], copy.deepcopy(states)
     call_adam(params, grads, states, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(1.0), amsgrad=True)
     assert_same_tensors(params, before[0])
-    for s, s2 in zip(states, before[1]):
+    for s, s2 in zip(states, before[1], strict=True):
         assert_same_tensors(list(s.values()), list(s2.values()))
     # 1024 is a power of two: dividing inside the update is exact, so the two agree bit for bit
     params2, states2 = [p.clone() for p in params], copy.deepcopy(states)
     call_adam(params, grads, states, grad_scale=torch.tensor(1024.0), found_inf=torch.tensor(0.0), amsgrad=True)
     call_adam(params2, [g / 1024 for g in grads], states2, amsgrad=True)
     assert_same_tensors(params, params2)
-    assert not any(torch.equal(p, q) for p, q in zip(params, before[0]))
-    assert all(float(s["step"]) == float(s0["step"]) + 1 for s, s0 in zip(states, before[1]))
+    assert not any(torch.equal(p, q) for p, q in zip(params, before[0], strict=True))
+    assert all(float(s["step"]) == float(s0["step"]) + 1 for s, s0 in zip(states, before[1], strict=True))
 
 
 def test_c_reference_lr_tensor():
@@ -276,7 +228,7 @@ def test_c_reference_lr_tensor():
     call_adam(params, grads, states, lr=-5.0, lr_tensor=lr)
     call_adam(params2, grads, states2, lr=float(lr))
     assert_same_tensors(params, params2)
-    assert not any(torch.equal(p, q) for p, q in zip(params, [torch.zeros_like(p) for p in params]))
+    assert not any(torch.equal(p, q) for p, q in zip(params, [torch.zeros_like(p) for p in params], strict=True))
 
 
 def two_groups(bad):
@@ -368,9 +320,9 @@ def test_kernel_matches_c_reference(grad_dtype, amsgrad):
     lr = dict(lr=123.0, lr_tensor=lr_tensor.cuda()) if amsgrad else dict(lr=float(lr_tensor))
     call_adam(d_params, d_grads, d_states, grad_scale=scale.cuda(), found_inf=found.cuda(), amsgrad=amsgrad, **lr)
     torch.cuda.synchronize()
-    for p, q in zip(params, d_params):
+    for p, q in zip(params, d_params, strict=True):
         torch.testing.assert_close(q.cpu(), p, rtol=2.0**-21, atol=0)
-    for s, t in zip(states, d_states):
+    for s, t in zip(states, d_states, strict=True):
         for k in s:
             torch.testing.assert_close(t[k].cpu(), s[k], rtol=2.0**-21, atol=0)
 
@@ -384,7 +336,7 @@ def test_matches_torch_with_clipping(name, kwargs, device):
     Not with Adam's coupled weight decay: where g + weight_decay * p cancels to about eps, Adam's early
     steps move by about lr * sign(g + weight_decay * p), and one rounding of g may flip that sign
     (seen: 0.6 lr at one element of 2**20). Gradients that only differ by rounding cannot cancel."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make_pair(name, kwargs, device, seed)
     ours_scaler = GradScaler(device, init_scale=2.0**12, growth_interval=25)
     ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)
@@ -405,7 +357,7 @@ def test_matches_torch_with_clipping(name, kwargs, device):
         ref_before = state_of(ref, ref_params)
         for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
             opt.zero_grad()
-            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources))).backward()
+            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources, strict=True))).backward()
             if scaler is ours_scaler:
                 scaler.clip_grad_norm_(opt, max_norm)
             else:

@@ -11,9 +11,10 @@ from hotloop.amp import GradScaler
 from hotloop.optim import fused as fused_module
 from hotloop.optim import param_table, step_table
 
+from ..seeding import derived_seed
 from .adam_bound import AdamBound, state_of
-from .test_adam import SHAPES, assert_mostly_identical
-from .test_sgd import assert_close_to_torch as sgd_close_to_torch, rounded_one_way_by_torch
+from .conftest import SHAPES, assert_mostly_identical
+from .sgd_bound import assert_close_to_torch as sgd_close_to_torch, rounded_one_way_by_torch
 
 WARMUP, REPLAYS, INF_AT = 3, 6, 2  # the replay whose gradients hold an inf (with a scaler)
 
@@ -55,7 +56,7 @@ def take_step(opt, scaler):
 @pytest.mark.parametrize("scaler_kind", [None, "hotloop", "torch"])
 @pytest.mark.parametrize("name,kwargs", CASES)
 def test_replays_match_torch_eager(name, kwargs, scaler_kind):
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen).cuda() for s in SHAPES]
     grads = gradients(seed + 1, WARMUP + REPLAYS, scaler_kind is not None)
@@ -85,7 +86,7 @@ def test_replays_match_torch_eager(name, kwargs, scaler_kind):
             ref_lr.fill_(lrs[i])
         bound_lr = lrs[i] if tensor_lr else kwargs["lr"]
         before = state_of(ref, ref_params)
-        for p, g in zip(ref_params, gs):
+        for p, g in zip(ref_params, gs, strict=True):
             p.grad = g.clone()
         take_step(ref, ref_scaler)
         if bound is not None:
@@ -103,7 +104,7 @@ def test_replays_match_torch_eager(name, kwargs, scaler_kind):
         for i in range(WARMUP):
             if tensor_lr:
                 ours_lr.fill_(lrs[i])
-            for p, g in zip(ours_params, grads[i]):
+            for p, g in zip(ours_params, grads[i], strict=True):
                 p.grad.copy_(g)
             take_step(ours, ours_scaler)
     torch.cuda.current_stream().wait_stream(side)
@@ -113,14 +114,14 @@ def test_replays_match_torch_eager(name, kwargs, scaler_kind):
     for i in range(WARMUP, WARMUP + REPLAYS):
         if tensor_lr:
             ours_lr.fill_(lrs[i])
-        for p, g in zip(ours_params, grads[i]):
+        for p, g in zip(ours_params, grads[i], strict=True):
             p.grad.copy_(g)
         graph.replay()
     torch.cuda.synchronize()
 
     if scaler_kind is not None:
         assert ours_scaler.get_scale() == ref_scaler.get_scale()
-    for p, q in zip(ours_params, ref_params):
+    for p, q in zip(ours_params, ref_params, strict=True):
         for key, t in ref.state[q].items():
             if key == "step":
                 assert float(ours.state[p]["step"]) == float(t) == WARMUP + REPLAYS - skipped
@@ -167,7 +168,7 @@ def test_capture_refuses_what_would_be_frozen(name, capture, monkeypatch):
     monkeypatch.setattr(step_table, "capturing", lambda device: False)
     opt.step()  # the warm-up, outside the capture
     twin_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    for p, q in zip(twin_ps, ps):
+    for p, q in zip(twin_ps, ps, strict=True):
         p.grad = q.grad.clone()
     twin = cls(twin_ps, lr=1e-2)
     twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict may share tensors
@@ -175,13 +176,13 @@ def test_capture_refuses_what_would_be_frozen(name, capture, monkeypatch):
     monkeypatch.setattr(fused_module, "capturing", lambda device: True)
     monkeypatch.setattr(step_table, "capturing", lambda device: True)
     opt.step()  # "captured": the same tensors, the uploaded table
-    for a, b in zip(snapshot(opt, ps), snapshot(twin, twin_ps)):
+    for a, b in zip(snapshot(opt, ps), snapshot(twin, twin_ps), strict=True):
         assert torch.equal(a, b)
     before = snapshot(opt, ps)
     ps[1].grad = ps[1].grad.clone()  # a new gradient tensor: its address is not in the table
     with pytest.raises(RuntimeError, match="not those of the last step.*host memory"):
         opt.step()
-    for a, b in zip(snapshot(opt, ps), before):
+    for a, b in zip(snapshot(opt, ps), before, strict=True):
         assert torch.equal(a, b)
     opt.param_groups[0]["betas"] = (torch.tensor(0.9), 0.999)
     with pytest.raises(RuntimeError, match=r"betas\[0\]: a CPU tensor"):
@@ -233,7 +234,7 @@ def test_lr_tensor_steps_as_its_value():
     for name, kw in (("AdamW", {}), ("SGD", dict(momentum=0.9))):
         a, b = params_with_grads(), None
         b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-        for p, q in zip(b, a):
+        for p, q in zip(b, a, strict=True):
             p.grad = q.grad.clone()
         lr = torch.tensor(1e-2)
         oa = getattr(hotloop.optim, name)(a, lr=lr, **kw)
@@ -243,5 +244,5 @@ def test_lr_tensor_steps_as_its_value():
             ob.param_groups[0]["lr"] = float(lr)
             oa.step()
             ob.step()
-        for p, q in zip(a, b):
+        for p, q in zip(a, b, strict=True):
             assert torch.equal(p, q)

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from ..seeding import derived_seed
 from . import c_calls
 
 # (parameter and state dtype, gradient dtype): what csrc/optim.c lets through
@@ -43,7 +44,7 @@ SCALES = [64.0, 48.3]
 def test_adam_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs, steps, scale):
     """One tensor of N elements (8 at a time, then a tail) against the same elements as N one-element tensors
     (each takes the scalar path): every bit of parameters and moments, NaN and inf gradients included."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(derived_seed())
     p = spread(N, gen, -6, 1).to(dtype)
     g = (spread(N, gen) * 64).to(grad_dtype)
     g[3], g[17], g[N - 2] = float("nan"), float("inf"), -float("inf")
@@ -69,7 +70,7 @@ def test_adam_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs,
 @pytest.mark.parametrize("kwargs", SGD)
 @pytest.mark.parametrize("dtype,grad_dtype", PAIRS)
 def test_sgd_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs, scale):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(derived_seed())
     p = spread(N, gen, -6, 1).to(dtype)
     g = (spread(N, gen) * 64).to(grad_dtype)
     g[5], g[N - 1] = float("nan"), float("inf")
@@ -86,7 +87,7 @@ def test_sgd_vector_path_gives_the_scalar_paths_bits(dtype, grad_dtype, kwargs, 
 def test_threads_give_one_threads_bits(dtype):
     """Tensors of several chunks (32768 elements) and small ones between them, stepped on one thread and on
     three: the same bits, and each step count taken once."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(derived_seed())
     shapes = [(5 * 32768 + 3,), (7,), (4 * 32768,), (1,), (65537,)]
     params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
@@ -96,9 +97,9 @@ def test_threads_give_one_threads_bits(dtype):
     params2, states2 = [p.clone() for p in params], copy.deepcopy(states)
     c_calls.adam(params, grads, states, threads=1)
     c_calls.adam(params2, grads, states2, threads=3)
-    for p, q in zip(params, params2):
+    for p, q in zip(params, params2, strict=True):
         assert torch.equal(p, q)
-    for s, s2, i in zip(states, states2, range(len(shapes))):
+    for s, s2, i in zip(states, states2, range(len(shapes)), strict=True):
         assert float(s2["step"]) == float(s["step"]) == i + 1
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(s[key], s2[key])
@@ -106,7 +107,7 @@ def test_threads_give_one_threads_bits(dtype):
     params2, bufs2 = [p.clone() for p in params], [b.clone() for b in bufs]
     c_calls.sgd(params, grads, bufs, threads=1)
     c_calls.sgd(params2, grads, bufs2, threads=4)
-    assert all(torch.equal(a, b) for a, b in zip(params + bufs, params2 + bufs2))
+    assert all(torch.equal(a, b) for a, b in zip(params + bufs, params2 + bufs2, strict=True))
 
 
 def test_threads_must_be_positive():

@@ -6,8 +6,9 @@ import torch
 
 import hotloop.optim
 
+from ..seeding import derived_seed, seeded_generator
 from . import c_calls
-from .test_adam import assert_mostly_identical, fresh_state
+from .conftest import assert_mostly_identical, fresh_state
 
 HALVES = [torch.float16, torch.bfloat16]
 SHAPES = [(1,), (555,), (65537,), (3, 7)]
@@ -41,7 +42,7 @@ def assert_within_one_ulp(a, b, what):
 
 def make(name, kwargs, dtypes, device, seed):
     gen = torch.Generator().manual_seed(seed)
-    init = [torch.randn(s, generator=gen).to(dt) for s, dt in zip(SHAPES, dtypes)]
+    init = [torch.randn(s, generator=gen).to(dt) for s, dt in zip(SHAPES, dtypes, strict=True)]
     ours_params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
     ref_params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
     ours = getattr(hotloop.optim, name)(ours_params, **kwargs)
@@ -50,7 +51,7 @@ def make(name, kwargs, dtypes, device, seed):
 
 
 def set_grads(ours_params, ref_params, gen):
-    for p, q in zip(ours_params, ref_params):
+    for p, q in zip(ours_params, ref_params, strict=True):
         g = torch.randn(p.shape, generator=gen).to(p.dtype).to(p.device)
         p.grad, q.grad = g.clone(), g.clone()
 
@@ -62,18 +63,18 @@ def test_half_step_is_the_float32_step_rounded_once(name, kwargs, dtype):
     of their widened values, each result rounded once to the dtype (ours in float32 is torch's CUDA arithmetic,
     checked against torch in test_adam/test_sgd). Five steps, the float32 side restarted each time from the
     half values."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = torch.Generator().manual_seed(derived_seed())
     half = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
     wide = [torch.nn.Parameter(p.detach().float()) for p in half]
     ours, ours32 = getattr(hotloop.optim, name)(half, **kwargs), getattr(hotloop.optim, name)(wide, **kwargs)
     keys = state_keys(name, kwargs)
     for step in range(5):
-        for p, w in zip(half, wide):
+        for p, w in zip(half, wide, strict=True):
             p.grad = (torch.randn(p.shape, generator=gen) * 4).to(dtype)
             w.grad = p.grad.float()
         ours.step()
         ours32.step()
-        for i, (p, w) in enumerate(zip(half, wide)):
+        for i, (p, w) in enumerate(zip(half, wide, strict=True)):
             assert torch.equal(p.detach(), w.detach().to(dtype)), f"step {step} param {i}"
             for key in keys:
                 assert ours.state[p][key].dtype == dtype
@@ -93,7 +94,7 @@ def test_steps_match_torch_fused_on_cpu(name, kwargs, dtype):
     a few float ulps (a few hundred for exp_avg_sq: 1 - float32(beta2) differs from float32(1 - beta2) by
     1.3e-5 of itself) and round to different half values where they straddle a rounding boundary: rarely, so
     at least 98 % of the elements of each kind are bit-identical (a wrong formula misses that by far)."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make(name, kwargs, [dtype] * len(SHAPES), "cpu", seed)
     gen = torch.Generator().manual_seed(seed + 1)
     keys = state_keys(name, kwargs)
@@ -102,7 +103,7 @@ def test_steps_match_torch_fused_on_cpu(name, kwargs, dtype):
         set_grads(ours_params, ref_params, gen)
         ours.step()
         ref.step()
-        for i, (p, q) in enumerate(zip(ours_params, ref_params)):
+        for i, (p, q) in enumerate(zip(ours_params, ref_params, strict=True)):
             assert p.dtype == dtype
             pairs = [("param", p.detach(), q.detach())] + [(k, ours.state[p][k], ref.state[q][k]) for k in keys]
             for key, a, b in pairs:
@@ -123,11 +124,11 @@ def test_a_group_of_mixed_dtypes(name, kwargs):
     """float32, float16 and bfloat16 parameters in one param group (torch's fused optimizers group them by
     dtype): each keeps its state in its own dtype and steps as torch's; float32 within float32 rounding."""
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
-    ours, ref, ours_params, ref_params = make(name, kwargs, dtypes, "cpu", torch.seed() % 2**31)
-    set_grads(ours_params, ref_params, torch.Generator().manual_seed(7))
+    ours, ref, ours_params, ref_params = make(name, kwargs, dtypes, "cpu", derived_seed())
+    set_grads(ours_params, ref_params, seeded_generator(7))
     ours.step()
     ref.step()
-    for i, (p, q, dt) in enumerate(zip(ours_params, ref_params, dtypes)):
+    for i, (p, q, dt) in enumerate(zip(ours_params, ref_params, dtypes, strict=True)):
         assert p.dtype == dt and all(ours.state[p][k].dtype == dt for k in state_keys(name, kwargs))
         # float32 within its rounding, the halves within the tolerance of torch's own tests (see above)
         tolerance = dict(rtol=2.0**-20, atol=0) if dt is torch.float32 else {}
@@ -183,11 +184,11 @@ def test_kernel_matches_c_reference(dtype, amsgrad):
     c_calls.adam(d_params, d_grads, d_states, **dict(call, grad_scale=scale.cuda(), found_inf=found.cuda()))
     torch.cuda.synchronize()
     differ = 0
-    for p, q in zip(params, d_params):
+    for p, q in zip(params, d_params, strict=True):
         assert_within_one_ulp(q.cpu(), p, "param")
         differ += int((q.cpu() != p).sum())
     assert differ <= 1e-3 * sum(p.numel() for p in params)
-    for s, t in zip(states, d_states):
+    for s, t in zip(states, d_states, strict=True):
         for k in s:
             assert torch.equal(t[k].cpu(), s[k]), k
 
@@ -202,7 +203,7 @@ def test_sgd_kernel_matches_c_reference(dtype):
     c_calls.sgd(params, grads, bufs, grad_scale=torch.tensor(64.0))
     c_calls.sgd(d_params, d_grads, d_bufs, grad_scale=torch.tensor(64.0, device="cuda"))
     torch.cuda.synchronize()
-    for a, b in zip(d_params + d_bufs, params + bufs):
+    for a, b in zip(d_params + d_bufs, params + bufs, strict=True):
         assert torch.equal(a.cpu(), b)
 
 
@@ -212,9 +213,9 @@ def test_sgd_kernel_matches_c_reference(dtype):
 def test_steps_match_torch_fused_on_gpu(name, kwargs, dtype):
     """Twenty steps against torch's fused CUDA step of the same dtype, the same float arithmetic rounded once
     on store: bit-identical but where nvcc contracted torch's source otherwise than optim_math.h guesses
-    (test_adam.assert_mostly_identical: at most 1e-4 of the elements), and all within torch's own
+    (conftest.assert_mostly_identical: at most 1e-4 of the elements), and all within torch's own
     tolerance for the dtype."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make(name, kwargs, [dtype] * len(SHAPES), "cuda", seed)
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(20):
@@ -223,7 +224,7 @@ def test_steps_match_torch_fused_on_gpu(name, kwargs, dtype):
         ref.step()
     keys = state_keys(name, kwargs)
     assert_mostly_identical(ours, ref, ours_params, ref_params, keys)
-    for p, q in zip(ours_params, ref_params):
+    for p, q in zip(ours_params, ref_params, strict=True):
         torch.testing.assert_close(p.detach(), q.detach())
         for key in keys:
             assert ours.state[p][key].dtype == dtype

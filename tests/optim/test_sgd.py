@@ -8,8 +8,10 @@ import torch
 import hotloop.optim
 from hotloop.amp import GradScaler
 
+from ..seeding import derived_seed
 from . import c_calls
-from .test_adam import DEVICES, INJECT, SHAPES, STEPS, assert_mostly_identical, assert_same_tensors, shapes_for
+from .conftest import DEVICES, INJECT, SHAPES, STEPS, assert_mostly_identical, assert_same_tensors, shapes_for
+from .sgd_bound import assert_close_to_torch, rounded_one_way_by_torch
 
 CASES = [
     dict(lr=1e-2),
@@ -17,26 +19,6 @@ CASES = [
     dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3),
     dict(lr=1e-2, momentum=0.8, nesterov=True, weight_decay=1e-2, maximize=True),
 ]
-
-
-def param_bound(steps, lr, ref):
-    """Per element |ours - torch's| after `steps` steps: the gradients are the same, and each step may
-    round the parameter, the decayed gradient and the buffer differently by an ulp or so (ours in float
-    with an fma or up to three roundings each, as torch's CUDA kernel; torch's CPU kernel up to three times
-    in float; both with float32 lr, momentum and 1 - dampening, each within 2**-25 of the double: inside
-    the same ulp allowance); the
-    buffer's rounding is carried by later steps with weight momentum / (1 - momentum) <= 10 here."""
-    return steps * 2.0**-22 * (ref.abs() + 16 * lr * 10)
-
-
-def rounded_one_way_by_torch(params, scaled):
-    """The indices of the parameters whose every element torch's fused CUDA SGD rounds the same way. Under
-    a grad_scale, its vectorized path (a chunk of a multiple of 4 elements, all tensors 16-byte aligned)
-    rounds p - lr * g per lane: one rounding (fma) in lane 3 of each 4, two (the product rounded first) in
-    lanes 0-2, where every other path takes the fma (measured on the H200, torch 2.11: each lane matched
-    one form in all 16,384 of its elements, of 65,536; nvcc's contraction of one line, which hotloop does
-    not copy). With torch's 65,536-element chunks, a tensor of numel % 4 != 0 never takes that path."""
-    return {i for i, p in enumerate(params) if not scaled or p.numel() % 4 != 0}
 
 
 def make_pair(kwargs, device, seed):
@@ -53,25 +35,10 @@ def snapshot(opt, params):
         [t.clone() for p in params for t in opt.state[p].values() if t is not None]
 
 
-def assert_close_to_torch(ours, ref, ours_params, ref_params, steps, lr):
-    for i, (p, q) in enumerate(zip(ours_params, ref_params)):
-        bound = param_bound(steps, lr, q.detach())
-        err = (p.detach() - q.detach()).abs()
-        assert bool((err <= bound).all()), f"param {i}: worst {float((err / bound).max())} of the bound"
-        so, sr = ours.state.get(p, {}), ref.state.get(q, {})
-        assert set(so) == set(sr)
-        if "momentum_buffer" in so:
-            # each step rounds a sum of terms up to about 8 (gradients of 5 sigma and more) up to three
-            # times on each side (ours: momentum * buf, (1 - dampening) * g, their sum), 2**-24 * 8 each,
-            # and the buffer carries that with weight 1 / (1 - momentum); seen: 1.25e-6 at 0.9
-            atol = 6 * 2.0**-24 * 8 / (1 - ours.param_groups[0]["momentum"])
-            torch.testing.assert_close(so["momentum_buffer"], sr["momentum_buffer"], rtol=1e-5, atol=atol)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kwargs", CASES)
 def test_matches_torch_under_grad_scaler(kwargs, device):
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     ours, ref, ours_params, ref_params = make_pair(kwargs, device, seed)
     ours_scaler = GradScaler(device, init_scale=2.0**12, growth_interval=25)
     ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=25)
@@ -85,7 +52,7 @@ def test_matches_torch_under_grad_scaler(kwargs, device):
         before = snapshot(ours, ours_params), snapshot(ref, ref_params)
         for opt, scaler, params in ((ours, ours_scaler, ours_params), (ref, ref_scaler, ref_params)):
             opt.zero_grad()
-            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources))).backward()
+            scaler.scale(sum((p * s).sum() for p, s in zip(params, sources, strict=True))).backward()
             scaler.step(opt)
             scaler.update()
         assert ours_scaler.get_scale() == ref_scaler.get_scale(), f"step {step}"
@@ -95,7 +62,7 @@ def test_matches_torch_under_grad_scaler(kwargs, device):
     assert_close_to_torch(ours, ref, ours_params, ref_params, STEPS, kwargs["lr"])
     if device == "cuda":
         # torch's CUDA kernel does ours' arithmetic: bit-identical but where nvcc's contractions of torch's
-        # source differ from ours (test_adam.assert_mostly_identical says how rare)
+        # source differ from ours (conftest.assert_mostly_identical says how rare)
         keys = ["momentum_buffer"] if "momentum_buffer" in ours.state.get(ours_params[0], {}) else []
         assert_mostly_identical(ours, ref, ours_params, ref_params, keys,
                                 only=rounded_one_way_by_torch(ref_params, scaled=True))
@@ -103,11 +70,11 @@ def test_matches_torch_under_grad_scaler(kwargs, device):
 
 def test_state_dict_loads_both_ways():
     kwargs = CASES[2]
-    ours, ref, ours_params, ref_params = make_pair(kwargs, "cpu", torch.seed() % 2**31)
+    ours, ref, ours_params, ref_params = make_pair(kwargs, "cpu", derived_seed())
     for _ in range(3):
         grads = [torch.randn_like(p) for p in ours_params]
         for params, opt in ((ours_params, ours), (ref_params, ref)):
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
     saved, ref_saved = ours.state_dict(), ref.state_dict()
@@ -122,7 +89,7 @@ def test_state_dict_loads_both_ways():
         back.load_state_dict(copy.deepcopy(their.state_dict()))
         grads = [torch.randn_like(p) for p in ours_params]
         for params, opt in ((params_t, their), (params_o, back)):
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             opt.step()
         assert_close_to_torch(back, their, params_o, params_t, 4, kwargs["lr"])
@@ -141,7 +108,7 @@ def test_c_reference_half_gradients_and_skip(grad_dtype):
     unscaled = [g.float() / 64 for g in grads]  # kept alive: the table holds only their addresses
     c_calls.sgd(params2, unscaled, bufs2)
     assert_same_tensors(params + bufs, params2 + bufs2)
-    assert not any(torch.equal(b, b0) for b, b0 in zip(bufs, [torch.zeros_like(b) for b in bufs]))
+    assert not any(torch.equal(b, b0) for b, b0 in zip(bufs, [torch.zeros_like(b) for b in bufs], strict=True))
 
 
 def test_c_reference_lr_tensor():

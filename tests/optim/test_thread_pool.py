@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ..forked import wait_for_child
+from ..seeding import derived_seed
 from . import c_calls
 
 # several chunks (32768 elements) a tensor, so that every thread of a pass takes some
@@ -32,18 +33,18 @@ def _steps(seed, threads, count):
 def _same(a, b):
     """bit for bit, without a torch op: torch's own OpenMP threads, used from several Python threads before a
     fork (test_two_python_threads_at_once), can hang a forked child's next parallel op"""
-    return len(a) == len(b) and all(x.numpy().tobytes() == y.numpy().tobytes() for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.numpy().tobytes() == y.numpy().tobytes() for x, y in zip(a, b, strict=True))
 
 
 def test_many_passes_give_one_threads_bits():
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     assert _same(_steps(seed, 4, 30), _steps(seed, 1, 30))
 
 
 def test_two_python_threads_at_once():
     """Two threads step at once without the GIL: one holds the pool, the other finds it busy and steps
     alone; both get one thread's bits."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     want = _steps(seed, 1, 20)
     got = [None, None]
 
@@ -62,7 +63,7 @@ def test_two_python_threads_at_once():
 def test_forked_child_steps_on_its_own_pool():
     """A child forked after a threaded step (the parent's workers sleeping in the pool) steps on several
     threads and gets one thread's bits; a hang would be a child still running at the deadline."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     _steps(seed, 4, 2)  # the pool's workers exist now
     pid = os.fork()
     if pid == 0:
@@ -81,7 +82,7 @@ def test_forked_child_steps_on_its_own_pool():
 def test_flush_denormal_reaches_the_workers():
     """torch.set_flush_denormal(True) sets the calling thread's flush-to-zero modes; the pool's workers, started
     before, take them with each job, so subnormal results flush whichever thread made them."""
-    seed = torch.seed() % 2**31
+    seed = derived_seed()
     _steps(seed, 4, 1)  # the workers exist, started without flushing
     gen = torch.Generator().manual_seed(seed)
     tiny = [torch.randn(s, generator=gen) * 1e-39 for s in SHAPES]  # subnormal parameters, gradients, buffers

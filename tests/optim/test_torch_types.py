@@ -8,11 +8,13 @@ import torch
 
 import hotloop.optim
 
+from ..seeding import current_seed
+
 TYPES = [("AdamW", {}), ("Adam", {"amsgrad": True}), ("SGD", {"momentum": 0.9})]
 
 
-def model_params(seed=0):
-    gen = torch.Generator().manual_seed(seed)
+def model_params(seed=None):
+    gen = torch.Generator().manual_seed(current_seed() if seed is None else seed)
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(8, 4), (4,), (3,)]]
 
 
@@ -58,7 +60,7 @@ def test_lr_scheduler_and_hooks_as_torchs(name, kwargs):
             opt.step()
             sched.step()
         assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
-        for p, q in zip(ours_params, ref_params):
+        for p, q in zip(ours_params, ref_params, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # float32 rounding of a few steps
     assert calls == ["pre", "post"] * 6
     assert ours.param_groups[0]["lr"] != 0.1
@@ -96,5 +98,5 @@ def test_state_dict_round_trip_through_torchs_optimizer(name, kwargs):
     set_grads(theirs_params, 10)
     back.step()
     theirs.step()
-    for p, q in zip(back_params, theirs_params):
+    for p, q in zip(back_params, theirs_params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

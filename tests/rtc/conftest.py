@@ -29,10 +29,13 @@ def nvrtc_wheels():
     return found
 
 
+# the pip package of each CUDA major's NVRTC
+WHEEL_PACKAGES = {12: "nvidia-cuda-nvrtc-cu12", 13: "nvidia-cuda-nvrtc"}
+
+
 def wheel(nvrtc_wheels, major):
     if major not in nvrtc_wheels:
-        package = "nvidia-cuda-nvrtc-cu12" if major == 12 else "nvidia-cuda-nvrtc"
-        pytest.skip(f"no CUDA {major} NVRTC wheel in site-packages (pip install {package})")
+        pytest.skip(f"no CUDA {major} NVRTC wheel in site-packages (pip install {WHEEL_PACKAGES[major]})")
     return nvrtc_wheels[major]
 
 

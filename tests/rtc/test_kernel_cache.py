@@ -1,6 +1,5 @@
 """The kernel cache: what its key depends on, damaged files never loaded, a folder that cannot be written,
 the in-process copy, and two processes compiling the same kernel at once."""
-import os
 import random
 import subprocess
 import sys
@@ -81,7 +80,7 @@ def test_a_damaged_entry_is_never_loaded_and_is_compiled_again(nvrtc, tiny_kerne
         "flipped byte in the header": lambda: flip_a_byte(data[:header]) + data[header:],
         "truncated": lambda: data[:random.randrange(1, len(data))],
         "empty": lambda: b"",
-        "foreign file": lambda: os.urandom(len(data)),
+        "foreign file": lambda: random.randbytes(len(data)),
     }[damage]()
     path.write_bytes(damaged)
     assert kernel_cache.unpack(damaged) is None
