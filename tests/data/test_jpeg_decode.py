@@ -656,7 +656,7 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
 def test_back_to_back_decodes_each_keep_their_images(backend):
     """Calls queued one after another on one stream, the host never waiting between them (as the
     loader's thread queues batch after batch): each call's images are its own, every one as PIL's."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(derived_seed())
     decoder = open_decoder(backend, 48)
     stream = torch.cuda.Stream()
     calls = []

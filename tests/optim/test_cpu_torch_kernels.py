@@ -7,6 +7,8 @@ import torch
 import hotloop
 from hotloop.optim import torch_cpu_step
 
+from ..seeding import seeded_generator
+
 pytestmark = pytest.mark.skipif(not torch_cpu_step.torch_has_cpu_fused_kernels(),
                                 reason="this torch has no fused CPU optimizer kernels")
 
@@ -56,7 +58,7 @@ def assert_same_bits(ours, theirs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,kwargs", CASES)
 def test_large_tensors_step_by_torchs_kernel_with_its_bits(name, kwargs, dtype, monkeypatch):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded_generator()
     ours, theirs = pair(name, kwargs, [(LARGE,), (2, LARGE // 2 + 1)], dtype, gen)
     step_both(ours, theirs, gen)  # the first step (SGD's buffers take the gradient: hotloop's C)
     calls = count_torch_kernel_calls(monkeypatch)
@@ -71,7 +73,7 @@ def test_large_tensors_step_by_torchs_kernel_with_its_bits(name, kwargs, dtype, 
 @pytest.mark.parametrize("name,kwargs", CASES)
 def test_any_non_zero_found_inf_skips_on_torchs_kernel_too(name, kwargs):
     """torch's kernel skips for found_inf == 1.0 only; hotloop's rule (any non-zero value) holds on its path"""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded_generator()
     ours, _ = pair(name, kwargs, [(LARGE,)], torch.float32, gen)
     p = ours.param_groups[0]["params"][0]
     p.grad = torch.randn(p.shape, generator=gen)
@@ -90,7 +92,7 @@ def test_any_non_zero_found_inf_skips_on_torchs_kernel_too(name, kwargs):
 def test_other_sets_stay_with_hotloops_kernel(shapes, monkeypatch):
     """small tensors on average, and a float32 parameter with a float16 gradient (which torch's kernel
     refuses), step by hotloop's C"""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded_generator()
     ours, _ = pair("AdamW", {}, shapes, torch.float32, gen)
     calls = count_torch_kernel_calls(monkeypatch)
     for _ in range(2):
