@@ -5,7 +5,6 @@ import dataclasses
 import threading
 import time
 import warnings
-import weakref
 
 import torch
 
@@ -160,13 +159,15 @@ class DeviceCopies:
 
     calls = CudaCalls  # the seam the CPU tests replace
 
-    def __init__(self, device, loader):
-        self.device = device
-        self.cuda = self.calls(device)
-        self.loader = weakref.proxy(loader)  # its batch_stage and stats; a proxy: the loader owns a LocalRing
+    def __init__(self, settings, stats):
+        """settings: the loader's CopySettings (_config.py); stats: its LoaderStats, which copies add to."""
+        self.device = settings.device
+        self.stage = settings.stage
+        self.stats = stats
+        self.cuda = self.calls(self.device)
         self.copy_stream = None
         # a stage that reads its batches' slots itself says so (pins_ring: gpu_decode's, and why, in image/stage.py)
-        self.pin_slots = loader.batch_stage is None or loader.batch_stage.pins_ring
+        self.pin_slots = self.stage is None or self.stage.pins_ring
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
@@ -188,7 +189,7 @@ class DeviceCopies:
         t0 = time.perf_counter()
         try:
             if self.cuda.register(ring, slot):
-                self.loader.stats.register_seconds += time.perf_counter() - t0
+                self.stats.register_seconds += time.perf_counter() - t0
             self.pinned.add(slot)
         except Exception as exc:  # still correct without pinning, only slower
             self.pin_slots = False
@@ -210,7 +211,7 @@ class DeviceCopies:
         consumer's stream waited on the returned Pending's event (deliver). defer: gpu_decode's
         decode and kernel are left to the Pending's ImageLaunch (run by the caller, or by deliver)."""
         cuda = self.cuda
-        stage = self.loader.batch_stage
+        stage = self.stage
         if self.copy_stream is None:
             self.copy_stream = cuda.new_stream()
             self.alloc_event = cuda.event(False)
@@ -310,7 +311,7 @@ class DeviceCopies:
 
     def reclaim(self, block, release):
         """Release the slots whose copies finished (with block: wait for the oldest if none did)."""
-        st = self.loader.stats
+        st = self.stats
         while self.inflight:
             p = self.inflight[0]
             if not self.cuda.done(p.event):
@@ -388,16 +389,17 @@ class LocalRing:
     into (one host copy), page-locked in the background, copied to the device by DeviceCopies. It
     lives as long as its loader, so slots are page-locked once, not once per epoch."""
 
-    def __init__(self, loader, sizes):
+    def __init__(self, settings, stats, prefetch_batches, sizes):
+        """settings: the loader's CopySettings; stats: its LoaderStats; sizes: the first batch's leaf bytes."""
         layout, offset = slot_layout(sizes)
         # the batches queued ahead, the one being handed out, one whose copy may still run
-        nslots = loader.prefetch_batches + 2
+        nslots = prefetch_batches + 2
         self.ring = _C.Ring(nslots, offset)
         self.layout = layout
         self.slot_u8 = [torch.frombuffer(self.ring.view(i), dtype=torch.uint8) for i in range(nslots)]
         self.free_slots = list(range(nslots))
-        self.copies = DeviceCopies(loader.device, loader)
-        loader.stats.ring_bytes = self.ring.nbytes
+        self.copies = DeviceCopies(settings, stats)
+        stats.ring_bytes = self.ring.nbytes
         input_wait.ring_made(self.ring.nbytes)
         # in the order take_slot hands them out, while this thread makes the next batches; it
         # registers only what they have not reached

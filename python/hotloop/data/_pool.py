@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import time
-import weakref
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
@@ -93,16 +92,18 @@ class Pool:
     replay_index = None  # the index an IterableDataset's tasks carry (all the same)
     resumed_rng = None  # worker -> its RNG states when it began this epoch (persistent workers' EpochStarted)
 
-    def __init__(self, loader, spec):
-        """spec: the WorkerSpec every worker starts with."""
-        self.loader = loader
-        self.ctx = loader.multiprocessing_context or torch.multiprocessing
-        self.n = loader.num_workers
+    def __init__(self, settings, stats, spec):
+        """settings: the loader's PoolSettings (_config.py); stats: its LoaderStats, which the pool
+        adds to; spec: the WorkerSpec every worker starts with."""
+        self.settings = settings
+        self.stats = stats
+        self.ctx = settings.mp_context
+        self.n = settings.num_workers
         self.kind = spec.dataset_kind
         self.spec = spec
         self.main_pid = os.getpid()
         self.oom_kills = oom_kills()  # a worker killed by SIGKILL while this rises was the OOM killer's
-        self.device = loader.device
+        self.device = settings.device
         self.ring = None
         self.ring_unused = False  # the first batch had no tensor: everything takes the pipe
         self._ring_bytes = 0
@@ -128,23 +129,13 @@ class Pool:
         # this process's end of each worker's socket for the ring's memfd (SCM_RIGHTS); None for a
         # worker forked after the ring was made, which inherited the memfd
         self.ring_conns = [None] * self.n
-        self.copies = DeviceCopies(self.device, loader) if self.device is not None else None
+        self.copies = DeviceCopies(settings.copies, stats) if self.device is not None else None
         self.leases = None  # CPU batches lent out as views of their slots (copy_out)
         self.started = [False] * self.n
         self.running = set()  # workers whose current process sent Started
         self.ended = [(None, None)] * self.n  # (pid, exit code) of each worker's last process once it is gone
         self.launcher = None  # the process that forked the first workers (_launcher.py)
         close_at_exit(self, WORKER_POOLS)
-
-    @property
-    def loader(self):
-        return self._loader
-
-    @loader.setter
-    def loader(self, loader):
-        # a proxy: the loader holds its persistent workers' pool, and a cycle would keep the workers
-        # alive after the loader is gone, until the cycle collector ran
-        self._loader = weakref.proxy(loader)
 
     # workers ---------------------------------------------------------------------------------------
     def start_worker(self, wid):
@@ -367,13 +358,13 @@ class Pool:
             twice = [list(t.index) if t.index is not None else None for t in again]
             raise RuntimeError(desc + f"; a worker had died holding {twice} before: the dataset (or collate_fn) "
                                "kills its worker there")
-        elif self.restarts >= self.loader.max_worker_restarts:
+        elif self.restarts >= self.settings.max_worker_restarts:
             self.close()  # the epoch cannot go on: reap the other workers now, not at garbage collection
             raise RuntimeError(desc + (f"; {self.restarts} worker(s) were restarted already "
-                                       f"(max_worker_restarts={self.loader.max_worker_restarts})"))
+                                       f"(max_worker_restarts={self.settings.max_worker_restarts})"))
         else:
             self.restarts += 1
-        self.loader.stats.worker_restarts += 1
+        self.stats.worker_restarts += 1
         plan = self._successor_plan(wid, lost)
         self._forget(wid)
         self._start(wid)
@@ -472,7 +463,7 @@ class Pool:
         """Before the epoch's first task: give each worker its Setup (resume: RNG states, replay), or
         None, and remember where each starts."""
         if self.kind == _DatasetKind.Iterable:  # torch's batches of an IterableDataset: batch_size Nones
-            self.replay_index = [None] * self.loader.batch_size if self.spec.auto_collation else None
+            self.replay_index = [None] * self.settings.batch_size if self.spec.auto_collation else None
         self.track = []
         for wid in range(self.n):
             setup = setups[wid] if setups is not None else None
@@ -675,7 +666,7 @@ class Pool:
         nslots = ring.nslots
         self.ring, self.layout, self._ring_bytes = ring, layout, ring.nbytes
         self.free_slots = list(range(nslots))
-        self.loader.stats.ring_bytes = ring.nbytes
+        self.stats.ring_bytes = ring.nbytes
         input_wait.ring_made(ring.nbytes)
         if self.copies is not None:
             self.copies.populate(ring, self.free_slots[::-1])  # in the order take_slot hands slots out
@@ -699,9 +690,9 @@ class Pool:
         the batches lent as views (LEASE_SLOTS; past them batches are copied out), with a device the
         batches queued ahead, the one handed out and one whose copy may still run. With fewer, a
         task would wait for a slot; more are never used at once."""
-        loader = self.loader
-        held = loader.prefetch_batches + 2 if self.device is not None else LEASE_SLOTS
-        return self.n * loader.prefetch_factor + held
+        settings = self.settings
+        held = settings.prefetch_batches + 2 if self.device is not None else LEASE_SLOTS
+        return self.n * settings.prefetch_factor + held
 
     @property
     def ring_bytes(self):
@@ -736,7 +727,7 @@ class Pool:
         it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
         it. torch's pinned allocator keeps a block until events recorded on the streams that used it
         completed; a lease sees no such event."""
-        stage = self.loader.batch_stage
+        stage = self.settings.stage
         packed = stage.slot_parts(spec) if stage is not None else None
         if packed is not None:
             return self.images_out(slot, spec, leaves, stage, packed, pin)
@@ -781,7 +772,7 @@ class Pool:
         if parts is None:
             self.release_slot(slot)
         else:
-            self.loader.stats.view_batches += 1  # the slot comes back through collect_leases
+            self.stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
 
     def images_out(self, slot, spec, leaves, stage, parts, pin):

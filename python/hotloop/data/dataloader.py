@@ -47,6 +47,7 @@ from .. import _C, input_wait
 from .._arguments import expect_count, expect_int
 from ._batch import (FastPathDeclined, SlotWriter, first_dim, flatten, leaf_bytes, unflatten, write_fast,
                      write_general)
+from ._config import CopySettings, PoolSettings
 from ._device import LocalRing, Pending
 from ._messages import Ended, Failed, WholeBatch
 from ._pool import POLL_S, Pool, Task
@@ -472,6 +473,14 @@ def _count_elapsed(it, loader, t0):
     it._last_return = now
 
 
+def _pool_settings(loader):
+    """What a worker pool is given of the loader (its settings as they stand at the pool's start)."""
+    return PoolSettings(mp_context=loader.multiprocessing_context or torch.multiprocessing,
+                        num_workers=loader.num_workers, device=loader.device, stage=loader.batch_stage,
+                        batch_size=loader.batch_size, prefetch_factor=loader.prefetch_factor,
+                        prefetch_batches=loader.prefetch_batches, max_worker_restarts=loader.max_worker_restarts)
+
+
 def _batch_samples(batch, default):
     tensors = []
     flatten(batch, tensors)
@@ -659,7 +668,8 @@ class _SingleIter(_SingleProcessDataLoaderIter):
         else:  # an iterable's last batch may be short
             n = len(index) if self._dataset_kind == _DatasetKind.Map else _batch_samples(batch, 1)
         if tensors and ring is None:
-            ring = loader._hl_local_ring = LocalRing(loader, [leaf_bytes(t) for t in tensors])
+            ring = loader._hl_local_ring = LocalRing(CopySettings(loader.device, loader.batch_stage), loader.stats,
+                                                     loader.prefetch_batches, [leaf_bytes(t) for t in tensors])
         if tensors and ring.fits(tensors):
             slot = ring.take_slot()
             if slot is not None:
@@ -746,15 +756,14 @@ class _MultiIter(_BaseDataLoaderIter):
             init_fn = loader.worker_init_fn
             if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):  # as torch: shard a DataPipe per worker
                 init_fn = functools.partial(_sharding_worker_init_fn, init_fn, self._world_size, self._rank)
-            pool = Pool(loader, WorkerSpec(self._num_workers, self._dataset_kind, self._dataset,
-                                           self._auto_collation, self._collate_fn, self._drop_last,
-                                           self._base_seed, init_fn,
-                                           self._first_shared_seed if first_iter else self._shared_seed))
+            spec = WorkerSpec(self._num_workers, self._dataset_kind, self._dataset, self._auto_collation,
+                              self._collate_fn, self._drop_last, self._base_seed, init_fn,
+                              self._first_shared_seed if first_iter else self._shared_seed)
+            pool = Pool(_pool_settings(loader), loader.stats, spec)
             if self._persistent_workers:
                 loader._hl_pool = pool
         elif not first_iter or old is None:
             pool.resume(self._shared_seed)
-            pool.loader = loader
         if old is not None:
             old.abandon_prepared()  # copies of an abandoned epoch: their slots are freed later
         self._num_yielded = skip
