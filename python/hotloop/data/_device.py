@@ -154,8 +154,9 @@ class ImageLaunch:
 
 
 class DeviceCopies:
-    """The side stream, the events and the copies in flight of one ring: a slot goes back (through
-    the `release` callable given to deliver/reclaim) only once the copy out of it finished."""
+    """The side stream, the events and the copies in flight of one ring: a slot goes back only once
+    the copy out of it finished. deliver and reclaim move such slots to `finished`, which the ring's
+    owner takes (take_finished) and frees: nothing here calls back into the owner."""
 
     calls = CudaCalls  # the seam the CPU tests replace
 
@@ -173,6 +174,7 @@ class DeviceCopies:
         self.alloc_event = None
         self.timing_pool = []  # timing events (h2d seconds in stats) are made once, not per batch
         self.pinned = set()  # slots page-locked through this object
+        self.finished = []  # slots whose copies are over, until the owner takes them (take_finished)
 
     def populate(self, ring, order):
         """Background threads of the ring allocate its pages and page-lock its slots, in `order`:
@@ -285,8 +287,8 @@ class DeviceCopies:
         pending.keep += buffers
         pending.tensors.append(out)
 
-    def deliver(self, pending, release):
-        """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""
+    def deliver(self, pending):
+        """The batch, usable on the current stream; its slot goes to `finished` once the copy is over."""
         if pending.launch is not None:
             self._launch(pending)  # where the prefetch thread has not queued them yet
         consumer = self.cuda.current_stream()
@@ -299,7 +301,7 @@ class DeviceCopies:
         pending.tensors = None
         result, pending.result = pending.result, None
         self.inflight.append(pending)
-        self.reclaim(False, release)
+        self.reclaim(False)
         return result
 
     def abandon(self, pending):
@@ -309,8 +311,8 @@ class DeviceCopies:
             pending.launch.skip()  # its decode is not queued now (or, being queued, waited for)
         self.inflight.append(pending)
 
-    def reclaim(self, block, release):
-        """Release the slots whose copies finished (with block: wait for the oldest if none did)."""
+    def reclaim(self, block):
+        """Move the slots whose copies finished to `finished` (with block: wait for the oldest if none did)."""
         st = self.stats
         while self.inflight:
             p = self.inflight[0]
@@ -320,11 +322,16 @@ class DeviceCopies:
                 self.cuda.synchronize(p.event)
             self.inflight.popleft()
             block = False
-            release(p.slot)
+            self.finished.append(p.slot)
             if p.timing is not None:
                 st.h2d_seconds += self.cuda.elapsed_ms(*p.timing) / 1e3
                 st.h2d_bytes += p.nbytes
             self._recycle(p)
+
+    def take_finished(self) -> list:
+        """The slots whose copies are over since the last call: the owner frees them."""
+        finished, self.finished = self.finished, []
+        return finished
 
     def _recycle(self, p):
         """Its events back to the pools, for later copies (or for close to destroy)."""
@@ -413,7 +420,10 @@ class LocalRing:
     def take_slot(self):
         """A free slot (after waiting for the oldest copy in flight if none is), or None."""
         if not self.free_slots:
-            self.copies.reclaim(True, self.release_slot)
+            try:
+                self.copies.reclaim(True)
+            finally:
+                self.free_slots += self.copies.take_finished()
         if not self.free_slots:
             return None  # another iterator of the same loader holds them all
         slot = self.free_slots.pop()
@@ -426,6 +436,14 @@ class LocalRing:
 
     def release_slot(self, slot):
         self.free_slots.append(slot)
+
+    def deliver(self, pending):
+        """The batch of a Pending, usable on the current stream (DeviceCopies.deliver); the slots
+        whose copies are over go back."""
+        try:
+            return self.copies.deliver(pending)
+        finally:
+            self.free_slots += self.copies.take_finished()
 
     def close(self):
         if self.ring is None:

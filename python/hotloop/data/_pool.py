@@ -569,24 +569,28 @@ class Pool:
             return self.poll(task)  # placed into the ring meanwhile
         return self.pipe_results.pop(task.id, None)
 
-    def wait(self, task, timeout, batch_number, on_idle=None):
-        """Block until the task is done; a dead worker is replaced meanwhile (or raises), and every
-        sleep is bounded, so that nothing here can wait for an event that will not come."""
-        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
-        while True:
-            outcome = self.poll(task)
-            if outcome is not None:
-                return outcome
-            self.check_workers()
-            if self.layouts:
-                self.place_layouts()
-            if on_idle is not None:
-                on_idle()  # e.g. hand out more tasks as soon as the ring exists
-            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
-            if left <= 0:
-                raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
-                                   f"(worker {task.wid}, indices {task.index})")
-            self.doze(task.slot, left)
+    def poll_or_tend(self, task):
+        """The task's outcome if it is done; else None, once dead workers were replaced (or raised)
+        and batches made before the ring existed were given their slots. One round of a wait for
+        the task, which the caller loops over (poll_or_tend, its own work, then doze_for), so that
+        nothing here calls back into it."""
+        outcome = self.poll(task)
+        if outcome is not None:
+            return outcome
+        self.check_workers()
+        if self.layouts:
+            self.place_layouts()
+        return None
+
+    def doze_for(self, task, deadline, timeout, batch_number):
+        """A wait's bounded sleep between rounds (deadline: time.monotonic() at which `timeout`
+        runs out, or None): RuntimeError once the timeout passed. Every sleep is bounded, so that a
+        wait can never sleep through an event that will not come."""
+        left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+        if left <= 0:
+            raise RuntimeError(f"DataLoader timed out after {timeout} seconds waiting for batch {batch_number} "
+                               f"(worker {task.wid}, indices {task.index})")
+        self.doze(task.slot, left)
 
     def doze(self, slot, timeout):
         """Sleep until something may have changed, at most `timeout` seconds, then read the pipes.
@@ -808,7 +812,10 @@ class Pool:
         return self.copies is not None and task.slot >= 0 and not self.copies.slot_pinned(self.ring, task.slot)
 
     def deliver(self, pending):
-        return self.copies.deliver(pending, self.release_slot)
+        try:
+            return self.copies.deliver(pending)
+        finally:
+            self._release_finished()
 
     def abandon(self, pending):
         """A copy queued for a batch that will never be handed out: its slot is freed once it is over."""
@@ -819,7 +826,14 @@ class Pool:
         whose leased tensors are gone."""
         self.collect_leases()
         if self.copies is not None:
-            self.copies.reclaim(block, self.release_slot)
+            try:
+                self.copies.reclaim(block)
+            finally:
+                self._release_finished()
+
+    def _release_finished(self):
+        for slot in self.copies.take_finished():
+            self.release_slot(slot)
 
     # shutdown --------------------------------------------------------------------------------------
     def close(self):

@@ -490,10 +490,9 @@ def _batch_samples(batch, default):
     return default
 
 
-def _host_batch_out(loader, batch, pin):
+def _host_batch_out(device, stage, batch, pin):
     """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
-    through the transform, as the ring path would deliver it."""
-    device, stage = loader.device, loader.batch_stage
+    through the stage (the loader's batch_stage), as the ring path would deliver it."""
     if stage is not None:
         batch = stage.whole_batch(batch, device)  # gpu_decode's packed batch, decoded
     if device is None and stage is None:
@@ -597,7 +596,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
                 raise
             finally:
                 self._handed(self._states_now())  # a batch that raised was handed out too
-            batch = _host_batch_out(loader, batch, False)
+            batch = _host_batch_out(loader.device, loader.batch_stage, batch, False)
             _record(loader, t0, _batch_samples(batch, 1))
         else:
             try:
@@ -615,7 +614,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
                 raise batch.exc
             if isinstance(batch, Pending):
                 ring = loader._hl_local_ring
-                batch = ring.copies.deliver(batch, ring.release_slot)
+                batch = ring.deliver(batch)
             # the next batches are made while the copy of this one runs
             while not self._exhausted and len(self._prepared) < loader.prefetch_batches:
                 try:
@@ -676,7 +675,7 @@ class _SingleIter(_SingleProcessDataLoaderIter):
                 writer = SlotWriter(ring.slot(slot), ring.layout)
                 spec = write_general(batch, writer)  # every tensor fits: none stays in the spec
                 return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), n
-        return _host_batch_out(loader, batch, False), n
+        return _host_batch_out(loader.device, loader.batch_stage, batch, False), n
 
     def __del__(self):
         if _forked_copy(self):
@@ -728,6 +727,7 @@ class _MultiIter(_BaseDataLoaderIter):
         self._loader = loader
         self._prefetch_factor = loader.prefetch_factor
         self._feed = None
+        self._prefetcher = None  # the thread that tops the feed up with a device (_prefetch.py)
         self._reset(loader, first_iter=True)
 
     @property
@@ -742,7 +742,7 @@ class _MultiIter(_BaseDataLoaderIter):
     def _reset(self, loader, first_iter=False):
         old = self._feed
         if old is not None:
-            old.stop_prefetcher()
+            self._stop_prefetcher()
         super()._reset(loader, first_iter)
         skip = loader._hl_begin_epoch(self)
         plan = loader._hl_plan
@@ -768,18 +768,44 @@ class _MultiIter(_BaseDataLoaderIter):
             old.abandon_prepared()  # copies of an abandoned epoch: their slots are freed later
         self._num_yielded = skip
         self._last_return = None
-        self._feed = feed = _Feed(self, loader, pool, plan, skip)
+        stage = loader.batch_stage
+        feed = _Feed(self, pool, plan, skip, loader.stats, in_order=loader.in_order,
+                     prefetch_batches=loader.prefetch_batches, stage=stage)
+        loader._hl_log = feed.log  # the epoch's log, which state_dict reads
+        feed.fill()
+        self._feed = feed
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
         self._workers = pool.workers()  # torch's name, which tools read
         if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            stage = loader.batch_stage
-            feed.prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and stage is not None and stage.paced_top_ups)
+            self._prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and stage is not None and stage.paced_top_ups)
+
+    def _stop_prefetcher(self):
+        """No more top-ups by the thread (waited for unless this thread holds the feed's lock)."""
+        prefetcher, self._prefetcher = getattr(self, "_prefetcher", None), None
+        if prefetcher is not None:
+            prefetcher.close()
 
     def _next_data(self):
         t0 = time.perf_counter()
         feed = self._feed
         with feed.lock:
-            out, samples = feed.take_next(t0)
+            try:
+                out, samples = feed.take_next()
+            except StopIteration:
+                if feed.epoch_done:
+                    self._loader._hl_epoch_done = True
+                if feed.exhausted:  # the epoch's end, found now: the workers go (unless persistent)
+                    self._stop_prefetcher()
+                    if not self._persistent_workers:
+                        feed.shutdown()
+                raise
+            finally:
+                if feed.top_up_due:  # a device batch went out (or raised): the next batches' copies
+                    feed.top_up_due = False
+                    if self._prefetcher is not None:
+                        self._prefetcher.kick(t0)  # queued while the step runs
+                    else:
+                        feed.top_up()
         _record(self._loader, t0, samples)
         _count_elapsed(self, self._loader, t0)
         return out
@@ -787,13 +813,14 @@ class _MultiIter(_BaseDataLoaderIter):
     def _shutdown(self):
         feed = getattr(self, "_feed", None)
         if feed is not None:
+            self._stop_prefetcher()
             feed.shutdown()
 
     def __del__(self):
         feed = getattr(self, "_feed", None)
         if feed is None or _forked_copy(self):
             return
-        feed.stop_prefetcher()  # waits for a top-up in progress: this thread does not hold the lock
+        self._stop_prefetcher()  # waits for a top-up in progress: this thread does not hold the lock
         if not self._persistent_workers:
             feed.shutdown()
         else:
@@ -806,11 +833,17 @@ class _Feed:
     and the prefetch thread both drive it, one at a time, under `lock` (reentrant: next() may shut
     the epoch down while holding it)."""
 
-    def __init__(self, it, loader, pool, plan, skip):
+    def __init__(self, it, pool, plan, skip, stats, *, in_order, prefetch_batches, stage):
+        """it: the iterator whose sampler iterator and settings the epoch uses (not kept); stats: the
+        loader's LoaderStats; stage: its stage.BatchStage (or None) for batches that come whole."""
         self.lock = threading.RLock()
-        self.prefetcher = None
         self.pool = pool
-        self._loader = loader
+        self._stats = stats
+        self._prefetch_batches = prefetch_batches
+        self._stage = stage
+        self.epoch_done = False  # the last batch was handed out (or the epoch was shut down)
+        self.exhausted = False  # take_next found the epoch's end: its caller ends the epoch
+        self.top_up_due = False  # a device batch went out: its caller tops up (or kicks the thread that does)
         self._sampler_iter = it._sampler_iter
         # a Stateful sampler: its state after each index batch drawn goes into the epoch's log
         self._sampler_stateful = sampler_state(it._index_sampler, it._sampler_iter) is not None
@@ -820,7 +853,7 @@ class _Feed:
         self._num_workers = it._num_workers
         self._prefetch_factor = it._prefetch_factor
         self._persistent_workers = it._persistent_workers
-        self._in_order = loader.in_order
+        self._in_order = in_order
         self._timeout = it._timeout
         self._pin_memory = it._pin_memory
         self._handed = skip  # batches of the epoch handed out (torch's _num_yielded), for messages
@@ -851,19 +884,16 @@ class _Feed:
         elif plan is None or plan.setups is None:
             self._skip_batches = skip  # no worker positions: walk the iterable through the workers
         self._next_pos = pos0
-        self._log = loader._hl_log = EpochLog(n, iterable, self._order, pos0,
-                                               plan.next_worker if plan is not None else 0, pool.track,
-                                               it._hl_sampler_start)
+        self.log = self._log = EpochLog(n, iterable, self._order, pos0, plan.next_worker if plan is not None else 0,
+                                        pool.track, it._hl_sampler_start)
+
+    def fill(self):
+        """Hand out tasks up to prefetch_factor per worker (the epoch's first ones, at its start)."""
         self._fill()
 
     def ahead(self) -> int:
         """Batches prepared for the consumer's next next() calls (read without the lock: a length)."""
         return len(self._prepared)
-
-    def stop_prefetcher(self):
-        prefetcher, self.prefetcher = self.prefetcher, None
-        if prefetcher is not None:
-            prefetcher.close()
 
     def abandon_prepared(self):
         """Copies queued for batches never handed out: their slots are freed once those end."""
@@ -875,8 +905,8 @@ class _Feed:
         self._prepared = collections.deque()
 
     def shutdown(self):
-        """The epoch's end without persistent workers, or the iterator's: the workers go."""
-        self.stop_prefetcher()
+        """The epoch's end without persistent workers, or the iterator's: the workers go (its caller
+        stopped the prefetch thread first)."""
         self.abandon_prepared()  # their copies must end before the ring is unregistered
         pool, self.pool = self.pool, None
         if pool is not None and not self._persistent_workers:
@@ -974,6 +1004,18 @@ class _Feed:
             pool.doze(waiting[0].slot if waiting else -1, 0.02 if waiting else POLL_S)
         return head
 
+    def _wait(self, task):
+        """Block until the task is done; a dead worker is replaced meanwhile (or raises), more
+        tasks are handed out as the ring allows (it may be made meanwhile), and every sleep is bounded."""
+        pool, timeout, batch_number = self.pool, self._timeout, self._handed + len(self._prepared)
+        deadline = time.monotonic() + timeout if timeout and timeout > 0 else None
+        while True:
+            outcome = pool.poll_or_tend(task)
+            if outcome is not None:
+                return outcome
+            self._fill()
+            pool.doze_for(task, deadline, timeout, batch_number)
+
     def _next_result(self, block=True, defer=False):
         """(the next batch, assembled (CPU) or with its copy queued (Pending, CUDA), its samples, its
         task). None when the next one is not ready and block is False. defer: gpu_decode's decode is
@@ -991,7 +1033,7 @@ class _Feed:
                 return None
             if not self._in_order and not pool.is_done(task):
                 task = self._first_done(task)
-            outcome = pool.wait(task, self._timeout, self._handed + len(self._prepared), self._fill)
+            outcome = self._wait(task)
             pool.finish(task)
             pool.took(task, outcome)
             if isinstance(outcome, Ended):
@@ -1011,12 +1053,12 @@ class _Feed:
                     outcome.error.reraise()
                 except Exception as exc:  # raised when its batch is due (a device prefetch takes it early)
                     return _Raise(exc), 0, task
-            self._loader.stats.worker_busy_seconds += outcome.busy
+            self._stats.worker_busy_seconds += outcome.busy
             if isinstance(outcome, WholeBatch):
                 batch = outcome.batch
                 self._fill()
                 samples = self._samples_of(task, lambda: _batch_samples(batch, 1))
-                out = _host_batch_out(self._loader, batch, self._pin_memory)
+                out = _host_batch_out(pool.device, self._stage, batch, self._pin_memory)
                 return out, samples, task
             spec, leaves = outcome.spec, outcome.leaves  # a SlotBatch
             samples = self._samples_of(task, lambda: first_dim(spec, leaves, 1))
@@ -1034,11 +1076,14 @@ class _Feed:
             return len(task.index)
         return from_batch()  # an iterable's last batch may be short
 
-    def take_next(self, called_at=None):
-        """(the next batch, its samples), with the lock held; called_at: when next() was called."""
+    def take_next(self):
+        """(the next batch, its samples), with the lock held. Its caller reads what happened besides:
+        epoch_done, exhausted (the epoch's end found now: stop the prefetch thread, shut down) and
+        top_up_due (a device batch went out, or raised: top up, or kick the thread that does)."""
         if self.pool is None:
-            self._loader._hl_epoch_done = True
+            self.epoch_done = True
             raise StopIteration
+        self.exhausted = False
         if self.pool.closed:
             raise RuntimeError("DataLoader: this epoch ended with an error in a worker (see above); start a new "
                                "one with iter(loader)")
@@ -1062,24 +1107,16 @@ class _Feed:
                     head.launch.run()
                 out, samples, task = self._prepared.popleft()
         except StopIteration:
-            self._loader._hl_epoch_done = True
-            self.stop_prefetcher()
-            if not self._persistent_workers:
-                self.shutdown()
+            self.epoch_done = self.exhausted = True
             raise
         self._handed += 1
         if pool.device is None:
             self._hand_out(out, task)
             return out, samples
-        try:
-            self._hand_out(out, task)
-            if isinstance(out, Pending):
-                out = pool.deliver(out)
-        finally:
-            if self.prefetcher is not None:
-                self.prefetcher.kick(called_at)  # the next batches' copies, queued while the step runs
-            else:
-                self.top_up()
+        self.top_up_due = True
+        self._hand_out(out, task)
+        if isinstance(out, Pending):
+            out = pool.deliver(out)
         return out, samples
 
     def top_up(self, defer=False, limit=None):
@@ -1094,7 +1131,7 @@ class _Feed:
         pool = self.pool
         if pool is None or pool.closed:
             return False
-        room = self._loader.prefetch_batches
+        room = self._prefetch_batches
         try:
             for _ in range(room if limit is None else limit):
                 if len(self._prepared) >= room:
