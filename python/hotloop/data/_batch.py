@@ -92,7 +92,7 @@ def leaf_bytes(t):
 
 
 def first_dim(spec, leaves, default):
-    """A slot batch's samples as _batch_samples counts a batch's: the first dimension of its first
+    """A slot batch's samples as _handout.batch_samples counts a batch's: the first dimension of its first
     tensor that has one (an overlapping tensor's leaf is its reached storage: its shape is in the spec)."""
     kind = spec[0]
     if kind == _TENSOR:

@@ -24,7 +24,7 @@ while it launches (TopUpPace); and it prepares one batch per run, each at its ow
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
 epoch's state never see two threads; all but gpu_decode's decodes, which it runs once it let go of
 that lock (_device.ImageLaunch): nvjpeg holds its thread until a batch is decoded, and next() would
-wait for that with a batch ready to hand out. It holds the epoch's feed (dataloader._Feed), never the
+wait for that with a batch ready to hand out. It holds the epoch's feed (_feed.Feed), never the
 iterator, and the feed only through a weak reference: the iterator's last reference is the
 consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
 """

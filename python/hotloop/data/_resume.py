@@ -229,3 +229,30 @@ class EpochLog:
                                for w in range(self.n)],
                 "worker_data": list(self.data), "sampler_state": self.sampler_states.get(prefix),
                 "worker_batches": list(self.batches), "worker_stopped": list(self.stopped), "worker_ahead": ahead}
+
+
+def epoch_sampler(batch_sampler, sampler):
+    """Of a loader's batch_sampler and sampler, the one whose set_epoch(e) orders each epoch,
+    DistributedSampler's way (the batch sampler's own sampler, or the batch sampler itself), or None."""
+    for sampler in (batch_sampler, getattr(batch_sampler, "sampler", None), sampler):
+        epoch = getattr(sampler, "epoch", None)
+        if callable(getattr(sampler, "set_epoch", None)) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            return sampler
+    return None
+
+
+def resume_sampler_epoch(sampler, epoch, epoch_at_load):
+    """A state taken mid-epoch resumes that epoch's order: its sampler is set back to the epoch it
+    had (a DistributedSampler draws its permutation from seed + epoch), whatever set_epoch said since.
+    The warning is for a set_epoch(other) called after load_state_dict: a sampler still at the epoch
+    it had then was told nothing since (Lightning loads the state into a fresh sampler, at epoch 0,
+    and calls iter() before its set_epoch(the saved epoch)), so the state's epoch is taken silently."""
+    if sampler is None:
+        warnings.warn(f"DataLoader: the state was taken with a sampler at epoch {epoch} (set_epoch), this "
+                      "loader's sampler has no set_epoch: the resumed epoch may draw another order", stacklevel=3)
+        return
+    if sampler.epoch != epoch:
+        if sampler.epoch != epoch_at_load:
+            warnings.warn(f"DataLoader: the state was taken in the sampler's epoch {epoch}, the sampler is at epoch "
+                          f"{sampler.epoch}: the resumed epoch runs as epoch {epoch} (set_epoch({epoch}))", stacklevel=3)
+        sampler.set_epoch(epoch)
