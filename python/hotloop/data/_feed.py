@@ -17,7 +17,7 @@ from ._handout import RaiseWhenDue, batch_samples, host_batch_out
 from ._messages import Ended, Failed, WholeBatch
 from ._pool import POLL_S
 from ._resume import EpochLog, sampler_state
-from ._tasks import Task
+from ._tasks import Task, TaskKind
 
 
 class Feed:
@@ -133,7 +133,7 @@ class Feed:
         if pos in self._skip_positions:  # a resumed epoch: handed out before the state was taken
             rng = self._skip_positions.pop(pos)
             if rng is None:  # its worker's saved states already cover it
-                self._order.append(Task(-1, wid, None, -1, consumed=True, kind="batch", handed=True))
+                self._order.append(Task(-1, wid, None, -1, consumed=True, kind=TaskKind.BATCH, handed=True))
             else:
                 ghost = pool.ghost(wid, index, rng)
                 self._order.append(ghost)

@@ -16,11 +16,11 @@ from torch.utils.data.dataloader import _DatasetKind
 from .. import _C
 from ..memory.host import death_by_oom, oom_kills
 from ._launcher import LaunchedWorker
-from ._messages import (Discard, Ended, EpochStarted, Failed, Fetch, Layout, NewEpoch, Overflow, Place, Result,
-                        Setup, Started, UseRing)
+from ._messages import (Discard, EpochStarted, Fetch, Layout, NewEpoch, Overflow, Place, Result, Setup, Started,
+                        UseRing)
 from ._shutdown import WORKER_POOLS, close_at_exit, forget
 from ._slots import LEASE_SLOTS, RingSlots
-from ._tasks import Task, WorkerEpoch, successor_plan
+from ._tasks import Task, TaskKind, WorkerEpoch, successor_plan
 from ._workers import WorkerProcesses, never_started
 
 _logger = logging.getLogger("hotloop.data")
@@ -283,7 +283,7 @@ class Pool:
 
     def took(self, task, outcome):
         """The main process took this outcome of the task (a batch, Failed or Ended)."""
-        task.kind = "stop" if isinstance(outcome, Ended) else "error" if isinstance(outcome, Failed) else "batch"
+        task.kind = TaskKind.of(outcome)
         task.rng, task.data = outcome.rng, outcome.data
         self._fold(task.wid)
 
@@ -291,7 +291,7 @@ class Pool:
         """A resumed epoch: a batch of worker wid that the saved run handed out, beyond what its saved
         states cover. Brings the worker past it: with rng (map-style) by setting the states after
         it, else (IterableDataset) by fetching and dropping it. Returns its stand-in task."""
-        task = Task(-1, wid, index, -1, consumed=True, kind="batch", rng=rng, handed=True)
+        task = Task(-1, wid, index, -1, consumed=True, kind=TaskKind.BATCH, rng=rng, handed=True)
         if rng is not None:
             self.send(wid, Setup(rng))
         else:
@@ -397,7 +397,7 @@ class Pool:
     def drop(self, task):
         """A task whose result will never be used (exhausted iterable worker)."""
         self.finish(task)
-        task.kind = "drop"
+        task.kind = TaskKind.DROP
         self._fold(task.wid)
         if task.slot >= 0 and self.procs[task.wid] is not None:
             # the worker skips tasks after its end, but may still be in the middle of this one

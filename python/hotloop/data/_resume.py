@@ -10,6 +10,7 @@ import warnings
 from torch.utils.data import BatchSampler
 
 from ._messages import Setup
+from ._tasks import TaskKind
 
 
 def stateful(obj) -> bool:
@@ -147,7 +148,7 @@ class Plan:
 
 def settled(task):
     """Handed out (or raised), or taken without a batch: a stop, or dropped after its worker ended."""
-    return task.handed or task.kind in ("stop", "drop")
+    return task.handed or task.kind in (TaskKind.STOP, TaskKind.DROP)
 
 
 class EpochLog:
@@ -188,9 +189,9 @@ class EpochLog:
         queue = self.queues[w]
         while queue and settled(queue[0]):
             t = queue.popleft()
-            if t.kind == "stop":
+            if t.kind == TaskKind.STOP:
                 self.stopped[w] = True
-            elif t.kind in ("batch", "error"):
+            elif t.kind in (TaskKind.BATCH, TaskKind.ERROR):
                 self.batches[w] += 1
             if t.rng is not None:
                 self.rng[w] = t.rng
@@ -219,7 +220,7 @@ class EpochLog:
                     # past its worker's own settled run, a resumed worker must be brought past it
                     after_rng.append(t.rng if any(q is t for q in self.queues[t.wid]) else None)
         # an IterableDataset: which of each worker's next batches were handed out (in_order=False)
-        ahead = [[i for i, t in enumerate(q) if settled(t) and t.kind in ("batch", "error")] if self.iterable else []
+        ahead = [[i for i, t in enumerate(q) if settled(t) and t.kind in (TaskKind.BATCH, TaskKind.ERROR)] if self.iterable else []
                  for q in self.queues]
         return {"sampler_batches": self.pos0 + prefix, "yielded_after": after, "yielded_after_rng": after_rng,
                 "next_worker": (order[prefix - 1].wid + 1) % self.n if prefix else self.start_worker,

@@ -2,8 +2,22 @@
 main process knows: what a replacement for a dead worker is sent to carry on where it died."""
 import collections
 import dataclasses
+import enum
 
-from ._messages import Ended, Setup
+from ._messages import Ended, Failed, Setup
+
+
+class TaskKind(str, enum.Enum):
+    """What a task turned out to be once the main process took its outcome (a str: equal to its name)."""
+
+    BATCH = "batch"  # a batch
+    ERROR = "error"  # the error its batch raised in the worker (Failed)
+    STOP = "stop"  # its worker's IterableDataset had ended (Ended)
+    DROP = "drop"  # never done: its worker had ended before it
+
+    @classmethod
+    def of(cls, outcome) -> "TaskKind":
+        return cls.STOP if isinstance(outcome, Ended) else cls.ERROR if isinstance(outcome, Failed) else cls.BATCH
 
 
 @dataclasses.dataclass(eq=False)
@@ -13,7 +27,7 @@ class Task:
     index: object
     slot: int
     consumed: bool = False
-    kind: str = None  # once taken: "batch", "error", "stop", or "drop" (never done: its worker had ended)
+    kind: TaskKind = None  # once taken
     rng: bytes = None  # the worker's RNG states right after it, until the iterator logged it
     data: dict = None  # and its Stateful dataset's state, likewise
     handed: bool = False  # its batch went to the consumer (or its error was raised)
@@ -41,9 +55,9 @@ class WorkerEpoch:
         """Count the worker's taken outcomes in, as far as they follow each other."""
         while self.open and self.open[0].kind is not None:
             t = self.open.popleft()
-            if t.kind == "stop":
+            if t.kind == TaskKind.STOP:
                 self.stopped = True
-            elif t.kind in ("batch", "error"):
+            elif t.kind in (TaskKind.BATCH, TaskKind.ERROR):
                 self.taken += 1
             if t.rng is not None:
                 self.last_rng = t.rng
@@ -85,11 +99,12 @@ def successor_plan(track, lost, iterable, replay_index, done):
             outcome = done.get(t.id)
             if outcome is None:
                 continue
-            kind, after, after_data = ("stop" if isinstance(outcome, Ended) else "batch"), outcome.rng, outcome.data
-        if kind == "drop":
+            kind = TaskKind.STOP if isinstance(outcome, Ended) else TaskKind.BATCH
+            after, after_data = outcome.rng, outcome.data
+        if kind == TaskKind.DROP:
             continue
         if iterable:
-            stop = kind == "stop"
+            stop = kind == TaskKind.STOP
             if after_data is not None:  # Stateful: set past it rather than fetch it again
                 items.append(Setup(after, True, 0, stop, replay_index, after_data))
             else:
