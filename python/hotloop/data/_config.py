@@ -16,6 +16,22 @@ class CopySettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class FeedSettings:
+    """What one multi-worker epoch (_feed.Feed) needs of its loader and iterator, as they stand at its start."""
+
+    dataset_kind: int  # torch's _DatasetKind
+    auto_collation: bool
+    num_workers: int
+    prefetch_factor: int  # tasks in flight per worker
+    persistent_workers: bool
+    in_order: bool
+    timeout: float  # seconds a batch may take (0: no limit)
+    pin_memory: bool
+    prefetch_batches: int  # with a device: batches copied ahead of the one handed out
+    stage: typing.Any  # the loader's stage.BatchStage, or None, for batches that come whole
+
+
+@dataclasses.dataclass(frozen=True)
 class PoolSettings:
     """What a worker pool needs of its loader, as it stood when the pool was made."""
 

@@ -26,29 +26,32 @@ class Feed:
     and the prefetch thread both drive it, one at a time, under `lock` (reentrant: next() may shut
     the epoch down while holding it)."""
 
-    def __init__(self, it, pool, plan, skip, stats, *, in_order, prefetch_batches, stage):
-        """it: the iterator whose sampler iterator and settings the epoch uses (not kept); stats: the
-        loader's LoaderStats; stage: its stage.BatchStage (or None) for batches that come whole."""
+    def __init__(self, settings, sampler_iter, index_sampler, sampler_start, pool, plan, skip, stats):
+        """settings: FeedSettings (_config.py); sampler_iter: the iterator's sampler iterator, which the
+        epoch draws index batches from; index_sampler: the sampler it iterates; sampler_start: a
+        Stateful sampler's loaded state (its batches are not drawn again), or None; plan: the loaded
+        state as a resumed epoch applies it (_resume.Plan), or None; skip: batches handed out before
+        it; stats: the loader's LoaderStats."""
         self.lock = threading.RLock()
         self.pool = pool
         self._stats = stats
-        self._prefetch_batches = prefetch_batches
-        self._stage = stage
+        self._prefetch_batches = settings.prefetch_batches
+        self._stage = settings.stage
         self.epoch_done = False  # the last batch was handed out (or the epoch was shut down)
         self.exhausted = False  # take_next found the epoch's end: its caller ends the epoch
         self.top_up_due = False  # a device batch went out: its caller tops up (or kicks the thread that does)
-        self._sampler_iter = it._sampler_iter
+        self._sampler_iter = sampler_iter
         # a Stateful sampler: its state after each index batch drawn goes into the epoch's log
-        self._sampler_stateful = sampler_state(it._index_sampler, it._sampler_iter) is not None
-        self._index_sampler = it._index_sampler
-        self._dataset_kind = it._dataset_kind
-        self._auto_collation = it._auto_collation
-        self._num_workers = it._num_workers
-        self._prefetch_factor = it._prefetch_factor
-        self._persistent_workers = it._persistent_workers
-        self._in_order = in_order
-        self._timeout = it._timeout
-        self._pin_memory = it._pin_memory
+        self._sampler_stateful = sampler_state(index_sampler, sampler_iter) is not None
+        self._index_sampler = index_sampler
+        self._dataset_kind = settings.dataset_kind
+        self._auto_collation = settings.auto_collation
+        self._num_workers = settings.num_workers
+        self._prefetch_factor = settings.prefetch_factor
+        self._persistent_workers = settings.persistent_workers
+        self._in_order = settings.in_order
+        self._timeout = settings.timeout
+        self._pin_memory = settings.pin_memory
         self._handed = skip  # batches of the epoch handed out (torch's _num_yielded), for messages
         self._order = []  # tasks of this epoch in the order torch would return them
         self._rcvd_idx = 0
@@ -70,7 +73,7 @@ class Feed:
         pos0 = 0
         if not iterable:
             pos0 = plan.positions if plan is not None else skip
-            for _ in range(pos0 if it._hl_sampler_start is None else 0):  # a Stateful sampler resumed where it stood
+            for _ in range(pos0 if sampler_start is None else 0):  # a Stateful sampler resumed where it stood
                 next(self._sampler_iter)
             if plan is not None:
                 self._skip_positions = dict(zip(plan.yielded_after, plan.yielded_after_rng))
@@ -78,7 +81,7 @@ class Feed:
             self._skip_batches = skip  # no worker positions: walk the iterable through the workers
         self._next_pos = pos0
         self.log = self._log = EpochLog(n, iterable, self._order, pos0, plan.next_worker if plan is not None else 0,
-                                        pool.track, it._hl_sampler_start)
+                                        pool.track, sampler_start)
 
     def fill(self):
         """Hand out tasks up to prefetch_factor per worker (the epoch's first ones, at its start)."""

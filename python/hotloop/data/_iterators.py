@@ -15,7 +15,7 @@ from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from .. import input_wait
 from ._batch import FastPathDeclined, SlotWriter, flatten, leaf_bytes, write_fast, write_general
-from ._config import CopySettings, PoolSettings
+from ._config import CopySettings, FeedSettings, PoolSettings
 from ._device import LocalRing, Pending
 from ._feed import Feed
 from ._handout import RaiseWhenDue, batch_samples, host_batch_out
@@ -296,8 +296,11 @@ class MultiProcessIter(_BaseDataLoaderIter):
         self._num_yielded = skip
         self._last_return = None
         stage = loader.batch_stage
-        feed = Feed(self, pool, plan, skip, loader.stats, in_order=loader.in_order,
-                     prefetch_batches=loader.prefetch_batches, stage=stage)
+        settings = FeedSettings(self._dataset_kind, self._auto_collation, self._num_workers, self._prefetch_factor,
+                                self._persistent_workers, loader.in_order, self._timeout, self._pin_memory,
+                                loader.prefetch_batches, stage)
+        feed = Feed(settings, self._sampler_iter, self._index_sampler, self._hl_sampler_start, pool, plan, skip,
+                    loader.stats)
         loader._hl_log = feed.log  # the epoch's log, which state_dict reads
         feed.fill()
         self._feed = feed
