@@ -11,7 +11,8 @@ view), never numel elements written out (torch.zeros(1).expand(2**28) would be 1
 import pickle
 
 import torch
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from .._torch_compat import collate, default_collate_fn_map
 
 # leaf kinds of the spec tree (they travel in the slot metadata)
 _TENSOR, _SIDE, _STRIDED = "T", "O", "S"  # _STRIDED: (kind, leaf, shape, stride) of an overlapping tensor

@@ -9,11 +9,10 @@ import warnings
 import torch
 
 from .. import _C, input_wait
+from .._torch_compat import raw_current_stream
 from ._batch import leaf_bytes, ring_leaf, unflatten
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
-# torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
-_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class CudaCalls:
@@ -32,8 +31,8 @@ class CudaCalls:
     def current_stream(self) -> int:
         """The handle of the consumer's current stream on our device (~1 us where torch has the raw
         call, against ~15 us to build a torch.cuda.Stream: it is asked twice per batch)."""
-        if _raw_current_stream is not None:
-            return _raw_current_stream(self.device.index)
+        if raw_current_stream is not None:
+            return raw_current_stream(self.device.index)
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def record_stream(self, tensors):

@@ -8,9 +8,8 @@ import itertools
 import threading
 import time
 
-from torch.utils.data.dataloader import _DatasetKind
-
 from .. import _C
+from .._torch_compat import DatasetKind
 from ._batch import first_dim
 from ._device import Pending
 from ._handout import RaiseWhenDue, batch_samples, host_batch_out
@@ -69,7 +68,7 @@ class Feed:
         self._ahead = [list(a) for a in plan.ahead] if plan is not None else [[] for _ in range(n)]
         self._fetches = [0] * n  # an IterableDataset's batches per worker in this resumed epoch
         pool.begin_epoch(plan.setups if plan is not None else None)
-        iterable = self._dataset_kind == _DatasetKind.Iterable
+        iterable = self._dataset_kind == DatasetKind.Iterable
         pos0 = 0
         if not iterable:
             pos0 = plan.positions if plan is not None else skip
@@ -220,7 +219,7 @@ class Feed:
         while True:
             task = self._next_task()
             if task is None:
-                if self._dataset_kind == _DatasetKind.Map and not self._indices_done:
+                if self._dataset_kind == DatasetKind.Map and not self._indices_done:
                     # every task handed out, yet the sampler has more: a bug here, never a short epoch in silence
                     raise RuntimeError(f"hotloop.DataLoader: the epoch ran out of tasks after {self._next_pos} index "
                                        "batches while the sampler had more (a bug in hotloop: please report it)")
@@ -268,7 +267,7 @@ class Feed:
     def _samples_of(self, task, from_batch):
         if not self._auto_collation:
             return 1
-        if self._dataset_kind == _DatasetKind.Map:
+        if self._dataset_kind == DatasetKind.Map:
             return len(task.index)
         return from_batch()  # an iterable's last batch may be short
 

@@ -1,8 +1,7 @@
 """What both of hotloop.DataLoader's iterators (and the multi-worker feed) do to hand a batch out that
 the ring did not carry: a batch that came whole, made as the ring path would deliver it; the error of
 a batch made ahead, raised when that batch is due; a batch's sample count."""
-from torch.utils.data._utils.pin_memory import pin_memory
-
+from .._torch_compat import pin_memory
 from ._batch import flatten, unflatten
 
 

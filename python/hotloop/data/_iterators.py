@@ -8,12 +8,11 @@ import os
 import time
 
 import torch
-from torch.utils.data._utils.collate import default_collate
-from torch.utils.data.dataloader import (_BaseDataLoaderIter, _DatasetKind, _sharding_worker_init_fn,
-                                         _SingleProcessDataLoaderIter)
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from .. import input_wait
+from .._torch_compat import (BaseDataLoaderIter, DatasetKind, SingleProcessDataLoaderIter, default_collate,
+                             sharding_worker_init_fn)
 from ._batch import FastPathDeclined, SlotWriter, flatten, leaf_bytes, write_fast, write_general
 from ._config import CopySettings, FeedSettings, PoolSettings
 from ._device import LocalRing, Pending
@@ -69,7 +68,7 @@ def _swap_in_worker_side(it, loader) -> bool:
     return True
 
 
-class SingleProcessIter(_SingleProcessDataLoaderIter):
+class SingleProcessIter(SingleProcessDataLoaderIter):
     """num_workers=0: torch's own single-process iterator, plus device, transform, stats and resume.
 
     With a device, batches are made in the main thread as torch makes them (the dataset need not be
@@ -81,13 +80,13 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._hl_pid = os.getpid()
         super().__init__(loader)
         if _swap_in_worker_side(self, loader):
-            self._dataset_fetcher = _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
+            self._dataset_fetcher = DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
                                                                 self._collate_fn, self._drop_last)
         self._loader = loader
         self._last_return = None
         self._prepared = collections.deque()  # (Pending or batch or RaiseWhenDue, samples), oldest first
         self._exhausted = False
-        self._fast = (self._dataset_kind == _DatasetKind.Map and self._auto_collation
+        self._fast = (self._dataset_kind == DatasetKind.Map and self._auto_collation
                       and self._collate_fn is default_collate and not getattr(self._dataset, "__getitems__", None))
         skip = loader._hl_begin_epoch(self)
         self._skip(skip)
@@ -98,10 +97,10 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     def _skip(self, n):
         if self._hl_dataset_start is not None:  # a Stateful dataset: set where it stood, not walked
             self._dataset_fetcher = load_dataset_state(self._dataset, self._hl_dataset_start, functools.partial(
-                _DatasetKind.create_fetcher, self._dataset_kind, self._dataset, self._auto_collation,
+                DatasetKind.create_fetcher, self._dataset_kind, self._dataset, self._auto_collation,
                 self._collate_fn, self._drop_last))
         for _ in range(n):
-            if self._dataset_kind == _DatasetKind.Map:
+            if self._dataset_kind == DatasetKind.Map:
                 if self._hl_sampler_start is None:  # a Stateful sampler resumed where it stood
                     next(self._sampler_iter)
             elif self._hl_dataset_start is None:
@@ -199,7 +198,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         if not self._auto_collation:
             n = 1
         else:  # an iterable's last batch may be short
-            n = len(index) if self._dataset_kind == _DatasetKind.Map else batch_samples(batch, 1)
+            n = len(index) if self._dataset_kind == DatasetKind.Map else batch_samples(batch, 1)
         if tensors and ring is None:
             ring = loader._hl_local_ring = LocalRing(CopySettings(loader.device, loader.batch_stage), loader.stats,
                                                      loader.prefetch_batches, [leaf_bytes(t) for t in tensors])
@@ -222,7 +221,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._prepared = collections.deque()
 
 
-class MultiProcessIter(_BaseDataLoaderIter):
+class MultiProcessIter(BaseDataLoaderIter):
     """num_workers > 0: torch's iterator (its samplers, seeds and attributes), whose epochs a Feed
     runs: tasks go round robin to the workers as torch sends them, results come back through the
     ring (the first batch of each worker too: it gets its slot when the ring is made), or through the
@@ -282,7 +281,7 @@ class MultiProcessIter(_BaseDataLoaderIter):
         if pool is None or pool.closed:
             init_fn = loader.worker_init_fn
             if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):  # as torch: shard a DataPipe per worker
-                init_fn = functools.partial(_sharding_worker_init_fn, init_fn, self._world_size, self._rank)
+                init_fn = functools.partial(sharding_worker_init_fn, init_fn, self._world_size, self._rank)
             spec = WorkerSpec(self._num_workers, self._dataset_kind, self._dataset, self._auto_collation,
                               self._collate_fn, self._drop_last, self._base_seed, init_fn,
                               self._first_shared_seed if first_iter else self._shared_seed)

@@ -11,9 +11,8 @@ import pickle
 import signal
 import time
 
-from torch.utils.data.dataloader import _DatasetKind
-
 from .. import _C
+from .._torch_compat import DatasetKind
 from ..memory.host import death_by_oom, oom_kills
 from ._launcher import LaunchedWorker
 from ._messages import (Discard, EpochStarted, Fetch, Layout, NewEpoch, Overflow, Place, Result, Setup, Started,
@@ -250,7 +249,7 @@ class Pool:
         if track is None:
             return list(lost)
         done = {t.id: self._peek(t) for t in track.open if t.kind is None and not any(t is x for x in lost)}
-        return successor_plan(track, lost, self.kind == _DatasetKind.Iterable and not self.resuming,
+        return successor_plan(track, lost, self.kind == DatasetKind.Iterable and not self.resuming,
                               self.replay_index, done)
 
     def _peek(self, task):
@@ -265,7 +264,7 @@ class Pool:
     def begin_epoch(self, setups):
         """Before the epoch's first task: give each worker its Setup (resume: RNG states, replay), or
         None, and remember where each starts."""
-        if self.kind == _DatasetKind.Iterable:  # torch's batches of an IterableDataset: batch_size Nones
+        if self.kind == DatasetKind.Iterable:  # torch's batches of an IterableDataset: batch_size Nones
             self.replay_index = [None] * self.settings.batch_size if self.spec.auto_collation else None
         self.track = []
         for wid in range(self.n):

@@ -5,7 +5,8 @@ import random
 import struct
 
 import torch
-from torch.utils.data import _utils
+
+from .._torch_compat import numpy_worker_seed
 
 def seed_like_torch(base_seed, worker_id):
     seed = base_seed + worker_id
@@ -14,7 +15,7 @@ def seed_like_torch(base_seed, worker_id):
     try:
         import numpy as np
 
-        np.random.seed(_utils.worker._generate_state(base_seed, worker_id))
+        np.random.seed(numpy_worker_seed(base_seed, worker_id))
     except ImportError:
         pass
     return seed

@@ -5,9 +5,9 @@ import array
 import pickle
 
 import torch
-from torch.utils.data._utils.pin_memory import pin_memory
 
 from .. import _C, input_wait
+from .._torch_compat import pin_memory
 from ._batch import ring_leaf, unflatten
 from ._device import DeviceCopies, page_round, ring_tensor, slot_layout, slot_leaf
 

@@ -33,9 +33,9 @@ import warnings
 import weakref
 
 import torch
-from torch.utils.data.dataloader import _DatasetKind
 
 from .. import _C
+from .._torch_compat import DatasetKind
 from .._arguments import expect_count, expect_int
 from ._iterators import MultiProcessIter, SingleProcessIter
 from ._resume import Plan, check_loadable, epoch_sampler, load_sampler_state, resume_sampler_epoch
@@ -153,7 +153,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
         # num_workers=0: the Stateful sampler's and dataset's states after the last batch handed out
         self._hl_single = {"sampler_state": None, "dataset_state": None}
-        kind = "map" if self._dataset_kind == _DatasetKind.Map and self._auto_collation else "other"
+        kind = "map" if self._dataset_kind == DatasetKind.Map and self._auto_collation else "other"
         # self.gpu_decode: the argument resolved, for a loader made again from vars()
         self.gpu_decode, images = gpu_decode_stage(gpu_decode, dataset, collate_fn, self.batch_size, kind,
                                                    self._hl_device, self._hl_stats)
@@ -308,7 +308,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         n = self.num_workers
         state = {"version": 3, "batches_yielded": 0, "generator_state": None, "base_seed": None, "epoch_done": False,
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
-                 "iterable": self._dataset_kind == _DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
+                 "iterable": self._dataset_kind == DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
                  "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
                  "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl_sampler_epoch,
                  "worker_data": None, "sampler_state": None, "dataset_state": None}
@@ -353,7 +353,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         if missing:
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
                              f"state, {missing} are missing")
-        check_loadable(state, self.num_workers, self._dataset_kind == _DatasetKind.Iterable)
+        check_loadable(state, self.num_workers, self._dataset_kind == DatasetKind.Iterable)
         self._hl_resume = dict(state)
         # its epoch now: a set_epoch after this one is the caller's word
         sampler = epoch_sampler(self.batch_sampler, self.sampler)
@@ -382,7 +382,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if resume.get("dataset_state") is not None and self.num_workers == 0:
                 it._hl_dataset_start = resume["dataset_state"]
             if resume["version"] >= 2 and self.num_workers > 0:
-                self._hl_plan = Plan.of(resume, self.num_workers, it._dataset_kind == _DatasetKind.Iterable)
+                self._hl_plan = Plan.of(resume, self.num_workers, it._dataset_kind == DatasetKind.Iterable)
         self._hl_single = {"sampler_state": it._hl_sampler_start, "dataset_state": it._hl_dataset_start}
         self._hl_epoch = (gen.get_state(), it._base_seed)
         sampler = epoch_sampler(self.batch_sampler, self.sampler)
