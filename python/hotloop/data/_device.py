@@ -29,8 +29,8 @@ class CudaCalls:
         return stream.cuda_stream
 
     def current_stream(self) -> int:
-        """The handle of the consumer's current stream on our device (~1 us where torch has the raw
-        call, against ~15 us to build a torch.cuda.Stream: it is asked twice per batch)."""
+        """The handle of the consumer's current stream on our device: torch's raw call where it has
+        one, far cheaper than building a torch.cuda.Stream (it is asked twice per batch)."""
         if raw_current_stream is not None:
             return raw_current_stream(self.device.index)
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -102,9 +102,8 @@ class Pending:
 class ImageLaunch:
     """gpu_decode's share of a batch's copy (nvjpeg's decode, the resize kernel), queued apart from
     the rest so that the prefetch thread runs it outside the epoch's lock. The decode holds its thread
-    until the batch is decoded (~9 ms alone on the H200, ~30 ms beside a ResNet-50 step), and a next()
-    that came meanwhile waited for that lock though the batch it hands out was long ready: 2.7-4.8 ms
-    per step, most of what kept the steady state at 91 % of the GPU-resident speed. run() queues it
+    until the batch is decoded, and a next() that came meanwhile would wait for that lock though the
+    batch it hands out was long ready: a delay in every step. run() queues it
     once, in whichever thread comes first (the prefetch thread, or deliver); skip(), for a batch never
     handed out, only records the event that frees its slot."""
 
@@ -199,8 +198,8 @@ class DeviceCopies:
 
     def slot_pinned(self, ring, slot):
         """Whether a copy out of the slot can start without page-locking it first (which holds the
-        driver lock, 2-3 ms for a 38 MB slot whose pages exist, while the training thread's launches
-        wait: ring_pin.c)."""
+        driver lock for a time that grows with the slot, while the training thread's launches wait:
+        ring_pin.c)."""
         return not self.pin_slots or slot in self.pinned or self.cuda.slot_pinned(ring, slot)
 
     def _event(self, timing=False):

@@ -29,7 +29,7 @@ _MT_WORDS = 624
 
 def rng_state() -> bytes:
     """The process's global RNG states (torch's CPU generator, random, numpy's legacy one) as bytes:
-    plain bytes pickle and torch.save cheaply (about 10 kB; 50 us to take, mostly numpy's getter)."""
+    plain bytes pickle and torch.save cheaply (about 10 kB, mostly the generators' state tables)."""
     t = torch.get_rng_state().numpy().tobytes()
     version, words, gauss = random.getstate()
     if version != 3 or len(words) != _MT_WORDS + 1:

@@ -98,7 +98,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         seed); JPEGs are decoded by the GPU's hardware decoders (nvjpeg) and one kernel crops,
         resizes, flips and normalises the batch. Anything else warns and runs as torch would; see
         hotloop.GpuDecode for backends, dtype and layout, and loader.stats.decoder for what ran.
-        The decoder (~0.65 s to open) starts opening in the background when the loader is made, if
+        The decoder, slow to open, starts opening in the background when the loader is made, if
         its device is known by then (an index, or CUDA already in use); else at the first iter().
 
     Like torch's, these arguments are attributes under their own names, holding what was given (a
