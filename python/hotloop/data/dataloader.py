@@ -37,8 +37,8 @@ import torch
 from .. import _C
 from .._torch_compat import DatasetKind
 from .._arguments import expect_count, expect_int
-from ._iterators import MultiProcessIter, SingleProcessIter
-from ._resume import Plan, check_loadable, epoch_sampler, load_sampler_state, resume_sampler_epoch
+from ._iterators import LoaderEpochs, MultiProcessIter, SingleProcessIter, generator_of
+from ._resume import check_loadable, epoch_sampler, resume_sampler_epoch
 from ._shutdown import forked_copy
 from .normalize import Normalize
 from .stage import gpu_decode_stage
@@ -142,17 +142,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.max_worker_restarts = max_worker_restarts
         self._hl_stats = LoaderStats()
         self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (_shutdown.forked_copy)
-        self._hl_pool = None  # persistent workers keep theirs here
-        self._hl_local_ring = None  # num_workers=0 with a device: the ring batches go through
-        self._hl_resume = None  # a loaded state, applied by the next iterator
-        self._hl_epoch = None  # the current epoch's (generator state, base seed)
-        self._hl_epoch_done = False  # its last batch was handed out
-        self._hl_yielded = 0  # batches handed out in it
-        self._hl_iter = None  # weak reference to the live iterator
-        self._hl_plan = None  # the loaded state, as the next multi-worker iterator applies it
-        self._hl_log = None  # the current epoch's EpochLog (num_workers > 0)
-        # num_workers=0: the Stateful sampler's and dataset's states after the last batch handed out
-        self._hl_single = {"sampler_state": None, "dataset_state": None}
+        # the epochs' state, which the iterators keep up to date and state_dict() reads (LoaderEpochs);
+        # each iterator is handed it when made
+        self._hl = LoaderEpochs()
         kind = "map" if self._dataset_kind == DatasetKind.Map and self._auto_collation else "other"
         # self.gpu_decode: the argument resolved, for a loader made again from vars()
         self.gpu_decode, images = gpu_decode_stage(gpu_decode, dataset, collate_fn, self.batch_size, kind,
@@ -164,8 +156,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         expected = _expected_device(self._hl_device) if self.batch_stage is not None else None
         if expected is not None:
             self.batch_stage.expect_device(expected)
-        self._hl_sampler_epoch = None  # the epoch sampler's epoch (DistributedSampler.set_epoch) in the current epoch
-        self._hl_epoch_at_load = None  # the epoch sampler's epoch when a state was loaded (resume_sampler_epoch)
 
     @property
     def device(self):
@@ -212,17 +202,27 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return self._hl_images if self._hl_images is not None else self.gpu_transform
 
     @property
+    def _hl_pool(self):
+        """The persistent workers' pool (None without them, or before the first epoch)."""
+        return self._hl.pool
+
+    @property
+    def _hl_local_ring(self):
+        """num_workers=0 with a device: the ring batches go through (None before the first batch)."""
+        return self._hl.local_ring
+
+    @property
     def stats(self) -> LoaderStats:
         """What this loader did (LoaderStats); `stats.gather()` brings every rank's to rank 0."""
         return self._hl_stats
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            it = SingleProcessIter(self)
+            it = SingleProcessIter(self, self._hl)
         else:
             self.check_worker_number_rationality()
-            it = MultiProcessIter(self)
-        self._hl_iter = weakref.ref(it)
+            it = MultiProcessIter(self, self._hl)
+        self._hl.iter = weakref.ref(it)
         return it
 
     def __iter__(self):
@@ -230,32 +230,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._hl_device = self.device  # "cuda": the current device from now on
             if self.batch_stage is not None:
                 self.batch_stage.use_device(self._hl_device)
-        resume = self._hl_resume
+        resume = self._hl.resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
             resume_sampler_epoch(epoch_sampler(self.batch_sampler, self.sampler), resume["sampler_epoch"],
-                                 self._hl_epoch_at_load)
+                                 self._hl.epoch_at_load)
         if resume is not None and resume.get("epoch_done") and \
                 not resume.get("persistent", self.persistent_workers and self.num_workers):
             # the saved epoch had ended: the next one starts from the generator as it was then, and
             # draws its worker seed from it as the saved loader's next epoch did
-            self._hl_resume = None
-            self._generator().set_state(resume["generator_state"])
+            self._hl.resume = None
+            generator_of(self).set_state(resume["generator_state"])
         if self.persistent_workers and self.num_workers > 0:
             # torch's __iter__, but the iterator kept by a weak reference where torch's keeps it in
             # self._iterator: it refers to this loader, and that cycle kept the workers alive after
-            # the loader was gone, until the cycle collector ran. The pool is the loader's (_hl_pool):
+            # the loader was gone, until the cycle collector ran. The pool is the loader's (_hl.pool):
             # an iterator made after the last one was dropped carries on with the same workers.
-            it = self._hl_iter() if self._hl_iter is not None else None
+            it = self._hl.iter() if self._hl.iter is not None else None
             if isinstance(it, MultiProcessIter):
-                it._reset(self)
+                it.restart(self)
                 return it
             return self._get_iterator()
         it = super().__iter__()
-        self._hl_iter = weakref.ref(it)
+        self._hl.iter = weakref.ref(it)
         return it
-
-    def _generator(self):
-        return self.generator if self.generator is not None else torch.default_generator
 
     def state_dict(self) -> dict:
         """Where the current epoch stands, as a plain dict (ints, bools, bytes, lists and a tensor:
@@ -310,29 +307,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
                  "iterable": self._dataset_kind == DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
                  "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
-                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl_sampler_epoch,
+                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl.sampler_epoch,
                  "worker_data": None, "sampler_state": None, "dataset_state": None}
-        if self._hl_epoch is None:
+        if self._hl.epoch is None:
             return state
-        it = self._hl_iter() if self._hl_iter is not None else None
+        it = self._hl.iter() if self._hl.iter is not None else None
         with getattr(it, "lock", None) or contextlib.nullcontext():  # the prefetch thread adds to the log
             return self._fill_state(state, n)
 
     def _fill_state(self, state, n):
-        log = self._hl_log
-        if self._hl_epoch_done:
-            state.update(generator_state=self._generator().get_state(), epoch_done=True)
+        log = self._hl.log
+        if self._hl.epoch_done:
+            state.update(generator_state=generator_of(self).get_state(), epoch_done=True)
             if state["persistent"] and log is not None:  # the workers carry their states into the next epoch
-                state.update(base_seed=self._hl_epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
+                state.update(base_seed=self._hl.epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
                              worker_stopped=[False] * n, worker_ahead=[[] for _ in range(n)])
             return state
-        gen_state, base_seed = self._hl_epoch
-        state.update(batches_yielded=self._hl_yielded, generator_state=gen_state.clone(), base_seed=base_seed,
-                     sampler_batches=self._hl_yielded)
+        gen_state, base_seed = self._hl.epoch
+        state.update(batches_yielded=self._hl.yielded, generator_state=gen_state.clone(), base_seed=base_seed,
+                     sampler_batches=self._hl.yielded)
         if log is not None:
             state.update(log.snapshot())
         elif n == 0:
-            state.update(self._hl_single)
+            state.update(self._hl.single)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -354,49 +351,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
                              f"state, {missing} are missing")
         check_loadable(state, self.num_workers, self._dataset_kind == DatasetKind.Iterable)
-        self._hl_resume = dict(state)
+        self._hl.resume = dict(state)
         # its epoch now: a set_epoch after this one is the caller's word
         sampler = epoch_sampler(self.batch_sampler, self.sampler)
-        self._hl_epoch_at_load = sampler.epoch if sampler is not None else None
-
-    def _hl_begin_epoch(self, it):
-        """Called by an iterator once its sampler iterator exists and before it draws from it: rewinds
-        the generator for a resumed epoch, remembers where this epoch starts, returns batches to skip.
-        A multi-worker iterator finds the rest of a loaded state in _hl_plan."""
-        gen = self._generator()
-        resume, self._hl_resume = self._hl_resume, None
-        self._hl_plan = None
-        self._hl_log = None
-        self._hl_single = {"sampler_state": None, "dataset_state": None}
-        it._hl_sampler_start = None  # a Stateful sampler's loaded state: its batches are not drawn again
-        it._hl_dataset_start = None  # num_workers=0: a Stateful dataset's loaded state, likewise
-        skip = 0
-        if resume is not None and resume.get("generator_state") is not None:
-            gen.set_state(resume["generator_state"])  # epoch_done with persistent workers: undo the seed draw
-            if resume.get("base_seed") is not None:
-                it._base_seed = resume["base_seed"]
-            skip = int(resume["batches_yielded"])
-            if resume.get("sampler_state") is not None:
-                it._sampler_iter = load_sampler_state(it._index_sampler, resume["sampler_state"])
-                it._hl_sampler_start = resume["sampler_state"]
-            if resume.get("dataset_state") is not None and self.num_workers == 0:
-                it._hl_dataset_start = resume["dataset_state"]
-            if resume["version"] >= 2 and self.num_workers > 0:
-                self._hl_plan = Plan.of(resume, self.num_workers, it._dataset_kind == DatasetKind.Iterable)
-        self._hl_single = {"sampler_state": it._hl_sampler_start, "dataset_state": it._hl_dataset_start}
-        self._hl_epoch = (gen.get_state(), it._base_seed)
-        sampler = epoch_sampler(self.batch_sampler, self.sampler)
-        self._hl_sampler_epoch = sampler.epoch if sampler is not None else None
-        self._hl_epoch_done = False
-        self._hl_yielded = skip
-        return skip
+        self._hl.epoch_at_load = sampler.epoch if sampler is not None else None
 
     def __del__(self):
         if forked_copy(self):
             return
-        pool = getattr(self, "_hl_pool", None)
+        epochs = getattr(self, "_hl", None)
+        pool = epochs.pool if epochs is not None else None
         if pool is not None:
             pool.close()
-        ring = getattr(self, "_hl_local_ring", None)
+        ring = epochs.local_ring if epochs is not None else None
         if ring is not None:
             ring.close()
