@@ -181,7 +181,7 @@ class Feed:
 
     def _first_done(self, head):
         """in_order=False: sleep until any outstanding task is done and return it (the head once
-        `timeout` passed: pool.wait then raises)."""
+        `timeout` passed: _wait then raises)."""
         pool = self.pool
         deadline = time.monotonic() + self._timeout if self._timeout and self._timeout > 0 else None
         while deadline is None or time.monotonic() < deadline:
