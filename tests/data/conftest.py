@@ -276,9 +276,9 @@ def fake_device(loader):
 @pytest.fixture(params=[True, False], ids=["prefetch-thread", "no-prefetch-thread"])
 def prefetch_thread(request, monkeypatch):
     """Both ways of queueing copies ahead: in the prefetch thread, or in next() itself."""
-    import hotloop.data.dataloader as dataloader
+    import hotloop.data._iterators as iterators
 
-    monkeypatch.setattr(dataloader, "PREFETCH_THREAD", request.param)
+    monkeypatch.setattr(iterators, "PREFETCH_THREAD", request.param)
     return request.param
 
 

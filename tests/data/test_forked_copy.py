@@ -26,7 +26,7 @@ def test_a_forked_copy_of_a_live_loader_is_left_alone(device, num_workers, fake_
     it = iter(loader)
     got = [next(it).tolist() for _ in range(3)]
     feed = getattr(it, "_feed", None)
-    prefetcher = getattr(feed, "prefetcher", None)
+    prefetcher = getattr(it, "_prefetcher", None)
     lock = prefetcher._cond if prefetcher is not None else threading.Lock()
     held, release = threading.Event(), threading.Event()
 

@@ -237,9 +237,9 @@ def test_launcher_killed_every_sample_once():
 
 @pytest.mark.parametrize("by_launcher", [True, False])
 def test_every_process_reaped(monkeypatch, by_launcher):
-    import hotloop.data._pool as pool_module
+    import hotloop.data._workers as workers_module
 
-    monkeypatch.setattr(pool_module, "USE_LAUNCHER", by_launcher)
+    monkeypatch.setattr(workers_module, "USE_LAUNCHER", by_launcher)
     loader = hotloop.DataLoader(Rows(40), batch_size=4, num_workers=3)
     it = iter(loader)
     next(it)
@@ -762,9 +762,9 @@ def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, mon
     workers are gone and the thread has ended by the time `del it` returns, in the consumer's thread
     (when the thread held the iterator, its last reference was the thread's and the shutdown ran
     there, later: test_cleanup_on_gpu failed 1 run in 3)."""
-    import hotloop.data.dataloader as dataloader
+    import hotloop.data._iterators as iterators
 
-    real_prefetcher = dataloader.Prefetcher
+    real_prefetcher = iterators.Prefetcher
     in_top_up = threading.Event()
 
     def slow_top_ups(target, paced=False):  # whatever the prefetch thread drives, its top-ups take a while
@@ -778,7 +778,7 @@ def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, mon
         monkeypatch.setattr(type(target), "top_up", slow)
         return real_prefetcher(target, paced)
 
-    monkeypatch.setattr(dataloader, "Prefetcher", slow_top_ups)
+    monkeypatch.setattr(iterators, "Prefetcher", slow_top_ups)
     ds = Images(n=40, size=8)
     for _ in range(3):
         loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2))

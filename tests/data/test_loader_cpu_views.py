@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 from hotloop.data._batch import flatten
-from hotloop.data._pool import LEASE_SLOTS
+from hotloop.data._slots import LEASE_SLOTS
 
 from ..seeding import seeded_generator
 from .conftest import Mixed, assert_same, both, open_fds, rss_kb, shm_files

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
 import hotloop.data._pool as pool_module
+import hotloop.data._workers as workers_module
 from hotloop import _C
 from hotloop.data._launcher import LaunchedWorker
 from hotloop.data._messages import Layout
@@ -104,7 +105,7 @@ def ours_epochs(dataset, epochs, seed, check, **kwargs):
                          [(n, m, True) for n in (1, 3, 5) for m in ("late", "early", "gated")]
                          + [(3, "gated", False), (5, "early", False)])
 def test_first_batches_same_as_torch(num_workers, mode, by_launcher, request, monkeypatch):
-    monkeypatch.setattr(pool_module, "USE_LAUNCHER", by_launcher)
+    monkeypatch.setattr(workers_module, "USE_LAUNCHER", by_launcher)
     gate = request.getfixturevalue("ring_made") if mode == "gated" else None
     ds = Timed(53, "late" if mode == "gated" else mode, gate)
     seed = random.randrange(1 << 20)
@@ -463,7 +464,7 @@ def _pipes(pid):
 
 @pytest.mark.parametrize("num_workers", [2, 4])
 def test_worker_0_is_forked_by_the_main_process(num_workers, monkeypatch):
-    monkeypatch.setattr(pool_module, "USE_LAUNCHER", True)
+    monkeypatch.setattr(workers_module, "USE_LAUNCHER", True)
     loader = hotloop.DataLoader(torch.arange(40.0) + 0.5, batch_size=4, num_workers=num_workers,
                                 persistent_workers=True)
     assert torch.equal(torch.cat(list(loader)), torch.arange(40.0) + 0.5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hotloop
-from hotloop.data import dataloader
+from hotloop.data import _feed, _iterators
 from hotloop.data._prefetch import PACE_FRACTION, PACE_MARGIN_S, PERIOD_WINDOW, Prefetcher, TopUpPace
 
 from .conftest import Images, fake_device, wait_for
@@ -211,9 +211,9 @@ def test_a_paced_top_up_prepares_one_batch_and_the_next_at_its_paced_time():
 
 
 def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
-    monkeypatch.setattr(dataloader, "PREFETCH_THREAD", False)  # next() tops up itself: not while this test does
-    real, ours = dataloader._Feed.top_up, threading.Event()
-    monkeypatch.setattr(dataloader._Feed, "top_up", lambda self, defer=False, limit=None:
+    monkeypatch.setattr(_iterators, "PREFETCH_THREAD", False)  # next() tops up itself: not while this test does
+    real, ours = _feed.Feed.top_up, threading.Event()
+    monkeypatch.setattr(_feed.Feed, "top_up", lambda self, defer=False, limit=None:
                         real(self, defer, limit) if ours.is_set() else False)
     ds = Images(n=24, size=8)
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2, prefetch_batches=2))
@@ -231,13 +231,13 @@ def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
 
 def test_only_gpu_decode_loaders_pace(fake_cuda, monkeypatch):
     made = []
-    real = dataloader.Prefetcher
+    real = _iterators.Prefetcher
 
     def recording(feed, paced=False):
         made.append(paced)
         return real(feed, paced)
 
-    monkeypatch.setattr(dataloader, "Prefetcher", recording)
+    monkeypatch.setattr(_iterators, "Prefetcher", recording)
     loader = fake_device(hotloop.DataLoader(Images(n=16, size=8), batch_size=4, num_workers=2))
     assert len(list(loader)) == 4
     assert made == [False]

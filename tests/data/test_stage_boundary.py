@@ -11,8 +11,9 @@ from hotloop.data import _batch, stage
 from hotloop.data.image import ImageStage
 
 DATA = pathlib.Path(hotloop.__file__).parent / "data"
-CORE = ["dataloader.py", "_device.py", "_pool.py", "_prefetch.py", "_batch.py", "_resume.py", "_worker.py",
-        "_rows.py", "_messages.py", "_launcher.py", "_shutdown.py", "_rng.py", "stats.py", "normalize.py", "stage.py"]
+CORE = ["dataloader.py", "_iterators.py", "_feed.py", "_handout.py", "_config.py", "_device.py", "_pool.py",
+        "_workers.py", "_slots.py", "_tasks.py", "_prefetch.py", "_batch.py", "_resume.py", "_worker.py", "_rows.py",
+        "_messages.py", "_launcher.py", "_shutdown.py", "_rng.py", "stats.py", "normalize.py", "stage.py"]
 SPEC_KINDS = {"T", "O", "S", "D", "L", "U", "N"}
 
 

@@ -11,7 +11,8 @@ view), never numel elements written out (torch.zeros(1).expand(2**28) would be 1
 import pickle
 
 import torch
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from .._torch_compat import collate, default_collate_fn_map
 
 # leaf kinds of the spec tree (they travel in the slot metadata)
 _TENSOR, _SIDE, _STRIDED = "T", "O", "S"  # _STRIDED: (kind, leaf, shape, stride) of an overlapping tensor
@@ -92,7 +93,7 @@ def leaf_bytes(t):
 
 
 def first_dim(spec, leaves, default):
-    """A slot batch's samples as _batch_samples counts a batch's: the first dimension of its first
+    """A slot batch's samples as _handout.batch_samples counts a batch's: the first dimension of its first
     tensor that has one (an overlapping tensor's leaf is its reached storage: its shape is in the spec)."""
     kind = spec[0]
     if kind == _TENSOR:

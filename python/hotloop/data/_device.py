@@ -5,16 +5,14 @@ import dataclasses
 import threading
 import time
 import warnings
-import weakref
 
 import torch
 
 from .. import _C, input_wait
+from .._torch_compat import raw_current_stream
 from ._batch import leaf_bytes, ring_leaf, unflatten
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
-# torch's call behind torch.cuda.current_stream().cuda_stream, without the Stream object; CUDA builds only
-_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class CudaCalls:
@@ -31,10 +29,10 @@ class CudaCalls:
         return stream.cuda_stream
 
     def current_stream(self) -> int:
-        """The handle of the consumer's current stream on our device (~1 us where torch has the raw
-        call, against ~15 us to build a torch.cuda.Stream: it is asked twice per batch)."""
-        if _raw_current_stream is not None:
-            return _raw_current_stream(self.device.index)
+        """The handle of the consumer's current stream on our device: torch's raw call where it has
+        one, far cheaper than building a torch.cuda.Stream (it is asked twice per batch)."""
+        if raw_current_stream is not None:
+            return raw_current_stream(self.device.index)
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def record_stream(self, tensors):
@@ -104,9 +102,8 @@ class Pending:
 class ImageLaunch:
     """gpu_decode's share of a batch's copy (nvjpeg's decode, the resize kernel), queued apart from
     the rest so that the prefetch thread runs it outside the epoch's lock. The decode holds its thread
-    until the batch is decoded (~9 ms alone on the H200, ~30 ms beside a ResNet-50 step), and a next()
-    that came meanwhile waited for that lock though the batch it hands out was long ready: 2.7-4.8 ms
-    per step, most of what kept the steady state at 91 % of the GPU-resident speed. run() queues it
+    until the batch is decoded, and a next() that came meanwhile would wait for that lock though the
+    batch it hands out was long ready: a delay in every step. run() queues it
     once, in whichever thread comes first (the prefetch thread, or deliver); skip(), for a batch never
     handed out, only records the event that frees its slot."""
 
@@ -155,23 +152,27 @@ class ImageLaunch:
 
 
 class DeviceCopies:
-    """The side stream, the events and the copies in flight of one ring: a slot goes back (through
-    the `release` callable given to deliver/reclaim) only once the copy out of it finished."""
+    """The side stream, the events and the copies in flight of one ring: a slot goes back only once
+    the copy out of it finished. deliver and reclaim move such slots to `finished`, which the ring's
+    owner takes (take_finished) and frees: nothing here calls back into the owner."""
 
     calls = CudaCalls  # the seam the CPU tests replace
 
-    def __init__(self, device, loader):
-        self.device = device
-        self.cuda = self.calls(device)
-        self.loader = weakref.proxy(loader)  # its batch_stage and stats; a proxy: the loader owns a LocalRing
+    def __init__(self, settings, stats):
+        """settings: the loader's CopySettings (_config.py); stats: its LoaderStats, which copies add to."""
+        self.device = settings.device
+        self.stage = settings.stage
+        self.stats = stats
+        self.cuda = self.calls(self.device)
         self.copy_stream = None
         # a stage that reads its batches' slots itself says so (pins_ring: gpu_decode's, and why, in image/stage.py)
-        self.pin_slots = loader.batch_stage is None or loader.batch_stage.pins_ring
+        self.pin_slots = self.stage is None or self.stage.pins_ring
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
         self.timing_pool = []  # timing events (h2d seconds in stats) are made once, not per batch
         self.pinned = set()  # slots page-locked through this object
+        self.finished = []  # slots whose copies are over, until the owner takes them (take_finished)
 
     def populate(self, ring, order):
         """Background threads of the ring allocate its pages and page-lock its slots, in `order`:
@@ -188,7 +189,7 @@ class DeviceCopies:
         t0 = time.perf_counter()
         try:
             if self.cuda.register(ring, slot):
-                self.loader.stats.register_seconds += time.perf_counter() - t0
+                self.stats.register_seconds += time.perf_counter() - t0
             self.pinned.add(slot)
         except Exception as exc:  # still correct without pinning, only slower
             self.pin_slots = False
@@ -197,8 +198,8 @@ class DeviceCopies:
 
     def slot_pinned(self, ring, slot):
         """Whether a copy out of the slot can start without page-locking it first (which holds the
-        driver lock, 2-3 ms for a 38 MB slot whose pages exist, while the training thread's launches
-        wait: ring_pin.c)."""
+        driver lock for a time that grows with the slot, while the training thread's launches wait:
+        ring_pin.c)."""
         return not self.pin_slots or slot in self.pinned or self.cuda.slot_pinned(ring, slot)
 
     def _event(self, timing=False):
@@ -210,7 +211,7 @@ class DeviceCopies:
         consumer's stream waited on the returned Pending's event (deliver). defer: gpu_decode's
         decode and kernel are left to the Pending's ImageLaunch (run by the caller, or by deliver)."""
         cuda = self.cuda
-        stage = self.loader.batch_stage
+        stage = self.stage
         if self.copy_stream is None:
             self.copy_stream = cuda.new_stream()
             self.alloc_event = cuda.event(False)
@@ -284,8 +285,8 @@ class DeviceCopies:
         pending.keep += buffers
         pending.tensors.append(out)
 
-    def deliver(self, pending, release):
-        """The batch, usable on the current stream; its slot goes to `release` once the copy is over."""
+    def deliver(self, pending):
+        """The batch, usable on the current stream; its slot goes to `finished` once the copy is over."""
         if pending.launch is not None:
             self._launch(pending)  # where the prefetch thread has not queued them yet
         consumer = self.cuda.current_stream()
@@ -298,7 +299,7 @@ class DeviceCopies:
         pending.tensors = None
         result, pending.result = pending.result, None
         self.inflight.append(pending)
-        self.reclaim(False, release)
+        self.reclaim(False)
         return result
 
     def abandon(self, pending):
@@ -308,9 +309,9 @@ class DeviceCopies:
             pending.launch.skip()  # its decode is not queued now (or, being queued, waited for)
         self.inflight.append(pending)
 
-    def reclaim(self, block, release):
-        """Release the slots whose copies finished (with block: wait for the oldest if none did)."""
-        st = self.loader.stats
+    def reclaim(self, block):
+        """Move the slots whose copies finished to `finished` (with block: wait for the oldest if none did)."""
+        st = self.stats
         while self.inflight:
             p = self.inflight[0]
             if not self.cuda.done(p.event):
@@ -319,11 +320,16 @@ class DeviceCopies:
                 self.cuda.synchronize(p.event)
             self.inflight.popleft()
             block = False
-            release(p.slot)
+            self.finished.append(p.slot)
             if p.timing is not None:
                 st.h2d_seconds += self.cuda.elapsed_ms(*p.timing) / 1e3
                 st.h2d_bytes += p.nbytes
             self._recycle(p)
+
+    def take_finished(self) -> list:
+        """The slots whose copies are over since the last call: the owner frees them."""
+        finished, self.finished = self.finished, []
+        return finished
 
     def _recycle(self, p):
         """Its events back to the pools, for later copies (or for close to destroy)."""
@@ -388,16 +394,17 @@ class LocalRing:
     into (one host copy), page-locked in the background, copied to the device by DeviceCopies. It
     lives as long as its loader, so slots are page-locked once, not once per epoch."""
 
-    def __init__(self, loader, sizes):
+    def __init__(self, settings, stats, prefetch_batches, sizes):
+        """settings: the loader's CopySettings; stats: its LoaderStats; sizes: the first batch's leaf bytes."""
         layout, offset = slot_layout(sizes)
         # the batches queued ahead, the one being handed out, one whose copy may still run
-        nslots = loader.prefetch_batches + 2
+        nslots = prefetch_batches + 2
         self.ring = _C.Ring(nslots, offset)
         self.layout = layout
         self.slot_u8 = [torch.frombuffer(self.ring.view(i), dtype=torch.uint8) for i in range(nslots)]
         self.free_slots = list(range(nslots))
-        self.copies = DeviceCopies(loader.device, loader)
-        loader.stats.ring_bytes = self.ring.nbytes
+        self.copies = DeviceCopies(settings, stats)
+        stats.ring_bytes = self.ring.nbytes
         input_wait.ring_made(self.ring.nbytes)
         # in the order take_slot hands them out, while this thread makes the next batches; it
         # registers only what they have not reached
@@ -411,7 +418,10 @@ class LocalRing:
     def take_slot(self):
         """A free slot (after waiting for the oldest copy in flight if none is), or None."""
         if not self.free_slots:
-            self.copies.reclaim(True, self.release_slot)
+            try:
+                self.copies.reclaim(True)
+            finally:
+                self.free_slots += self.copies.take_finished()
         if not self.free_slots:
             return None  # another iterator of the same loader holds them all
         slot = self.free_slots.pop()
@@ -424,6 +434,14 @@ class LocalRing:
 
     def release_slot(self, slot):
         self.free_slots.append(slot)
+
+    def deliver(self, pending):
+        """The batch of a Pending, usable on the current stream (DeviceCopies.deliver); the slots
+        whose copies are over go back."""
+        try:
+            return self.copies.deliver(pending)
+        finally:
+            self.free_slots += self.copies.take_finished()
 
     def close(self):
         if self.ring is None:

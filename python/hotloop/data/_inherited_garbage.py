@@ -3,8 +3,8 @@
 A fork copies every object of the parent, garbage included: a reference cycle the parent's collector
 has not reached yet (an earlier loader, a model's leftovers). When the child's collector frees it,
 its finalizers run there: a CUDA tensor's or event's calls into CUDA, which a forked child cannot
-use. On the H200 such a worker aborted (cudaErrorInitializationError, from a torch.cuda.Event of an
-inherited loader), and one whose parent had a thread allocating CUDA memory at the moment of the fork
+use. Such a worker can abort (cudaErrorInitializationError, from a torch.cuda.Event of an inherited
+loader), and one whose parent had a thread allocating CUDA memory at the moment of the fork
 may block for good on the caching allocator's lock, copied locked into the child.
 
 So the child of one of hotloop's forks calls gc.freeze() first thing, in an at-fork hook (before any

@@ -1,8 +1,9 @@
 """Start DataLoader workers 1.. from one forked launcher: two forks of the main process, not one per worker.
 
 A fork copies the page tables of the process that forks. A training process holding CUDA, a model and
-pinned buffers takes 15-20 ms per fork on an H200 host, on the thread that also launches the training
-step: 12 workers cost the GPU ~230 ms before anything else happens. Here the main process forks worker
+pinned buffers has many, so each fork takes a while, on the thread that also launches the training
+step: a fork per worker keeps the GPU waiting that many times before anything else happens. Here the
+main process forks worker
 0 itself, sends it its first task, then forks a launcher (the zygote), and the launcher forks workers
 1.. while the main thread goes on: worker 0 starts one fork after iter(), not two. The launcher is a
 fork of a single thread, so its workers are forked from a process with no other threads, the safest

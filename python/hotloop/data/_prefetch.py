@@ -6,25 +6,24 @@ sampler's next indices, the task sent to a worker, three allocations, the copy, 
 launch) on the training thread between one step and the next, while the GPU had little queued
 (a step that ends with a sync, as torch's GradScaler's does). This thread does that part instead,
 after next() returned, largely while the training thread waits for the GPU with the GIL released
-(backward, `.item()`). On the H200 feeding ResNet-50 AMP, next() went from 0.56-0.62 ms to
-0.20-0.26 ms, and steady state from 98.7-98.9 % to 99.0-99.3 % of the GPU-resident speed (4, 8,
-12 workers): the rest of the saving goes to the GIL the two threads share.
+(backward, `.item()`): next() only hands a batch out, and what the work still costs the training
+thread is its share of the GIL the two threads hold by turns.
 
 It never waits for a worker: it takes what is done when next() wakes it and sleeps again; a batch
 that was not done is taken by the next next() as before. Nor does it page-lock a slot: the ring's
 background thread does that, slot after slot, and until it reaches a done batch's slot this thread
 looks again every RETRY_S. Page-locking here would hold the driver lock, which the training
-thread's kernel launches wait for, and the iterator's lock, which next() waits for; one profiling
-run on the H200 at 12 workers spent 45-53 ms of its first 25 steps page-locking that way.
+thread's kernel launches wait for, and the iterator's lock, which next() waits for: the first steps,
+when most slots are not page-locked yet, would pay for it.
 
 With gpu_decode the top-up is paced: it starts later in the step than next(), where a batch is already
 prepared, so that nvjpeg's CUDA calls fall while the training thread waits for the GPU rather than
-while it launches (TopUpPace); and it prepares one batch per run, each at its own paced time.
+while it launches; and it prepares one batch per run, each at its own paced time (NOTE [ Paced top-ups ]).
 
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
 epoch's state never see two threads; all but gpu_decode's decodes, which it runs once it let go of
 that lock (_device.ImageLaunch): nvjpeg holds its thread until a batch is decoded, and next() would
-wait for that with a batch ready to hand out. It holds the epoch's feed (dataloader._Feed), never the
+wait for that with a batch ready to hand out. It holds the epoch's feed (_feed.Feed), never the
 iterator, and the feed only through a weak reference: the iterator's last reference is the
 consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
 """
@@ -41,36 +40,29 @@ PACE_MARGIN_S = 0.002  # and ends this long before the next next() but one at th
 PERIOD_WINDOW = 8  # the consumer's step is the shortest of this many gaps between next() calls
 
 
+# NOTE [ Paced top-ups ]
+# nvjpeg's decode of a batch makes hundreds of CUDA calls from the prefetch thread. What they cost a
+# training step is not work on the GPU but the training thread's own launches, slowed while those
+# calls run (a step captured as one CUDA graph, which launches once, hardly feels them). A step
+# launches its kernels first and then mostly waits for the GPU (a loss.item(), GradScaler's
+# found_inf), so a paced top-up starts PACE_FRACTION of a step after next(): by then a batch is
+# already prepared for the next next() (nothing is late for it), and it is early enough to end
+# before the next next() but one, which wants the batch it prepares. Started at once, the decode
+# falls among the forward's launches; started just early enough to end before the next next(),
+# among the backward's; around two thirds into the step, mostly while the step waits for the GPU.
+#
+# The period is the shortest of the last PERIOD_WINDOW gaps between next() calls: the step as long
+# as nothing slowed it. A moving average would count the steps that decodes slowed, and a paced
+# start computed from it can come after the next next(), which then finds no batch prepared and has
+# two decoded back to back among its own launches: slow and fast steps by turns. For the same reason
+# a paced run prepares one batch (Prefetcher): two decodes at the step's start slow its launches.
+# Gaps run from call to call (kicked): a training loop's are the same either way, but a consumer on
+# a fixed schedule catches up after a next() that waited, and its return-to-return gap would shrink
+# the period.
+
+
 class TopUpPace:
-    """When a paced top-up starts after next() kicked it (gpu_decode's loaders).
-
-    nvjpeg's decode of a batch makes ~900 CUDA calls from the prefetch thread. Beside an eager
-    ResNet-50 AMP step on the H200 it cost the step 2.5 % of GPU time, and nothing (0.1 %) when the
-    same step ran as one CUDA graph: the cost is the training thread's launches slowed while nvjpeg's
-    calls run (its CPU time per step went from 12.0 to 16.6 ms), not work on the GPU. A step launches
-    its kernels first and then mostly waits for the GPU (a loss.item(), GradScaler's found_inf), so
-    the top-up starts PACE_FRACTION of a step after next(), where a batch is already prepared for
-    the next next() (nothing is late for it), and early enough to end before the next next() but one,
-    which wants the batch it prepares. Timed per phase on the H200 (one run each, 85 steps):
-    started at once, the decode slowed the forward's launches and the step ran at 88-90 % of the
-    GPU-resident speed; started early enough to end before the next next() (~0.35 of the step, as
-    the decode takes ~30 ms of a 46 ms step beside it), it slowed the backward's, 94.2 %; at 0.55,
-    0.65 and 0.75 of the step it fell mostly while the step waited for the GPU: 95.4, 95.7, 95.1 %.
-
-    The period is the shortest of the last PERIOD_WINDOW gaps between next() calls: the step as
-    long as nothing slowed it. It was a moving average, which counts the steps that decodes slowed;
-    over the first 25 steps on the H200 a paced start computed from it could come after the next
-    next(), which then found no batch prepared and had two decoded back to back in its own launches:
-    in two runs of three, steps took ~85-95 and ~45 ms by turns for 20 steps (54 and 60 % of the
-    GPU-resident speed over the first 25 steps; the third run 77 %). With the shortest gap and one
-    batch per run (Prefetcher): 73-81 % over 5 runs, 80-84 % over 3 with the ring not page-locked
-    (_device.DeviceCopies). Gaps run from call to call (kicked): a training loop's are the same
-    either way, but a consumer on a fixed schedule catches up after a next() that waited, and its
-    return-to-return gap then shrank the period. Beside a ResNet-50 step on the H200, a thread taking
-    one batch per step cost the step 11.9 % with return-to-return gaps in the bench of one session
-    and 4.4 % with call-to-call gaps in the next; alternated in one process, 6.4-10.8 % against
-    5.1-13.1 %: runs differ more than the two ways do.
-    """
+    """When a paced top-up starts after next() kicked it (gpu_decode's loaders): NOTE [ Paced top-ups ]."""
 
     def __init__(self):
         self._gaps = collections.deque(maxlen=PERIOD_WINDOW)  # seconds between next() calls, latest last

@@ -10,6 +10,7 @@ import warnings
 from torch.utils.data import BatchSampler
 
 from ._messages import Setup
+from ._tasks import TaskKind
 
 
 def stateful(obj) -> bool:
@@ -147,7 +148,7 @@ class Plan:
 
 def settled(task):
     """Handed out (or raised), or taken without a batch: a stop, or dropped after its worker ended."""
-    return task.handed or task.kind in ("stop", "drop")
+    return task.handed or task.kind in (TaskKind.STOP, TaskKind.DROP)
 
 
 class EpochLog:
@@ -188,9 +189,9 @@ class EpochLog:
         queue = self.queues[w]
         while queue and settled(queue[0]):
             t = queue.popleft()
-            if t.kind == "stop":
+            if t.kind == TaskKind.STOP:
                 self.stopped[w] = True
-            elif t.kind in ("batch", "error"):
+            elif t.kind in (TaskKind.BATCH, TaskKind.ERROR):
                 self.batches[w] += 1
             if t.rng is not None:
                 self.rng[w] = t.rng
@@ -219,7 +220,7 @@ class EpochLog:
                     # past its worker's own settled run, a resumed worker must be brought past it
                     after_rng.append(t.rng if any(q is t for q in self.queues[t.wid]) else None)
         # an IterableDataset: which of each worker's next batches were handed out (in_order=False)
-        ahead = [[i for i, t in enumerate(q) if settled(t) and t.kind in ("batch", "error")] if self.iterable else []
+        ahead = [[i for i, t in enumerate(q) if settled(t) and t.kind in (TaskKind.BATCH, TaskKind.ERROR)] if self.iterable else []
                  for q in self.queues]
         return {"sampler_batches": self.pos0 + prefix, "yielded_after": after, "yielded_after_rng": after_rng,
                 "next_worker": (order[prefix - 1].wid + 1) % self.n if prefix else self.start_worker,
@@ -229,3 +230,30 @@ class EpochLog:
                                for w in range(self.n)],
                 "worker_data": list(self.data), "sampler_state": self.sampler_states.get(prefix),
                 "worker_batches": list(self.batches), "worker_stopped": list(self.stopped), "worker_ahead": ahead}
+
+
+def epoch_sampler(batch_sampler, sampler):
+    """Of a loader's batch_sampler and sampler, the one whose set_epoch(e) orders each epoch,
+    DistributedSampler's way (the batch sampler's own sampler, or the batch sampler itself), or None."""
+    for sampler in (batch_sampler, getattr(batch_sampler, "sampler", None), sampler):
+        epoch = getattr(sampler, "epoch", None)
+        if callable(getattr(sampler, "set_epoch", None)) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            return sampler
+    return None
+
+
+def resume_sampler_epoch(sampler, epoch, epoch_at_load):
+    """A state taken mid-epoch resumes that epoch's order: its sampler is set back to the epoch it
+    had (a DistributedSampler draws its permutation from seed + epoch), whatever set_epoch said since.
+    The warning is for a set_epoch(other) called after load_state_dict: a sampler still at the epoch
+    it had then was told nothing since (Lightning loads the state into a fresh sampler, at epoch 0,
+    and calls iter() before its set_epoch(the saved epoch)), so the state's epoch is taken silently."""
+    if sampler is None:
+        warnings.warn(f"DataLoader: the state was taken with a sampler at epoch {epoch} (set_epoch), this "
+                      "loader's sampler has no set_epoch: the resumed epoch may draw another order", stacklevel=3)
+        return
+    if sampler.epoch != epoch:
+        if sampler.epoch != epoch_at_load:
+            warnings.warn(f"DataLoader: the state was taken in the sampler's epoch {epoch}, the sampler is at epoch "
+                          f"{sampler.epoch}: the resumed epoch runs as epoch {epoch} (set_epoch({epoch}))", stacklevel=3)
+        sampler.set_epoch(epoch)

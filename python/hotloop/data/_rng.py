@@ -5,7 +5,8 @@ import random
 import struct
 
 import torch
-from torch.utils.data import _utils
+
+from .._torch_compat import numpy_worker_seed
 
 def seed_like_torch(base_seed, worker_id):
     seed = base_seed + worker_id
@@ -14,7 +15,7 @@ def seed_like_torch(base_seed, worker_id):
     try:
         import numpy as np
 
-        np.random.seed(_utils.worker._generate_state(base_seed, worker_id))
+        np.random.seed(numpy_worker_seed(base_seed, worker_id))
     except ImportError:
         pass
     return seed
@@ -28,7 +29,7 @@ _MT_WORDS = 624
 
 def rng_state() -> bytes:
     """The process's global RNG states (torch's CPU generator, random, numpy's legacy one) as bytes:
-    plain bytes pickle and torch.save cheaply (about 10 kB; 50 us to take, mostly numpy's getter)."""
+    plain bytes pickle and torch.save cheaply (about 10 kB, mostly the generators' state tables)."""
     t = torch.get_rng_state().numpy().tobytes()
     version, words, gauss = random.getstate()
     if version != 3 or len(words) != _MT_WORDS + 1:

@@ -15,14 +15,11 @@ import time
 from multiprocessing import reduction
 
 import torch
-from torch._utils import ExceptionWrapper
-from torch.utils.data import _utils
-from torch.utils.data._utils.collate import default_collate
-from torch.utils.data.dataloader import _DatasetKind
 from torch.utils.data.datapipes.datapipe import IterDataPipe
 from torch.utils.data.graph_settings import apply_random_seed
 
 from .. import _C
+from .._torch_compat import DatasetKind, ExceptionWrapper, default_collate, set_worker_info
 from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout, sample_plan,
                      write_fast, write_general)
 from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
@@ -37,7 +34,7 @@ class WorkerSpec:
     """What every worker of a pool starts with (besides its id); the rest comes through its task pipe."""
 
     num_workers: int
-    dataset_kind: int  # torch's _DatasetKind
+    dataset_kind: int  # torch's DatasetKind
     dataset: object
     auto_collation: bool
     collate_fn: object
@@ -72,8 +69,7 @@ def worker_main(spec: WorkerSpec, worker_id, task_conn, result_conn, parent_pid,
     torch.set_num_threads(1)
     seed = seed_like_torch(spec.base_seed, worker_id)
     dataset = _with_shared_seed(spec.dataset, spec.shared_seed)
-    _utils.worker._worker_info = _utils.worker.WorkerInfo(id=worker_id, num_workers=spec.num_workers, seed=seed,
-                                                          dataset=dataset)
+    set_worker_info(id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset)
     _WorkerLoop(spec, worker_id, dataset, result_conn, ring_conn).run(task_conn, parent_pid)
 
 
@@ -98,7 +94,7 @@ class _WorkerLoop:
         self.result_conn = result_conn
         self.ring_conn = ring_conn
         self.fetch_collate = collate_no_shm if spec.collate_fn is default_collate else spec.collate_fn
-        self.fast = (spec.collate_fn is default_collate and spec.dataset_kind == _DatasetKind.Map
+        self.fast = (spec.collate_fn is default_collate and spec.dataset_kind == DatasetKind.Map
                      and spec.auto_collation and not getattr(spec.dataset, "__getitems__", None))
         self.where = f"in DataLoader worker process {worker_id}"
         self.ring = self.slot_u8 = None
@@ -123,7 +119,7 @@ class _WorkerLoop:
 
     def new_fetcher(self):
         s = self.spec
-        return _DatasetKind.create_fetcher(s.dataset_kind, self.dataset, s.auto_collation, self.fetch_collate,
+        return DatasetKind.create_fetcher(s.dataset_kind, self.dataset, s.auto_collation, self.fetch_collate,
                                            s.drop_last)
 
     def send(self, msg):
@@ -211,7 +207,7 @@ class _WorkerLoop:
             except Exception:
                 self.init_error = ExceptionWrapper(where=f"{self.where} loading the dataset's state_dict()")
                 return
-        elif msg.recreate and self.spec.dataset_kind == _DatasetKind.Iterable:
+        elif msg.recreate and self.spec.dataset_kind == DatasetKind.Iterable:
             self.iteration_end = False
             self.fetcher = self.new_fetcher()
         if msg.replay or msg.expect_stop:
@@ -237,7 +233,7 @@ class _WorkerLoop:
                 else:
                     outcome = WholeBatch(self.fetcher.fetch(index))
             except StopIteration:
-                if self.spec.dataset_kind != _DatasetKind.Iterable:
+                if self.spec.dataset_kind != DatasetKind.Iterable:
                     outcome = Failed(ExceptionWrapper(where=self.where))
                 else:
                     outcome = Ended()

@@ -5,8 +5,8 @@ import random
 import warnings
 
 import torch
-from torch.utils.data._utils.collate import default_collate
 
+from ..._torch_compat import default_collate
 from .plan import ImagePlan
 from .source import EncodedSamples, ImageSource, collate_encoded
 

@@ -18,9 +18,9 @@ import io
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import default_collate
 
 from ... import _C
+from ..._torch_compat import default_collate
 from .plan import NeedsCpu
 
 MARKER = "hotloop_encoded_images"  # key of the table in a packed batch: how the main process knows one

@@ -1,0 +1,50 @@
+"""What both of hotloop.DataLoader's iterators (and the multi-worker feed) do to hand a batch out that
+the ring did not carry: a batch that came whole, made as the ring path would deliver it; the error of
+a batch made ahead, raised when that batch is due; a batch's sample count."""
+from .._torch_compat import pin_memory
+from ._batch import flatten, unflatten
+
+
+class RaiseWhenDue:
+    """An exception of a batch made ahead, raised when that batch is due."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+
+def batch_samples(batch, default):
+    tensors = []
+    flatten(batch, tensors)
+    for t in tensors:
+        if t.dim() > 0:
+            return int(t.shape[0])
+    return default
+
+
+def host_batch_out(device, stage, batch, pin):
+    """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
+    through the stage (the loader's batch_stage), as the ring path would deliver it."""
+    if stage is not None:
+        batch = stage.whole_batch(batch, device)  # gpu_decode's packed batch, decoded
+    if device is None and stage is None:
+        return pinned(batch) if pin else batch
+    tensors = []
+    spec = flatten(batch, tensors)
+    # which leaves the stage transforms (gpu_transform's images): ValueError for one it cannot take, or for none
+    images = stage.leaf_outputs((t.dtype, t.shape) for t in tensors) if stage is not None else [False] * len(tensors)
+    if device is None and not any(images):
+        return pinned(batch) if pin else batch
+    outs = []
+    for t, image in zip(tensors, images):
+        if device is not None:
+            t = t.to(device)
+        if image:
+            t = stage.transform(t)
+        elif pin and device is None:
+            t = t.pin_memory()
+        outs.append(t)
+    return unflatten(spec, outs)
+
+
+def pinned(batch):
+    return pin_memory(batch)
