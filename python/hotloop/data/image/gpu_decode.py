@@ -1,7 +1,9 @@
 """hotloop.GpuDecode: the DataLoader's gpu_decode= option, and what it resolves to for one loader."""
 import functools
+import math
 import os
 import random
+import statistics
 import warnings
 
 import torch
@@ -20,7 +22,8 @@ BACKENDS = ("auto", "hardware", "cuda", "cpu")
 # otherwise decodes in the workers, never on the SMs; "cuda" is there for whoever asks for it.
 # Cited by GpuDecode's docstring and stage.ImageStage.open.
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
-_SIZE_MARGIN = 1.5  # the first batch reserves this many times a mean batch's JPEG bytes in the ring
+_SIZE_MARGIN = 1.5  # the first batch reserves at least this many times a mean batch's JPEG bytes in the ring
+_SIZE_SPREADS = 4.0  # ... and at least this many standard deviations of a batch's bytes above their mean
 
 
 class GpuDecode:
@@ -114,9 +117,9 @@ class ImagePipeline:
 
 def _batch_bytes_estimate(source, batch_size, pixels):
     """Bytes a batch's data tensor reserves in the ring, from a sample of an ImageFolder's files:
-    their sizes (os.stat) times the batch size with a margin where JPEG bytes travel; where pixels
-    travel, their images' whole areas (from the headers, PIL reads no pixels), a crop box's upper
-    bound. 0 (sized from the first batch) for other sources. A batch that does not fit travels
+    their sizes (os.stat) where JPEG bytes travel, or where pixels travel their images' whole areas
+    (from the headers, PIL reads no pixels: a crop box's upper bound); a batch's mean with a margin, and
+    room for how much a sum of that many sizes spreads. 0 (sized from the first batch) for other sources. A batch that does not fit travels
     outside the ring, a slow way: the CPU backend's crops, sized as JPEG bytes, all did, which made
     that backend slower than torch's own pipeline."""
     samples = getattr(source.dataset, "samples", None)
@@ -127,12 +130,17 @@ def _batch_bytes_estimate(source, batch_size, pixels):
     sizes = []
     for path in picks:
         try:
-            sizes.append(_pixel_bytes(path) if pixels else os.stat(path).st_size * _SIZE_MARGIN)
+            sizes.append(_pixel_bytes(path) if pixels else os.stat(path).st_size)
         except OSError:  # PIL's UnidentifiedImageError is one
             pass
-    if not sizes:
-        return 0
-    return int(sum(sizes) / len(sizes) * batch_size)
+    margin = 1.0 if pixels else _SIZE_MARGIN  # a whole image's pixels already bound its crop's
+    if len(sizes) < 2:
+        return int(sum(sizes) * batch_size * margin)
+    # a batch's bytes are a sum of batch_size draws: their mean times the batch with the margin, or, for
+    # small batches (whose sums spread the most), the mean plus _SIZE_SPREADS standard deviations of the sum
+    mean = statistics.fmean(sizes)
+    spread = statistics.stdev(sizes) * math.sqrt(batch_size)
+    return int(max(mean * batch_size * margin, mean * batch_size + _SIZE_SPREADS * spread))
 
 
 def _pixel_bytes(path):
