@@ -76,6 +76,11 @@ def _expected_device(device):
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
 
 
+# hotloop's own settings that persistent workers' pool and the num_workers=0 device ring take when the
+# first epoch makes them (_config.py's frozen settings): set later, they could not reach them
+_KEPT_BY_A_LIVE_POOL = frozenset({"device", "prefetch_batches", "gpu_transform", "max_worker_restarts"})
+
+
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """torch.utils.data.DataLoader with the same arguments, defaults, attributes and batches, fed by
     a shared ring. Extra keyword arguments:
@@ -156,6 +161,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         expected = _expected_device(self._hl_device) if self.batch_stage is not None else None
         if expected is not None:
             self.batch_stage.expect_device(expected)
+
+    def __setattr__(self, name, value):
+        """torch's, which refuses its own structural attributes once the loader is made; hotloop's
+        settings are refused once a live pool or device ring took them (ValueError), never ignored."""
+        if name in _KEPT_BY_A_LIVE_POOL:
+            epochs = self.__dict__.get("_hl")
+            if epochs is not None and (epochs.pool is not None or epochs.local_ring is not None):
+                raise ValueError(f"DataLoader: {name} cannot be set once the first epoch has started the persistent "
+                                 f"workers or the device ring, which took its value then; make a new DataLoader")
+        super().__setattr__(name, value)
 
     @property
     def device(self):
