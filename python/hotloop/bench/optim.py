@@ -152,11 +152,14 @@ def _step_rows(ctx):
     torch's CPU kernel then writes the unscaled gradient back, which at a scale of 1.0 changes nothing.
     On the CPU, torch's OpenMP threads spin for a while after each of its parallel ops (libgomp's default
     OMP_WAIT_POLICY), so the cores that hotloop's pool wakes onto right after torch's step are busy; run with
-    OMP_WAIT_POLICY=passive to see each side without the other's threads in the way."""
+    OMP_WAIT_POLICY=passive to see each side without the other's threads in the way. That is also why, on the
+    CPU, hotloop hands a set of large tensors to torch's own fused kernel (NOTE [ CPU steps of large tensors go
+    to torch ]): the rows of such a set then compare that hand-over's cost with torch's own step."""
     torch = ctx.torch
     from .. import optim
 
     where = "CPU, torch.get_num_threads() = %d" % torch.get_num_threads() if not ctx.is_cuda else str(ctx.device)
+    from ..optim import torch_cpu_step
     # more repetitions than --quick's 3 on the CPU: each step takes milliseconds, and a busy host is noisy
     reps = 9 if ctx.quick and not ctx.is_cuda else 20
     for label, shapes in _step_sets(ctx):
@@ -181,10 +184,12 @@ def _step_rows(ctx):
                     theirs.step()
                     ms, torch_ms = _alternate_reps(ctx, [ours.step, theirs.step], reps, warmup=1 if ctx.quick else 3)
                     args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+                    by_torch = not ctx.is_cuda and torch_cpu_step.torch_takes(params, [[]] * len(params))
                     scaler = " + grad_scale, found_inf" if scaled else ""
                     yield Row("optim", f"{name}({args}).step(){scaler}, {label} {dtype_name} params "
                               f"({len(params)} tensors, {numel / 1e6:.0f} M)", ms, torch_ms, "ms",
-                              note=f"hotloop.optim.{name} against torch.optim.{name}(fused=True); {where}")
+                              note=f"hotloop.optim.{name} against torch.optim.{name}(fused=True); {where}"
+                                   + ("; hotloop hands this set to torch's kernel" if by_torch else ""))
                     del ours, theirs
             del params
         del base
