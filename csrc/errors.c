@@ -20,34 +20,22 @@ static PyObject *call_name(const char *call) {
     return PyUnicode_FromStringAndSize(call, (Py_ssize_t)len);
 }
 
+/* obj.name = value, the new reference `value` (NULL: its maker's error stands) released */
+static int set_new_attr(PyObject *obj, const char *name, PyObject *value) {
+    int rc = value == NULL ? -1 : PyObject_SetAttrString(obj, name, value);
+    Py_XDECREF(value);
+    return rc;
+}
+
 /* Build exc_type(message) with the failure's details as attributes, and raise it. */
 static int raise_with_details(PyObject *exc_type, PyObject *message, int code, const char *error_name,
                               PyObject *call, const char *file, int line) {
-    PyObject *exc = NULL, *value = NULL;
-    exc = PyObject_CallFunctionObjArgs(exc_type, message, NULL);
-    if (exc == NULL)
-        goto error;
-    value = PyLong_FromLong(code);
-    if (value == NULL || PyObject_SetAttrString(exc, "code", value) < 0)
-        goto error;
-    Py_CLEAR(value);
-    value = PyUnicode_FromString(error_name);
-    if (value == NULL || PyObject_SetAttrString(exc, "error_name", value) < 0)
-        goto error;
-    Py_CLEAR(value);
-    if (PyObject_SetAttrString(exc, "call", call) < 0)
-        goto error;
-    value = PyUnicode_FromString(file);
-    if (value == NULL || PyObject_SetAttrString(exc, "file", value) < 0)
-        goto error;
-    Py_CLEAR(value);
-    value = PyLong_FromLong(line);
-    if (value == NULL || PyObject_SetAttrString(exc, "line", value) < 0)
-        goto error;
-    Py_CLEAR(value);
-    PyErr_SetObject(exc_type, exc);
-error:
-    Py_XDECREF(value);
+    PyObject *exc = PyObject_CallFunctionObjArgs(exc_type, message, NULL);
+    if (exc != NULL && set_new_attr(exc, "code", PyLong_FromLong(code)) == 0 &&
+        set_new_attr(exc, "error_name", PyUnicode_FromString(error_name)) == 0 &&
+        PyObject_SetAttrString(exc, "call", call) == 0 && set_new_attr(exc, "file", PyUnicode_FromString(file)) == 0 &&
+        set_new_attr(exc, "line", PyLong_FromLong(line)) == 0)
+        PyErr_SetObject(exc_type, exc);
     Py_XDECREF(exc);
     return -1;
 }

@@ -157,9 +157,9 @@ def _step_rows(ctx):
     to torch ]): the rows of such a set then compare that hand-over's cost with torch's own step."""
     torch = ctx.torch
     from .. import optim
+    from ..optim import torch_cpu_step
 
     where = "CPU, torch.get_num_threads() = %d" % torch.get_num_threads() if not ctx.is_cuda else str(ctx.device)
-    from ..optim import torch_cpu_step
     # more repetitions than --quick's 3 on the CPU: each step takes milliseconds, and a busy host is noisy
     reps = 9 if ctx.quick and not ctx.is_cuda else 20
     for label, shapes in _step_sets(ctx):

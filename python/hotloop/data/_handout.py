@@ -27,13 +27,13 @@ def host_batch_out(device, stage, batch, pin):
     if stage is not None:
         batch = stage.whole_batch(batch, device)  # gpu_decode's packed batch, decoded
     if device is None and stage is None:
-        return pinned(batch) if pin else batch
+        return pin_memory(batch) if pin else batch
     tensors = []
     spec = flatten(batch, tensors)
     # which leaves the stage transforms (gpu_transform's images): ValueError for one it cannot take, or for none
     images = stage.leaf_outputs((t.dtype, t.shape) for t in tensors) if stage is not None else [False] * len(tensors)
     if device is None and not any(images):
-        return pinned(batch) if pin else batch
+        return pin_memory(batch) if pin else batch
     outs = []
     for t, image in zip(tensors, images):
         if device is not None:
@@ -44,7 +44,3 @@ def host_batch_out(device, stage, batch, pin):
             t = t.pin_memory()
         outs.append(t)
     return unflatten(spec, outs)
-
-
-def pinned(batch):
-    return pin_memory(batch)
