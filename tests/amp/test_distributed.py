@@ -233,7 +233,10 @@ def test_fsdp2_matches_torch_with_inf_on_one_rank(results):
                     assert str(row["norm"]) == str(row["norm_ref"]) in ("inf", "nan"), (rank, row)
                 continue
             if "grad_err" in row:
-                assert row["grad_err"] <= 1e-6, (rank, row)
+                # the two models' parameters part by rounding after the first clipped steps (coefficients
+                # that differ in the last bit, then momentum), and their gradients with them: fresh seeds
+                # gave 2.5e-6 relative at step 4 in one run of 26; the first step, from equal parameters, keeps 1e-6
+                assert row["grad_err"] <= (1e-6 if step == 0 else 1e-5), (rank, row)
             if "norm" in row:
                 assert row["norm"] == pytest.approx(row["norm_ref"], rel=1e-6), (rank, row)
                 plan = PLANS[step % len(PLANS)]
