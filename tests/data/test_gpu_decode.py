@@ -8,7 +8,6 @@ import array
 import ctypes
 import io
 import random
-import warnings
 
 import numpy as np
 import pytest

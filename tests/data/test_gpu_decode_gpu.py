@@ -8,6 +8,8 @@ DECODE_MAX_LEVELS levels of 255 and by DECODE_MEAN_LEVELS on average (asserted p
 import gc
 import os
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +17,9 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
+from hotloop.data.image import stage as image_stage
 
+from ..seeding import current_seed
 from .image_folders import EVAL_V2, STD, TRAIN_V1, assert_batches_close, make_folder, seeded_batches
 
 pytestmark = pytest.mark.gpu
@@ -28,6 +32,17 @@ def _levels(x, tx):
     """|difference| in levels of 255, per element (normalised values times std times 255)."""
     std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
     return (x.float() - tx.to(x.device).float()).abs() * std * 255
+
+
+def _assert_within_decode_bounds(ours, theirs):
+    """Batch by batch: the labels equal, the images within the nvjpeg bounds of the CPU pipeline's."""
+    worst = 0.0
+    for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
+        assert x.is_cuda and torch.equal(y.cpu(), ty)
+        d = _levels(x, tx)
+        worst = max(worst, d.max().item())
+        assert d.mean().item() <= DECODE_MEAN_LEVELS
+    assert worst <= DECODE_MAX_LEVELS
 
 
 def _both_ways(ds, batch, backend):
@@ -53,15 +68,44 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     root = make_folder(str(tmp_path), n=40, sizes=(60, 400))
     ds = ImageFolder(root, transform=make(64))
     loader, ours, theirs = _both_ways(ds, 8, backend)
-    worst = 0.0
-    for (x, y), (tx, ty) in zip(ours, theirs, strict=True):
-        assert x.is_cuda and torch.equal(y.cpu(), ty)
-        d = _levels(x, tx)
-        worst = max(worst, d.max().item())
-        assert d.mean().item() <= DECODE_MEAN_LEVELS
-    assert worst <= DECODE_MAX_LEVELS
+    _assert_within_decode_bounds(ours, theirs)
     st = loader.stats
     assert st.decoder.startswith(f"nvjpeg {backend}") and st.images_gpu_decoded == len(ds)
+
+
+@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+def test_batches_the_launch_runner_decodes_match_the_cpu_pipeline(tmp_path, backend, monkeypatch):
+    """A consumer that takes its time ("the training step"): the prefetch thread stages the batches
+    and the launch runner's thread decodes them (NOTE [ Decoding ahead ])."""
+    finished_in = []
+    finish = image_stage.ImageStage.finish
+
+    def recording_finish(self, begun):
+        finished_in.append(threading.current_thread().name)
+        return finish(self, begun)
+
+    monkeypatch.setattr(image_stage.ImageStage, "finish", recording_finish)
+    root = make_folder(str(tmp_path), n=48, sizes=(60, 400))
+    ds = ImageFolder(root, transform=TRAIN_V1(64))
+    seed = random.randrange(2**31)
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                            generator=torch.Generator().manual_seed(seed)))
+    try:
+        loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, device="cuda",
+                                    generator=torch.Generator().manual_seed(seed),
+                                    gpu_decode=hotloop.GpuDecode(backend=backend))
+        torch.manual_seed(current_seed())
+        ours = []
+        for x, y in loader:
+            ours.append((x.clone(), y.clone()))
+            time.sleep(0.05)
+    except RuntimeError as exc:
+        if backend == "hardware" and "hardware" in str(exc):
+            pytest.skip(f"no hardware JPEG decoder here: {exc}")
+        raise
+    assert "hotloop-launch" in finished_in
+    _assert_within_decode_bounds(ours, theirs)
+    assert loader.stats.images_gpu_decoded == len(ds)
 
 
 def test_cpu_backend_on_the_gpu_is_within_one_level(tmp_path):

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import hotloop
-from hotloop.data.image.resize import (ImageEntry, empty_batch, image_entry, pack_entries, resize_batch,
-                                       resize_images)
+from hotloop.data.image.resize import ImageEntry, empty_batch, image_entry, pack_entries, resize_batch
 
 from ..seeding import derived_seed
 

@@ -23,7 +23,7 @@ LAYERS = [
     ["_launcher", "_device"],  # the process that forks workers 1..; copies to the GPU
     ["_worker"],  # the worker loop (runs in the worker processes)
     ["_resume", "_rows", "_handout", "normalize"],
-    ["_tasks", "stage"],
+    ["_tasks", "stage", "_launches"],
     ["_messages", "_batch", "_rng", "_config", "stats", "_inherited_garbage", "_shutdown"],
 ]
 LEVEL = {name: k for k, names in enumerate(LAYERS) for name in names}

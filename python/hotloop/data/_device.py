@@ -2,7 +2,6 @@
 import array
 import collections
 import dataclasses
-import threading
 import time
 import warnings
 
@@ -11,6 +10,7 @@ import torch
 from .. import _C, input_wait
 from .._torch_compat import raw_current_stream
 from ._batch import leaf_bytes, ring_leaf, unflatten
+from ._launches import ImageLaunch, LaunchRunner
 from ._shutdown import LOCAL_RINGS, close_at_exit, forget
 
 
@@ -99,64 +99,13 @@ class Pending:
     launch: object = None  # gpu_decode: its ImageLaunch, queued after the rest (copy_to_device(defer=True))
 
 
-class ImageLaunch:
-    """gpu_decode's share of a batch's copy (nvjpeg's decode, the resize kernel), queued apart from
-    the rest so that the prefetch thread runs it outside the epoch's lock. The decode holds its thread
-    until the batch is decoded, and a next() that came meanwhile would wait for that lock though the
-    batch it hands out was long ready: a delay in every step. run() queues it
-    once, in whichever thread comes first (the prefetch thread, or deliver); skip(), for a batch never
-    handed out, only records the event that frees its slot."""
-
-    def __init__(self, queue, finish):
-        self._queue = queue  # queues the decode and the kernel on the copy stream
-        self._finish = finish  # records the batch's event there: after that work, or alone
-        self._lock = threading.Lock()
-        self._state = "waiting"
-        self.error = None  # what queueing raised (a file PIL cannot read, a CUDA error): deliver raises it
-
-    @property
-    def waiting(self) -> bool:
-        return self._state == "waiting"
-
-    def run(self):
-        with self._lock:
-            if self._state != "waiting":
-                return
-            self._state = "queued"
-            # what fails is kept for deliver to raise (the prefetch thread runs on): a Ctrl-C in
-            # deliver's own call too, raised there, the slot freed all the same
-            try:
-                self._queue()
-            except BaseException as exc:
-                self.error = exc
-            try:
-                self._finish()
-            except BaseException as exc:
-                self.error = self.error or exc
-            self._drop_closures()
-
-    def skip(self):
-        with self._lock:
-            if self._state == "waiting":
-                self._state = "skipped"
-                try:
-                    self._finish()
-                finally:
-                    self._drop_closures()
-
-    def _drop_closures(self):
-        # they hold the Pending that holds this launch: a reference cycle, and with it the batch's
-        # device memory, would otherwise wait for the collector (and be collected in a worker forked
-        # meanwhile, where freeing CUDA memory may block on the allocator's lock)
-        self._queue = self._finish = None
-
-
 class DeviceCopies:
     """The side stream, the events and the copies in flight of one ring: a slot goes back only once
     the copy out of it finished. deliver and reclaim move such slots to `finished`, which the ring's
     owner takes (take_finished) and frees: nothing here calls back into the owner."""
 
     calls = CudaCalls  # the seam the CPU tests replace
+    decode_ahead = True  # False: the prefetch thread queues each batch's device work itself (bench's comparison)
 
     def __init__(self, settings, stats):
         """settings: the loader's CopySettings (_config.py); stats: its LoaderStats, which copies add to."""
@@ -173,6 +122,9 @@ class DeviceCopies:
         self.timing_pool = []  # timing events (h2d seconds in stats) are made once, not per batch
         self.pinned = set()  # slots page-locked through this object
         self.finished = []  # slots whose copies are over, until the owner takes them (take_finished)
+        # a stage that makes batches from the slot (gpu_decode) queues their device work from a
+        # thread of its own (NOTE [ Decoding ahead ] in _launches.py)
+        self.runner = LaunchRunner() if self.stage is not None and self.decode_ahead else None
 
     def populate(self, ring, order):
         """Background threads of the ring allocate its pages and page-lock its slots, in `order`:
@@ -264,8 +216,9 @@ class DeviceCopies:
         if parts is None:
             cuda.record(event, side)
             return pending
-        pending.launch = ImageLaunch(lambda: self._queue_images(pending, stage, prepared, host, side),
-                                     lambda: cuda.record(event, side))
+        pending.launch = ImageLaunch(lambda: stage.begin_batch(prepared, host, side),
+                                     lambda begun: self._queue_images(pending, stage, begun),
+                                     lambda: cuda.record(event, side), self.runner)
         if not defer:
             self._launch(pending)
         return pending
@@ -279,8 +232,8 @@ class DeviceCopies:
             raise pending.launch.error
 
     @staticmethod
-    def _queue_images(pending, stage, prepared, host, side):
-        out, buffers, pending.held = stage.launch_batch(prepared, host, side)
+    def _queue_images(pending, stage, begun):
+        out, buffers, pending.held = stage.finish_batch(begun)
         stage.place(pending.result, out)
         pending.keep += buffers
         pending.tensors.append(out)
@@ -341,6 +294,8 @@ class DeviceCopies:
     def close(self):
         """Wait for the copies in flight (DMA must be over before the ring is unregistered) and
         destroy the events."""
+        if self.runner is not None:
+            self.runner.close()  # no batch's device work is queued from now on but by its owner
         try:
             for p in self.inflight:
                 self.cuda.synchronize(p.event)

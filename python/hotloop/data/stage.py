@@ -9,8 +9,10 @@ its hooks answer:
 * leaves it transforms once copied (Normalize): `leaf_outputs` names them; the core copies each to a
   staging buffer and `transform_leaf` writes it, on the copy stream, into `empty_leaf`'s output;
 * batches it makes itself from the slot (gpu_decode): `slot_parts` recognises one by its spec; the
-  core hands the stage those leaves where they lie in the slot, `prepare_batch` then `launch_batch`
-  queue the work on the copy stream, and `place` puts the result into the batch.
+  core hands the stage those leaves where they lie in the slot, `prepare_batch` allocates,
+  `begin_batch` does the host work and `finish_batch` queues the device work on the copy stream
+  (each in a thread of its own where a launch runner runs: _launches.py), and `place` puts the
+  result into the batch.
 """
 from ._batch import ring_leaf, spec_dict, spec_list
 
@@ -66,14 +68,24 @@ class BatchStage:
         as CPU tensors (views of the slot, or the side objects)."""
         raise NotImplementedError(f"{type(self).__name__} makes no batches")
 
-    def launch_batch(self, prepared, parts, stream):
-        """Queue the batch's work on `stream` (0 on the CPU): (the output, buffers the caller keeps
-        until `stream` passed them, what it keeps until it saw the batch's event done). Runs in
-        batch order, from the prefetch thread outside the epoch's lock or in next() (_device.ImageLaunch)."""
+    def begin_batch(self, prepared, parts, stream):
+        """The batch's host work, queueing nothing on a device: what finish_batch takes. Runs outside
+        the epoch's lock, in batch order (the prefetch thread, or next()), while earlier batches'
+        finish_batch may run in another thread (_launches.ImageLaunch)."""
         raise NotImplementedError(f"{type(self).__name__} makes no batches")
 
+    def finish_batch(self, begun):
+        """Queue begin_batch's batch on its `stream` (0 on the CPU): (the output, buffers the caller
+        keeps until `stream` passed them, what it keeps until it saw the batch's event done). Runs in
+        batch order, one batch at a time, in the launch runner's thread or in next()."""
+        raise NotImplementedError(f"{type(self).__name__} makes no batches")
+
+    def launch_batch(self, prepared, parts, stream):
+        """begin_batch then finish_batch, in this thread (a batch made on the CPU, here and now)."""
+        return self.finish_batch(self.begin_batch(prepared, parts, stream))
+
     def place(self, batch, out):
-        """Put launch_batch's output into the batch unflattened from the rest of the spec."""
+        """Put finish_batch's output into the batch unflattened from the rest of the spec."""
         raise NotImplementedError(f"{type(self).__name__} makes no batches")
 
     def whole_batch(self, batch, device):

@@ -22,6 +22,11 @@ from .decoder_opening import DecoderOpening, open_decoder
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 
 _K = {name: column(name) for name in COLUMNS}
+# the columns read per image, as plain indices (the loops over a batch's rows run per batch)
+_KIND, _OFFSET, _LENGTH, _SRC_H, _SRC_W = (_K[n] for n in ("kind", "offset", "length", "src_h", "src_w"))
+_BOX_TOP, _BOX_LEFT, _BOX_H, _BOX_W = (_K[n] for n in ("box_top", "box_left", "box_h", "box_w"))
+_RESIZED_H, _RESIZED_W, _OUT_TOP, _OUT_LEFT, _FLIP = (
+    _K[n] for n in ("resized_h", "resized_w", "out_top", "out_left", "flip"))
 
 
 def encoded_parts(spec):
@@ -47,6 +52,22 @@ class _Prepared:
     buf: torch.Tensor  # decoded pixels of every image
     table_dev: torch.Tensor  # the kernel's entry table on the device (None on the CPU)
     host: torch.Tensor = None  # page-locked: the bytes the decode and uploads read, then the entry table (GPU)
+
+
+@dataclasses.dataclass
+class _Begun:
+    """A batch begin() made ready for finish(): its host work done, nothing queued yet."""
+
+    prepared: _Prepared
+    data: torch.Tensor  # the batch's bytes: the page-locked copy (GPU) or the slot (CPU)
+    done: torch.Tensor  # the images workers finished themselves
+    stream: int  # where the kernel goes
+    table_host: torch.Tensor  # page-locked room for the kernel's entry table (None on the CPU)
+    encoded: list  # the rows nvjpeg decodes, in the order of sources and dests
+    sources: bytes  # (host pointer, length) per encoded row
+    dests: bytes  # (device pointer, pitch) per encoded row
+    entries: bytes  # the kernel's table (pack_entries)
+    count: int
 
 
 class _DecodeStream:
@@ -94,8 +115,10 @@ class _DecodeStream:
 class ImageStage(BatchStage):
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
-    the per-batch work. One thread at a time uses it: prepare() under the loader's epoch lock;
-    launch() under it too or, from the prefetch thread, in batch order (_device.ImageLaunch).
+    the per-batch work: prepare() under the loader's epoch lock; begin() (host work) in batch order,
+    from the prefetch thread or next(); finish() (the decode and the kernel) in batch order, one at a
+    time, from the launch runner's thread or next(), while later batches begin (NOTE [ Decoding ahead ]
+    in ../_launches.py).
     The loader calls it through BatchStage's hooks (../stage.py), below close()."""
 
     paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
@@ -183,8 +206,11 @@ class ImageStage(BatchStage):
     def prepare_batch(self, parts, empty):
         return self.prepare(parts[0], empty)
 
-    def launch_batch(self, prepared, parts, stream):
-        return self.launch(prepared, parts[1], parts[2], stream)
+    def begin_batch(self, prepared, parts, stream):
+        return self.begin(prepared, parts[1], parts[2], stream)
+
+    def finish_batch(self, begun):
+        return self.finish(begun)
 
     def place(self, batch, out):
         batch[0] = out
@@ -225,7 +251,7 @@ class ImageStage(BatchStage):
                                             c.config.channels_last)
         places, total = [], 0  # where each row's decoded pixels go in the buffer
         for r in rows:
-            size = r[_K["src_h"]] * r[_K["src_w"]] * 3 if r[_K["kind"]] != DONE else 0
+            size = r[_SRC_H] * r[_SRC_W] * 3 if r[_KIND] != DONE else 0
             places.append(total)
             total += (size + 255) // 256 * 256  # images start aligned for the kernel's loads
         total = max(total, 256)  # never empty: a stand-in entry reads its first pixel
@@ -239,14 +265,15 @@ class ImageStage(BatchStage):
         return _Prepared(rows, places, out, mem, buf, table_dev)
 
     def launch(self, prepared, data, done, stream):
-        """Queue the batch's kernel on `stream` (0 on the CPU), after its decode and uploads (on the
-        _DecodeStream). data's memory must stay put until `stream` has passed them (a ring slot,
-        released after the batch's event).
-        Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the caller keeps
-        the buffers until `stream` passed them, and `held` (the page-locked bytes and the decode
-        buffer; None on the CPU) until it has seen `stream` pass them (the batch's event done)."""
+        """begin then finish, in one go: the batch's kernel queued on `stream` (0 on the CPU), after
+        its decode and uploads. Returns finish's result."""
+        return self.finish(self.begin(prepared, data, done, stream))
+
+    def begin(self, prepared, data, done, stream):
+        """The batch's host work, nothing queued on a device: its bytes staged, the decode's and the
+        kernel's tables built. data's memory (a ring slot) must stay put until `stream` has passed
+        the batch's work (released after the batch's event)."""
         p = prepared
-        base = p.buf.data_ptr()
         table_host = None
         if self.device is not None:
             # a ring slot is page-locked in separate 8 MiB registrations and a DMA may not span two
@@ -256,39 +283,53 @@ class ImageStage(BatchStage):
             # allocation.
             # The kernel's entry table rides at its end: uploaded from pageable memory, the driver may
             # wait for the stream first, and there that is the decode (image_resize's table_host).
-            used = max((r[_K["offset"]] + r[_K["length"]] for r in p.rows if r[_K["kind"]] != DONE), default=0)
+            used = max((r[_OFFSET] + r[_LENGTH] for r in p.rows if r[_KIND] != DONE), default=0)
             table_at = (used + 63) // 64 * 64
             staged = torch.empty(table_at + len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
             staged[:used].copy_(data[:used])
             data = p.host = staged
             table_host = staged[table_at:]
-        decoding = self._decoding.handle if self.device is not None else stream
-        self._decode(p, data, decoding)
-        entries = []
+        base, data_addr = p.buf.data_ptr(), data.data_ptr()
+        encoded, sources, dests, entries = [], array.array("q"), array.array("q"), []
+        h, w = self.pipeline.plan.out_size
         for k, r in enumerate(p.rows):
-            kind = r[_K["kind"]]
-            if kind == PIXELS:
+            kind = r[_KIND]
+            if kind == ENCODED:
+                encoded.append(k)
+                sources += array.array("q", (data_addr + r[_OFFSET], r[_LENGTH]))
+                dests += array.array("q", (base + p.places[k], r[_SRC_W] * 3))
+            elif kind == PIXELS:
                 self.stats.images_cpu_decoded += 1
-                self._upload(p.buf, p.places[k], data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]],
-                             decoding)
-            if kind == DONE:
-                # a stand-in that reads one pixel; _place_done overwrites its output after the kernel
+            else:  # DONE: a stand-in that reads one pixel; _place_done overwrites its output after the kernel
                 self.stats.images_cpu_pipeline += 1
-                h, w = self.pipeline.plan.out_size
                 entries.append((base, 3, 1, 1, 0, 0, 1, 1, h, w, 0, 0, 0, 3))
                 continue
-            entries.append((base + p.places[k], r[_K["src_w"]] * 3, r[_K["src_h"]], r[_K["src_w"]],
-                            r[_K["box_top"]], r[_K["box_left"]], r[_K["box_h"]], r[_K["box_w"]],
-                            r[_K["resized_h"]], r[_K["resized_w"]], r[_K["out_top"]], r[_K["out_left"]],
-                            r[_K["flip"]], 3))
-        if self.device is not None:
-            self._decoding.hand_over(stream)
-        c = self.pipeline
-        image_resize.resize_batch(image_resize.pack_entries(entries), len(entries), p.mem, c.config.channels_last,
-                                  c.plan.mean, c.plan.std, c.plan.scale, stream, p.table_dev, table_host)
+            entries.append((base + p.places[k], r[_SRC_W] * 3, r[_SRC_H], r[_SRC_W], r[_BOX_TOP], r[_BOX_LEFT],
+                            r[_BOX_H], r[_BOX_W], r[_RESIZED_H], r[_RESIZED_W], r[_OUT_TOP], r[_OUT_LEFT],
+                            r[_FLIP], 3))
+        return _Begun(p, data, done, stream, table_host, encoded, sources.tobytes(), dests.tobytes(),
+                      image_resize.pack_entries(entries), len(entries))
+
+    def finish(self, begun):
+        """Queue begin's batch: its decode and uploads (on the _DecodeStream), then its kernel on
+        begun.stream. Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the
+        caller keeps the buffers until the stream passed them, and `held` (the page-locked bytes and
+        the decode buffer; None on the CPU) until it has seen the stream pass them (the batch's event
+        done)."""
+        b, p = begun, begun.prepared
+        decoding = self._decoding.handle if self.device is not None else b.stream
+        self._decode(b, decoding)
         for k, r in enumerate(p.rows):
-            if r[_K["kind"]] == DONE:
-                self._place_done(p.out, k, done[r[_K["offset"]]], stream)
+            if r[_KIND] == PIXELS:
+                self._upload(p.buf, p.places[k], b.data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]], decoding)
+        if self.device is not None:
+            self._decoding.hand_over(b.stream)
+        c = self.pipeline
+        image_resize.resize_batch(b.entries, b.count, p.mem, c.config.channels_last, c.plan.mean, c.plan.std,
+                                  c.plan.scale, b.stream, p.table_dev, b.table_host)
+        for k, r in enumerate(p.rows):
+            if r[_KIND] == DONE:
+                self._place_done(p.out, k, b.done[r[_OFFSET]], b.stream)
         if self.device is None:
             return p.out, [p.buf], None
         return p.out, [p.table_dev], (p.host, p.buf)
@@ -298,30 +339,24 @@ class ImageStage(BatchStage):
         result (the caller holds the buffers until the stream has passed them)."""
         return self.launch(self.prepare(table, empty), data, done, stream)
 
-    def _decode(self, p, data, stream):
-        """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here."""
-        encoded = [k for k, r in enumerate(p.rows) if r[_K["kind"]] == ENCODED]
-        if not encoded:
+    def _decode(self, b, stream):
+        """nvjpeg decodes begin's JPEGs in one call; those it refuses, PIL decodes here."""
+        if not b.encoded:
             return
-        base, data_addr = p.buf.data_ptr(), data.data_ptr()
-        sources, dests = array.array("q"), array.array("q")
-        for k in encoded:
-            r = p.rows[k]
-            sources += array.array("q", (data_addr + r[_K["offset"]], r[_K["length"]]))
-            dests += array.array("q", (base + p.places[k], r[_K["src_w"]] * 3))
-        statuses = self.decoder.decode(sources.tobytes(), dests.tobytes(), len(encoded), stream)
-        for k, status in zip(encoded, statuses):
+        p = b.prepared
+        statuses = self.decoder.decode(b.sources, b.dests, len(b.encoded), stream)
+        for k, status in zip(b.encoded, statuses, strict=True):
             if status == 0:
                 self.stats.images_gpu_decoded += 1
                 continue
             self.stats.images_refused += 1
             r = p.rows[k]
-            raw = data[r[_K["offset"]]:r[_K["offset"]] + r[_K["length"]]].numpy().tobytes()
+            raw = b.data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]].numpy().tobytes()
             image = self.pipeline.source.load(raw, r[_K["index"]])  # PIL's error, if it has one
             pixels = np.array(image, dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
-            if pixels.shape != (r[_K["src_h"]], r[_K["src_w"]], 3):
+            if pixels.shape != (r[_SRC_H], r[_SRC_W], 3):
                 raise RuntimeError(f"gpu_decode: image {r[_K['index']]} decodes to {pixels.shape[:2]}, but its "
-                                   f"JPEG header says {(r[_K['src_h']], r[_K['src_w']])}")
+                                   f"JPEG header says {(r[_SRC_H], r[_SRC_W])}")
             self._upload(p.buf, p.places[k], torch.from_numpy(pixels).view(-1), stream)
 
     def _upload(self, buf, place, src, stream):
