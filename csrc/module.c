@@ -62,7 +62,7 @@ static int exec_module(PyObject *module) {
     if (hl_errors_exec(module) < 0)
         return -1;
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 || hl_optim_exec(module) < 0 ||
-        hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
+        hl_group_key_exec(module) < 0 || hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
         return -1;
     if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0 || hl_nvrtc_exec(module) < 0)
         return -1;

@@ -76,6 +76,7 @@ int hl_tensor_exec(PyObject *module);
 int hl_cuda_exec(PyObject *module);
 int hl_amp_exec(PyObject *module);
 int hl_optim_exec(PyObject *module); /* fused optimizers (optim.c) */
+int hl_group_key_exec(PyObject *module); /* an optimizer step's param-group key (group_key.c) */
 int hl_monitor_exec(PyObject *module);
 int hl_host_sampler_exec(PyObject *module);
 int hl_nvml_exec(PyObject *module);

@@ -384,11 +384,37 @@ static PyObject *optim_sgd(PyObject *module, PyObject *args) {
                      threads);
 }
 
+PyDoc_STRVAR(optim_count_steps_doc,
+             "optim_count_steps(steps)\n\n"
+             "Add one to each step count of a packed table (tensor_table.pack) of one-element float32 CPU\n"
+             "tensors, in float32 as torch._foreach_add_(steps, 1) does: what a step by torch's fused CPU kernel\n"
+             "does first (optim/torch_cpu_step.py), in one call instead of one dispatch per tensor. TypeError\n"
+             "or ValueError, before any count changes, for another dtype, size or device.");
+
+static PyObject *optim_count_steps(PyObject *module, PyObject *packed) {
+    (void)module;
+    hl_table steps;
+    if (hl_table_parse(packed, "steps", HL_DTYPE_BIT(HL_FLOAT32), &steps) < 0)
+        return NULL;
+    int ok = steps.device == -1;
+    for (int64_t i = 0; i < steps.count && ok; i++)
+        ok = steps.entries[i].numel == 1;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "optim_count_steps: steps: expected one-element CPU tensors");
+    for (int64_t i = 0; i < steps.count && ok; i++)
+        *(float *)(uintptr_t)steps.entries[i].data += 1.0f;
+    hl_table_free(&steps);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef optim_methods[] = {
     {"optim_adam_table", optim_adam_table, METH_VARARGS, optim_adam_table_doc},
     {"optim_adam", optim_adam, METH_VARARGS, optim_adam_doc},
     {"optim_sgd_table", optim_sgd_table, METH_VARARGS, optim_sgd_table_doc},
     {"optim_sgd", optim_sgd, METH_VARARGS, optim_sgd_doc},
+    {"optim_count_steps", optim_count_steps, METH_O, optim_count_steps_doc},
     {NULL, NULL, 0, NULL},
 };
 

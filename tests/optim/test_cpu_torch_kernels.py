@@ -105,3 +105,32 @@ def test_other_sets_stay_with_hotloops_kernel(shapes, monkeypatch):
             p.grad = g
         ours.step()
     assert calls == []
+
+
+def test_step_counts_add_as_torchs_foreach_add():
+    """StepCounter's C call gives torch._foreach_add_'s float32 bits, also where float32 stops counting
+    (2**24 + 1 rounds back to 2**24), and leaves counts of another kind to torch."""
+    starts = [0.0, 1.0, 2.0**24 - 1, 2.0**24, 2.0**24 + 2, 3.5e7, float(torch.randint(0, 2**30, ()).item())]
+    ours = [torch.tensor(v, dtype=torch.float32) for v in starts]
+    theirs = [t.clone() for t in ours]
+    counter = torch_cpu_step.StepCounter(ours)
+    for _ in range(3):
+        counter.count()
+        torch._foreach_add_(theirs, 1)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), (a.item(), b.item())
+    doubles = [torch.tensor(v, dtype=torch.float64) for v in starts]
+    torch_cpu_step.StepCounter(doubles).count()  # torch's own add
+    assert [t.item() for t in doubles] == [v + 1 for v in starts]
+
+
+def test_optim_count_steps_refuses_what_it_does_not_count():
+    from hotloop import _C
+    from hotloop.amp import tensor_table
+
+    one, two = torch.zeros(()), torch.zeros(2)
+    with pytest.raises(ValueError, match="one-element CPU tensors"):
+        _C.optim_count_steps(tensor_table.packed_bytes([one, two]))
+    with pytest.raises(TypeError):
+        _C.optim_count_steps(tensor_table.packed_bytes([one, torch.zeros((), dtype=torch.float64)]))
+    assert one.item() == 0.0  # nothing counted before the refusal

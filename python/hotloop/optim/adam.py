@@ -26,6 +26,7 @@ from .step_table import refuse_in_capture
 
 # the state tensors of a parameter the kernel reads, by amsgrad; the step count last (its checks are _state_of's)
 _STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
+_TORCH_STATE_LISTS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "step", "max_exp_avg_sq")}
 
 
 class Adam(FusedOptimizer, torch.optim.Adam):
@@ -125,11 +126,11 @@ class Adam(FusedOptimizer, torch.optim.Adam):
         return _C.OPTIM_ADAM_ENTRY_BYTES
 
     def _torch_step(self, group, ps, hyper, made, scale, found):
-        states = [self.state[p] for p in ps]
         amsgrad = bool(group["amsgrad"])
-        torch_cpu_step.adam_step(ps, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                                 [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
-                                 [s["step"] for s in states], hyper, scale, found)
+        exp_avgs, exp_avg_sqs, steps, *max_exp_avg_sqs = self._state_lists(ps, _TORCH_STATE_LISTS[amsgrad])
+        counter = self._per_plan(ps, "step counter", lambda: torch_cpu_step.StepCounter(steps))
+        torch_cpu_step.adam_step(ps, exp_avgs, exp_avg_sqs, max_exp_avg_sqs[0] if amsgrad else None, counter,
+                                 hyper, scale, found)
         return True
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):

@@ -34,6 +34,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._tables = StepTables(self._name)
         self._plans = {}  # param group index -> (key, [(device, params with gradients there)])
         self._torch_steps = set()  # (group index, device) whose checked plan torch's CPU kernel steps
+        self._per_plan_of = {}  # id(a current plan's params list) -> (that list, {what: _per_plan's value})
 
     # what a subclass says about its kernel
     def _group_defaults(self):
@@ -72,6 +73,22 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _torch_step(self, group, ps, hyper, made, scale, found):
         """step `ps` (CPU tensors) with torch's fused kernel; False when this step must stay hotloop's"""
         raise NotImplementedError
+
+    def _per_plan(self, ps, what, make):
+        """make(), made once per checked plan and `what`: while a step reuses the plan (`ps` is its list),
+        the group's key held the identity and address of every state tensor, so what was read from them
+        stands (the lists of state tensors torch's kernel takes, the table of their step counts)."""
+        cached = self._per_plan_of.get(id(ps))
+        if cached is None or cached[0] is not ps:
+            cached = self._per_plan_of[id(ps)] = (ps, {})
+        made = cached[1]
+        if what not in made:
+            made[what] = make()
+        return made[what]
+
+    def _state_lists(self, ps, names):
+        """[[self.state[p][name] for p in ps] for name in names], once per checked plan (_per_plan)."""
+        return self._per_plan(ps, names, lambda: [[self.state[p][name] for p in ps] for name in names])
 
     def _torch_takes(self, group, device, ps):
         """NOTE [ CPU steps of large tensors go to torch ] (torch_cpu_step.py)"""
@@ -163,6 +180,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if key is None:  # cannot happen once the state is made: never reuse what is not keyed
                     key = object()
                 self._plans[gi] = (key, plan)
+                self._per_plan_of.clear()  # what plans no step uses any more held goes too
                 for device, ps in plan:
                     self._torch_steps.discard((gi, device))
                     if self._torch_takes(group, device, ps):

@@ -90,7 +90,7 @@ class SGD(FusedOptimizer, torch.optim.SGD):
     def _torch_step(self, group, ps, hyper, made, scale, found):
         if made:  # a first step: the buffers take the gradient, hotloop's C does that
             return False
-        bufs = [self.state[p]["momentum_buffer"] for p in ps] if group["momentum"] != 0 else None
+        bufs = self._state_lists(ps, ("momentum_buffer",))[0] if group["momentum"] != 0 else None
         torch_cpu_step.sgd_step(ps, bufs, hyper, scale, found)
         return True
 

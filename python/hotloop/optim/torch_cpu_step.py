@@ -12,13 +12,18 @@ goes to torch's fused kernel, the rest to hotloop's C. Both update in float and 
 their results agree within the rounding of the last bit (tests/optim compare each with torch).
 
 torch's kernels take what torch.optim's fused step takes: a gradient of its parameter's dtype, and
-contiguous tensors; and torch's kernel skips a step only for found_inf == 1.0, where hotloop skips on
-any non-zero value, so found_inf is handed over as 0 or 1. A first SGD step with momentum (buffers
-that take the gradient) stays with hotloop's C, which made the buffers.
+contiguous tensors. torch's kernel skips a step only for found_inf == 1.0, where hotloop skips on any
+non-zero value: found_inf, a CPU tensor here, is read first (which waits for nothing on a CPU), and a
+skipped step calls no kernel. A first SGD step with momentum (buffers that take the gradient) stays
+with hotloop's C, which made the buffers. torch.optim adds one to each step count with one dispatch
+per tensor; StepCounter does it in one C call.
 """
 import functools
 
 import torch
+
+from .. import _C
+from ..amp import tensor_table
 
 # below this mean size per tensor torch's per-tensor dispatch is a visible share of the pass
 LARGE_TENSOR_ELEMENTS = 1 << 16
@@ -56,32 +61,53 @@ def torch_takes(params, states) -> bool:
     return True
 
 
-def skip_flag(found_inf):
-    """found_inf as torch's kernels read it: 1.0 to skip the step (any non-zero value here), else 0.0; of
-    the step counts' shape (), whatever the one element's shape"""
-    return None if found_inf is None else found_inf.ne(0).to(torch.float32).reshape(())
+def skipped(found_inf) -> bool:
+    """Whether a GradScaler's found_inf (a one-element tensor on the CPU, or None) skips the step: any
+    non-zero value, as hotloop's own kernels read it (torch's skip only for 1.0). On the CPU reading it
+    waits for nothing."""
+    return found_inf is not None and found_inf.item() != 0
 
 
-def adam_step(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, grad_scale, found_inf):
-    """One Adam/AdamW step by torch's fused CPU kernel, the step counts moved as torch.optim moves them.
-    `hyper`: Adam._hyper's tuple (lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled, maximize)."""
+class StepCounter:
+    """The step counts of a plan's parameters, added to as torch._foreach_add_(steps, 1) adds: in one C
+    call over their table where they are one-element float32 CPU tensors (what torch's optimizers make),
+    else by torch, which dispatches each (a microsecond or so per tensor). Made once per checked plan:
+    the group's key holds each count's address."""
+
+    def __init__(self, steps):
+        self.steps = steps
+        plain = steps and all(t.dtype is torch.float32 and t.numel() == 1 and t.device.type == "cpu" for t in steps)
+        self._table = tensor_table.packed_bytes(steps) if plain else None
+
+    def count(self):
+        if self._table is None:
+            torch._foreach_add_(self.steps, 1)
+        else:
+            _C.optim_count_steps(self._table)
+
+
+def adam_step(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, counter, hyper, grad_scale, found_inf):
+    """One Adam/AdamW step by torch's fused CPU kernel, the step counts (a StepCounter) moved as
+    torch.optim moves them. `hyper`: Adam._hyper's tuple (lr, lr_tensor, beta1, beta2, eps, weight_decay,
+    decoupled, maximize)."""
+    if skipped(found_inf):
+        return  # nothing changes, the step counts included
     lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled, maximize = hyper
-    skip = skip_flag(found_inf)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    torch._foreach_add_(steps, 1)
-    kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], steps,
+    counter.count()
+    kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], counter.steps,
            lr=lr_tensor if lr_tensor is not None else lr, beta1=float(beta1), beta2=float(beta2),
            weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=maximize,
-           grad_scale=grad_scale, found_inf=skip)
-    if skip is not None:
-        torch._foreach_sub_(steps, [skip] * len(steps))
+           grad_scale=grad_scale, found_inf=None)
 
 
 def sgd_step(params, buffers, hyper, grad_scale, found_inf):
     """One SGD step (not a first step with momentum) by torch's fused CPU kernel. `hyper`: SGD._hyper's
     tuple (lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize)."""
+    if skipped(found_inf):
+        return
     lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize = hyper
     torch._fused_sgd_(params, [p.grad for p in params], buffers or [], weight_decay=float(weight_decay),
                       momentum=momentum, lr=lr_tensor if lr_tensor is not None else lr, dampening=dampening,
                       nesterov=nesterov, maximize=maximize, is_first_step=False, grad_scale=grad_scale,
-                      found_inf=skip_flag(found_inf))
+                      found_inf=None)
