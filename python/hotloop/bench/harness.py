@@ -42,6 +42,7 @@ class Context:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.quick = quick
+        self._copy_rate = None
 
     def sync(self):
         if self.is_cuda:
@@ -81,6 +82,27 @@ class Context:
         elapsed = (time.perf_counter() - t0) * 1e3
         self.sync()
         return elapsed
+
+    def copy_rate_gbps(self):
+        """The device's copy rate here, bytes read + written per second (dst.copy_(src) of float32: 1 GiB
+        on a GPU, 256 MiB on a CPU): the bandwidth a pass over memory is held against. Measured once per
+        context."""
+        if self._copy_rate is None:
+            torch = self.torch
+            # larger than any CPU's last-level cache (a copy inside it runs at several times memory's rate)
+            numel = 2**28 if self.is_cuda and not self.quick else 2**24 if self.quick else 2**26
+            src = torch.empty(numel, device=self.device).normal_()
+            dst = torch.empty_like(src)
+            warmup, reps = (1, 3) if self.quick else (3, 20)
+            for _ in range(warmup):
+                dst.copy_(src)
+            self.sync()
+            ms = statistics.median(self.time_ms(lambda: dst.copy_(src)) for _ in range(reps))
+            self._copy_rate = 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+            del src, dst
+            if self.is_cuda:
+                torch.cuda.empty_cache()
+        return self._copy_rate
 
     def compare(self, hotloop_fn, torch_fn, warmup=3, reps=20, timer=None):
         """Median milliseconds of (hotloop_fn, torch_fn), run alternately after warm-up."""

@@ -48,21 +48,6 @@ def _alternate_reps(ctx, fns, reps, warmup=1, timer=None):
     return [statistics.median(spent) for spent in times]
 
 
-def copy_rate_gbps(ctx):
-    """The device's copy rate here, bytes read + written per second (dst.copy_(src), 1 GiB on a GPU):
-    the bandwidth the step's bytes are held against."""
-    torch = ctx.torch
-    small = ctx.quick or not ctx.is_cuda
-    src = torch.empty(2**22 if small else 2**28, device=ctx.device).normal_()
-    dst = torch.empty_like(src)
-    (ms,) = _alternate(ctx, [lambda: dst.copy_(src)])
-    rate = 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
-    del src, dst
-    if ctx.is_cuda:
-        torch.cuda.empty_cache()
-    return rate
-
-
 def _optimizers(ctx, params, AdamW):
     """(hotloop.optim.AdamW, torch's fused AdamW for torch's scaler, torch's fused AdamW for hotloop's
     scaler), each with its own moments over the same parameters"""
@@ -92,7 +77,7 @@ def rows(ctx):
     from ..optim import AdamW
 
     small = ctx.quick or not ctx.is_cuda
-    copy_gbps = copy_rate_gbps(ctx)
+    copy_gbps = ctx.copy_rate_gbps()
     sizes = [(MODEL_TINY, "tiny")] if small else [(MODEL_1_3B, "1.3 B"), (MODEL_353M, "353 M")]
     for (hidden, layers), label in sizes:
         params = parameters_with_grads(torch, transformer_shapes(hidden, layers), ctx.device)

@@ -11,4 +11,6 @@ def group_key(state, params, keys):
     moved by ``.data =``, changes it). None when a parameter with a gradient lacks that state or holds
     something else there (the step then makes or converts it), or a gradient has no strides (sparse:
     check_param says why it is refused)."""
+    if not isinstance(state, dict):  # torch's is a defaultdict; another mapping: every step checks everything
+        return None
     return _C.group_key(state, params, tuple(keys))
