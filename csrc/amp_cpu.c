@@ -57,18 +57,28 @@ static void run_chunks(const hl_table_entry *table, int64_t count, int64_t total
     hl_parallel_for(total_chunks, threads_for(threads), MIN_CHUNKS_PER_THREAD, pass_chunks, &pass);
 }
 
+/* The loops below are also built for AVX2, chosen when the library loads by the CPU it runs on; the
+   portable build has SSE2 alone. The same operations in wider registers: no FMA, whose contraction
+   would change the sums' bits, and no reordering (the lanes are written out), so every CPU gives the
+   same results. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define HL_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#else
+#define HL_AVX2_CLONE
+#endif
+
 /* ---- the non-finite check ---- */
 
 /* the exponent bits all set is inf or NaN; a compare and an or per element, so the loop vectorises
    (a branch per element would not) */
-static int f32_non_finite(const uint32_t *restrict x, int64_t n) {
+HL_AVX2_CLONE static int f32_non_finite(const uint32_t *restrict x, int64_t n) {
     uint32_t bad = 0;
     for (int64_t i = 0; i < n; i++)
         bad |= (x[i] & 0x7fffffffu) > 0x7f7fffffu;
     return bad != 0;
 }
 
-static int u16_non_finite(const uint16_t *restrict x, int64_t n, uint16_t largest_finite) {
+HL_AVX2_CLONE static int u16_non_finite(const uint16_t *restrict x, int64_t n, uint16_t largest_finite) {
     uint16_t bad = 0;
     for (int64_t i = 0; i < n; i++)
         bad |= (uint16_t)(x[i] & 0x7fffu) > largest_finite;
@@ -101,7 +111,7 @@ int hl_cpu_has_non_finite(const hl_table_entry *table, int64_t count, int64_t to
 
 /* float32, 2-norm: the sum of squares is inf or NaN exactly when a value is (a finite float's square
    is finite in double, and 32768 of them too), so it is the check */
-static double f32_sum_squares(const float *restrict x, int64_t n, float inv) {
+HL_AVX2_CLONE static double f32_sum_squares(const float *restrict x, int64_t n, float inv) {
     double lane[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -120,7 +130,7 @@ static double f32_sum_squares(const float *restrict x, int64_t n, float inv) {
 }
 
 /* float32, inf-norm: the largest |value|, NaN winning and staying; inf or NaN exactly when a value is */
-static double f32_max_abs(const float *restrict x, int64_t n, float inv) {
+HL_AVX2_CLONE static double f32_max_abs(const float *restrict x, int64_t n, float inv) {
     float lane[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -140,7 +150,7 @@ static double f32_max_abs(const float *restrict x, int64_t n, float inv) {
 
 /* float32, no norm: value * 0 is 0 for a finite value and NaN for inf or NaN, so a sum of them is
    the check without a branch per element; with `out` the values are stored */
-static int f32_scale_check(const float *restrict x, float *restrict out, int64_t n, float inv) {
+HL_AVX2_CLONE static int f32_scale_check(const float *restrict x, float *restrict out, int64_t n, float inv) {
     float lane[LANES] = {0};
     int64_t i = 0;
     if (out != NULL) {
@@ -282,7 +292,7 @@ void hl_cpu_amp_check(const hl_table_entry *table, int64_t count, int64_t total_
 /* ---- the apply pass ---- */
 
 /* float32: two roundings, as torch's unscale_ then clip multiply (never fused into one factor) */
-static void f32_apply(float *restrict x, int64_t n, float inv, float coef, int unscale, int clip) {
+HL_AVX2_CLONE static void f32_apply(float *restrict x, int64_t n, float inv, float coef, int unscale, int clip) {
     if (unscale && clip) {
         for (int64_t i = 0; i < n; i++)
             x[i] = (x[i] * inv) * coef;
