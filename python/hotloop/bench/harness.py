@@ -85,12 +85,13 @@ class Context:
 
     def copy_rate_gbps(self):
         """The device's copy rate here, bytes read + written per second (dst.copy_(src) of float32: 1 GiB
-        on a GPU, 256 MiB on a CPU): the bandwidth a pass over memory is held against. Measured once per
+        on a GPU, 64 MiB on a CPU): the bandwidth a pass over memory is held against. Measured once per
         context."""
         if self._copy_rate is None:
             torch = self.torch
-            # larger than any CPU's last-level cache (a copy inside it runs at several times memory's rate)
-            numel = 2**28 if self.is_cuda and not self.quick else 2**24 if self.quick else 2**26
+            # on a CPU as large as the passes held against it (the tiny model's 16 M elements): a copy
+            # inside a large last-level cache runs at several times memory's rate, and so may they
+            numel = 2**28 if self.is_cuda and not self.quick else 2**24
             src = torch.empty(numel, device=self.device).normal_()
             dst = torch.empty_like(src)
             warmup, reps = (1, 3) if self.quick else (3, 20)
