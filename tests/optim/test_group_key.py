@@ -6,6 +6,8 @@ import torch
 
 from hotloop.optim.group_key import group_key
 
+from ..seeding import seeded_generator
+
 KEYS = ("exp_avg", "step")
 
 
@@ -38,8 +40,6 @@ def changes(state, params):
 
 @pytest.mark.parametrize("change", list(changes({}, [None, None]).keys()))
 def test_the_key_changes_with_what_a_step_was_made_from(change):
-    from ..seeding import seeded_generator
-
     state, params = a_group(seeded_generator())
     key = group_key(state, params, KEYS)
     assert key is not None and key == group_key(state, params, KEYS)  # read twice, nothing changed
@@ -51,8 +51,6 @@ def test_the_key_changes_with_what_a_step_was_made_from(change):
 
 
 def test_no_key_where_the_step_must_check_everything():
-    from ..seeding import seeded_generator
-
     state, params = a_group(seeded_generator())
     del state[params[1]]
     assert group_key(state, params, KEYS) is None  # no state yet: the step makes it
