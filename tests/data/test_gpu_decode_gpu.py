@@ -78,13 +78,13 @@ def test_batches_the_launch_runner_decodes_match_the_cpu_pipeline(tmp_path, back
     """A consumer that takes its time ("the training step"): the prefetch thread stages the batches
     and the launch runner's thread decodes them (NOTE [ Decoding ahead ])."""
     finished_in = []
-    finish = image_stage.ImageStage.finish
+    finish = image_stage.ImageStage.finish_batch
 
     def recording_finish(self, begun):
         finished_in.append(threading.current_thread().name)
         return finish(self, begun)
 
-    monkeypatch.setattr(image_stage.ImageStage, "finish", recording_finish)
+    monkeypatch.setattr(image_stage.ImageStage, "finish_batch", recording_finish)
     root = make_folder(str(tmp_path), n=48, sizes=(60, 400))
     ds = ImageFolder(root, transform=TRAIN_V1(64))
     seed = random.randrange(2**31)

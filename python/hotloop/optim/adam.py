@@ -26,7 +26,6 @@ from .step_table import refuse_in_capture
 
 # the state tensors of a parameter the kernel reads, by amsgrad; the step count last (its checks are _state_of's)
 _STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
-_TORCH_STATE_LISTS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "step", "max_exp_avg_sq")}
 
 
 class Adam(FusedOptimizer, torch.optim.Adam):
@@ -127,7 +126,7 @@ class Adam(FusedOptimizer, torch.optim.Adam):
 
     def _torch_step(self, group, ps, hyper, made, scale, found):
         amsgrad = bool(group["amsgrad"])
-        exp_avgs, exp_avg_sqs, steps, *max_exp_avg_sqs = self._state_lists(ps, _TORCH_STATE_LISTS[amsgrad])
+        exp_avgs, exp_avg_sqs, *max_exp_avg_sqs, steps = self._state_lists(ps, _STATE_KEYS[amsgrad])
         counter = self._per_plan(ps, "step counter", lambda: torch_cpu_step.StepCounter(steps))
         torch_cpu_step.adam_step(ps, exp_avgs, exp_avg_sqs, max_exp_avg_sqs[0] if amsgrad else None, counter,
                                  hyper, scale, found)

@@ -56,7 +56,7 @@ class _Prepared:
 
 @dataclasses.dataclass
 class _Begun:
-    """A batch begin() made ready for finish(): its host work done, nothing queued yet."""
+    """A batch begin() made ready for finish_batch(): its host work done, nothing queued yet."""
 
     prepared: _Prepared
     data: torch.Tensor  # the batch's bytes: the page-locked copy (GPU) or the slot (CPU)
@@ -80,9 +80,10 @@ class _DecodeStream:
     - nvjpeg's hardware backend was reported to write its outputs while the call runs, ignoring the
       work queued on the stream before it (torchcodec #1634, nvjpeg 12.3 to 13.2). nvjpeg.c waits
       for that work on the host, which on the side stream would wait for the training step, and
-      memory of the consumer's pool may still be in use by the step's queued kernels. The decode buffers here are held until the batch's event was seen done
-      (launch's `held`), so the allocator hands one out again only once the kernel that read it is
-      over; nvjpeg.c's wait covers the rest, the earlier decodes.
+      memory of the consumer's pool may still be in use by the step's queued kernels. The decode
+      buffers here are held until the batch's event was seen done (finish_batch's `held`), so the
+      allocator hands one out again only once the kernel that read it is over; nvjpeg.c's wait
+      covers the rest, the earlier decodes.
 
     Its event is a raw handle, destroyed by the process that made it: a loader's worker is forked,
     and garbage it inherits (an earlier loader in a reference cycle) is collected there, where a
@@ -116,13 +117,13 @@ class ImageStage(BatchStage):
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
     the per-batch work: prepare() under the loader's epoch lock; begin() (host work) in batch order,
-    from the prefetch thread or next(); finish() (the decode and the kernel) in batch order, one at a
+    from the prefetch thread or next(); finish_batch() (the decode and the kernel) in batch order, one at a
     time, from the launch runner's thread or next(), while later batches begin (NOTE [ Decoding ahead ]
     in ../_launches.py).
     The loader calls it through BatchStage's hooks (../stage.py), below close()."""
 
     paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
-    # gpu_decode's batches never leave their slot by DMA: launch reads the JPEG bytes into a
+    # gpu_decode's batches never leave their slot by DMA: begin reads the JPEG bytes into a
     # page-locked copy of its own and the targets are a few kB. Page-locking the
     # ring (hundreds of MB with 4 workers and batches of 256) would run in the background through the
     # first steps, holding the driver lock while the first decodes and launches run: it slows the
@@ -209,8 +210,6 @@ class ImageStage(BatchStage):
     def begin_batch(self, prepared, parts, stream):
         return self.begin(prepared, parts[1], parts[2], stream)
 
-    def finish_batch(self, begun):
-        return self.finish(begun)
 
     def place(self, batch, out):
         batch[0] = out
@@ -264,11 +263,6 @@ class ImageStage(BatchStage):
         table_dev = empty((len(rows) * _C.IMAGE_ENTRY_BYTES,), torch.uint8) if self.device is not None else None
         return _Prepared(rows, places, out, mem, buf, table_dev)
 
-    def launch(self, prepared, data, done, stream):
-        """begin then finish, in one go: the batch's kernel queued on `stream` (0 on the CPU), after
-        its decode and uploads. Returns finish's result."""
-        return self.finish(self.begin(prepared, data, done, stream))
-
     def begin(self, prepared, data, done, stream):
         """The batch's host work, nothing queued on a device: its bytes staged, the decode's and the
         kernel's tables built. data's memory (a ring slot) must stay put until `stream` has passed
@@ -310,7 +304,7 @@ class ImageStage(BatchStage):
         return _Begun(p, data, done, stream, table_host, encoded, sources.tobytes(), dests.tobytes(),
                       image_resize.pack_entries(entries), len(entries))
 
-    def finish(self, begun):
+    def finish_batch(self, begun):
         """Queue begin's batch: its decode and uploads (on the _DecodeStream), then its kernel on
         begun.stream. Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the
         caller keeps the buffers until the stream passed them, and `held` (the page-locked bytes and
@@ -335,9 +329,9 @@ class ImageStage(BatchStage):
         return p.out, [p.table_dev], (p.host, p.buf)
 
     def run(self, table, data, done, stream, empty):
-        """prepare then launch, for callers that allocate on the stream they queue on; launch's
-        result (the caller holds the buffers until the stream has passed them)."""
-        return self.launch(self.prepare(table, empty), data, done, stream)
+        """prepare, begin and finish in one go, for callers that allocate on the stream they queue on;
+        finish_batch's result (the caller holds the buffers until the stream has passed them)."""
+        return self.launch_batch(self.prepare(table, empty), [table, data, done], stream)
 
     def _decode(self, b, stream):
         """nvjpeg decodes begin's JPEGs in one call; those it refuses, PIL decodes here."""
