@@ -94,15 +94,16 @@ error:
 
 /* ---------------------------------------------------------------------------------------------
    GradScaler: the C reference of kernels/amp.cu for CPU tensors (same chunks, same maths, same
-   rounding to the gradient's dtype), and the bindings python/hotloop/amp/grad_scaler.py calls every
-   step. Per-step calls take raw addresses of tensors grad_scaler.py allocated and keeps alive (the
-   gradients' addresses were checked once, when their table was packed), so a step costs no DLPack
-   round trip.
+   rounding to the gradient's dtype), and the bindings python/hotloop/amp/grad_checks.py and
+   scale_state.py call every step. Per-step calls take raw addresses of tensors those allocated and
+   keep alive (the gradients' addresses were checked once, when their table was packed), so a step
+   costs no DLPack round trip.
    The table reaches the device through a pinned buffer and torch's own non-blocking copy, which
    never waits for the device and keeps the buffer until the copy is done.
    --------------------------------------------------------------------------------------------- */
 
-/* The arguments of each pass, as grad_scaler.py passes them (addresses of tensors it keeps alive). */
+/* The arguments of each pass, as grad_checks.py and scale_state.py pass them (addresses of tensors they
+   keep alive). */
 typedef struct {
     const hl_table_entry *table;
     int64_t count, total_chunks, step;

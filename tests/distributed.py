@@ -4,12 +4,12 @@
     results = run_ranks(body, 2, args=(arg,))     # [what body returned on rank 0, on rank 1]
 
 Gloo on the CPU (what CI runs); backend="nccl" with one GPU per rank for the gpu-marked tests. The
-ranks are `python -m hotloop bench distributed`'s launcher (hotloop.bench.distributed.launch): a rank
+ranks are `python -m hotloop bench distributed`'s launcher (hotloop.bench.rank_launch.launch): a rank
 that raises fails the test with its traceback, one that dies says so, and a rank that hangs (a
 collective another rank never joined) fails it after `timeout` seconds, every process ended, instead
 of hanging CI.
 """
-from hotloop.bench.distributed import RankFailed, launch
+from hotloop.bench.rank_launch import RankFailed, launch
 
 
 def _body_of_a_test(rank, world_size, say, note, body, *args):

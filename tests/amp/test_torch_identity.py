@@ -34,6 +34,16 @@ def test_is_a_torch_grad_scaler():
     assert isinstance(hotloop.GradScaler("cpu", enabled=False), torch.amp.GradScaler)
 
 
+def test_every_method_torch_s_defines_is_hotloop_s():
+    """GradScaler is built from parts (grad_checks.GradChecks, scale_state.ScaleState): none of torch's
+    own methods may show through, or a call would run torch's code on hotloop's state."""
+    torch_own = [n for n, v in vars(torch.amp.GradScaler).items() if callable(v)]
+    assert torch_own
+    shown_through = [n for n in torch_own
+                     if next(c for c in GradScaler.__mro__ if n in vars(c)) is torch.amp.GradScaler]
+    assert shown_through == []
+
+
 def test_torch_s_own_methods_read_its_state_as_torch_s():
     """torch's methods, called on our instance, read _scale, _growth_tracker and the settings with
     torch's meanings (what Lightning and Accelerate read), after growth and a skipped step."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hotloop
-from hotloop.bench.distributed import RankFailed, launch
+from hotloop.bench.rank_launch import RankFailed, launch
 from hotloop.cli import main
 
 
