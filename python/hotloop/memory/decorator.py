@@ -45,7 +45,7 @@ def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report=
                     with monitor:
                         return (yield from func(*args, **kwargs))
                 finally:
-                    wrapper.last_report = monitor._report
+                    wrapper.last_report = monitor.last_report
         elif inspect.iscoroutinefunction(func):
             @functools.wraps(func)
             async def wrapper(*args, **kwargs):
@@ -54,7 +54,7 @@ def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report=
                     with monitor:
                         return await func(*args, **kwargs)
                 finally:
-                    wrapper.last_report = monitor._report
+                    wrapper.last_report = monitor.last_report
         else:
             @functools.wraps(func)
             def wrapper(*args, **kwargs):
@@ -63,7 +63,7 @@ def memory_monitor(fn=None, *, interval_ms=1.0, device=None, model=None, report=
                     with monitor:
                         return func(*args, **kwargs)
                 finally:
-                    wrapper.last_report = monitor._report
+                    wrapper.last_report = monitor.last_report
 
         wrapper.last_report = None
         return wrapper

@@ -309,6 +309,11 @@ class MemoryMonitor:
     def running(self):
         return self._running
 
+    @property
+    def last_report(self):
+        """The report the last stop made (None before one, or when the run ended before it could)."""
+        return self._report
+
     def __enter__(self):
         return self.start()
 
