@@ -65,7 +65,8 @@ def check_factors(growth_factor, backoff_factor, growth_interval):
 
 
 class ScaleState:
-    """The scale, its update and its state, for GradScaler (see the module's docstring)."""
+    """The scale, its update and its state, for GradScaler (see the module's docstring). update() reads
+    the found_infs the checks recorded and adds them with GradChecks._sum_found."""
 
     @runs_eagerly  # see NOTE [ hotloop under torch.compile ]
     def update(self, new_scale=None) -> None:
