@@ -95,9 +95,13 @@ def _ranks(rank, world_size, seed, nw, tmp):
     seen_t, losses_t, params_t, _ = _fit("torch", seed, nw, max_epochs=2)
     seen, losses, params, _ = _fit("hotloop", seed, nw, save_at=(tmp, 8), max_epochs=2)
     assert seen == seen_t, f"rank {rank}: batches {seen}, Lightning with torch's loader {seen_t}"
-    torch.testing.assert_close(losses, losses_t, rtol=1e-5, atol=1e-6)
+    # gradient_clip_val: hotloop's scaler scales each gradient by (clip coefficient / scale) once, from a norm
+    # summed in float64, where Lightning's plugin unscales and then clips (two roundings, a float32 norm).
+    # The gradients then differ in their last bit now and then, and float16 autocast turns that into
+    # losses ~1e-4 apart (a seed showed 6e-5 at the fourth step; without clipping the runs are equal)
+    torch.testing.assert_close(losses, losses_t, rtol=1e-3, atol=1e-5)
     for a, b in zip(params_t, params, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
 
     # the checkpoint at step 8, in the middle of epoch 1 (6 batches per rank per epoch), resumed by a new Trainer
     ckpt = os.path.join(tmp, "mid.ckpt")
