@@ -1,6 +1,8 @@
-"""gpu_decode's launches run outside the epoch's lock (_launches.ImageLaunch), their host work in the
-prefetch thread and their decodes in the launch runner's (NOTE [ Decoding ahead ]): a next() hands out a batch prepared earlier while a later batch decodes, a decode's error is raised at
-its batch's turn, and batches prepared but never handed out free their slots without being decoded.
+"""gpu_decode's launches run outside the epoch's lock (_launches.ImageLaunch): a next() hands out a
+batch prepared earlier while a later batch decodes, a decode's error is raised at its batch's turn,
+and batches prepared but never handed out free their slots without being decoded. With decode ahead
+(NOTE [ Decoding ahead ], off by default, on in these tests unless one says otherwise) the host work
+runs in the prefetch thread and the decodes in the launch runner's.
 The device path runs on the CPU (fake_cuda), with PIL standing in for nvjpeg."""
 import random
 import signal
@@ -12,12 +14,19 @@ import torch
 from torchvision.datasets import ImageFolder
 
 import hotloop
+from hotloop.data import _device
 from hotloop.data._launches import ImageLaunch, LaunchRunner
 from hotloop.data.image import stage as image_stage
 
 from .conftest import fake_device, open_with, wait_for
 from .image_folders import TRAIN_V2, assert_batches_close, make_folder
 from .stand_in_decoder import GatedDecoder, gpu_decode_loaders, take_batch
+
+
+@pytest.fixture(autouse=True, params=[True])
+def decode_ahead(request, monkeypatch):
+    monkeypatch.setattr(_device.DeviceCopies, "decode_ahead", request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -48,7 +57,8 @@ def _second_epoch(tmp_path, stand_in):
     return expected, got, ours, it
 
 
-def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_cuda, stand_in):
+@pytest.mark.parametrize("decode_ahead", [True, False], indirect=True)
+def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_cuda, stand_in, decode_ahead):
     expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.gate_from = 3  # batch 1 decodes in next() (nothing prepared yet), 2 and 3 in the prefetch thread
     got.append([take_batch(it)])
@@ -65,7 +75,8 @@ def test_next_hands_out_a_ready_batch_while_a_later_one_decodes(tmp_path, fake_c
         releaser.cancel()
     got[1] += [(x.clone(), y.clone()) for x, y in it]
     assert still_decoding and took < 1.5, f"next() took {took:.2f} s: it waited for batch 3's decode"
-    assert stand_in.calls[:3] == ["MainThread", "hotloop-launch", "hotloop-launch"]
+    decoder_thread = "hotloop-launch" if decode_ahead else "hotloop-prefetch"
+    assert stand_in.calls[:3] == ["MainThread", decoder_thread, decoder_thread]
     for epoch in range(2):
         assert_batches_close(got[epoch], expected[epoch], levels=2)
 

@@ -118,8 +118,8 @@ class ImageStage(BatchStage):
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
     the per-batch work: prepare() under the loader's epoch lock; begin() (host work) in batch order,
     from the prefetch thread or next(); finish_batch() (the decode and the kernel) in batch order, one at a
-    time, from the launch runner's thread or next(), while later batches begin (NOTE [ Decoding ahead ]
-    in ../_launches.py).
+    time, from the prefetch thread or next() (or, with decode_ahead, from the launch runner's thread
+    while later batches begin: NOTE [ Decoding ahead ] in ../_launches.py).
     The loader calls it through BatchStage's hooks (../stage.py), below close()."""
 
     paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
