@@ -210,7 +210,6 @@ class ImageStage(BatchStage):
     def begin_batch(self, prepared, parts, stream):
         return self.begin(prepared, parts[1], parts[2], stream)
 
-
     def place(self, batch, out):
         batch[0] = out
 
