@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
+from hotloop.data import _device
 from hotloop.data.image import stage as image_stage
 
 from ..seeding import current_seed
@@ -76,7 +77,8 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_batches_the_launch_runner_decodes_match_the_cpu_pipeline(tmp_path, backend, monkeypatch):
     """A consumer that takes its time ("the training step"): the prefetch thread stages the batches
-    and the launch runner's thread decodes them (NOTE [ Decoding ahead ])."""
+    and the launch runner's thread decodes them (NOTE [ Decoding ahead ], off by default)."""
+    monkeypatch.setattr(_device.DeviceCopies, "decode_ahead", True)
     finished_in = []
     finish = image_stage.ImageStage.finish_batch
 

@@ -371,6 +371,21 @@ def test_oom_report_is_attached_and_printed(fake):
     assert any("out of memory" in a for a in r.advice)
 
 
+def test_memory_freed_during_a_forward_never_makes_a_module_negative():
+    """Another thread (or the garbage collector) freeing memory while a module runs lowers the
+    allocated count between its hooks: what the module kept reads 0, not a negative size."""
+    from hotloop.memory.hooks import ModuleHooks
+
+    freed = int(np.random.randint(1, 1 << 30))
+    counts = iter([2 * freed, freed])  # before the forward, then after it (freed meanwhile)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    hooks = ModuleHooks(model, lambda: next(counts))
+    model(torch.randn(2, 8))
+    hooks.remove()
+    (module,) = hooks.modules()
+    assert module.activation_bytes == 0 and module.calls == 1
+
+
 def test_model_hooks_and_amp_advice(fake):
     batch = int(np.random.randint(2, 9))
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32))

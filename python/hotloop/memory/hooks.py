@@ -47,6 +47,9 @@ class ModuleHooks:
         tensors = self._tensors(out)
         out_bytes = sum(x.numel() * x.element_size() for x in tensors)
         act = (self.allocated() - before) if self.allocated else out_bytes
+        # memory freed meanwhile by another thread or the garbage collector counts against the
+        # module; what it kept is never below nothing
+        act = max(act, 0)
         s = self.stats.get(name)
         if s is None:
             s = self.stats[name] = ModuleMemory(name, act, out_bytes, 0)
