@@ -105,9 +105,8 @@ class DeviceCopies:
     owner takes (take_finished) and frees: nothing here calls back into the owner."""
 
     calls = CudaCalls  # the seam the CPU tests replace
-    # True: a thread of its own queues gpu_decode's device work (NOTE [ Decoding ahead ]). Off: on an
-    # H100 with 8 workers it bought nothing (loader alone 15.3k img/s either way, ResNet-50 fed 88 % of
-    # resident against 90 % off), the decode call running 60 % slower beside the next batch's staging
+    # True: a thread of its own queues gpu_decode's device work; off, as measured it bought nothing
+    # (NOTE [ Decoding ahead ] in _launches.py)
     decode_ahead = False
 
     def __init__(self, settings, stats):

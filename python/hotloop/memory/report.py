@@ -11,7 +11,7 @@ from .timeline import Timeline
 class ModuleMemory:
     """What one module's forward kept alive (activations saved for backward plus its output)."""
     name: str
-    activation_bytes: int  # memory_allocated() after forward minus before (max over calls)
+    activation_bytes: int  # memory_allocated() after forward minus before, at least 0 (max over calls)
     output_bytes: int      # bytes of the tensors it returned
     calls: int
     backward_allocated_bytes: int = 0  # memory_allocated() when backward reached its output (max)
