@@ -93,20 +93,28 @@ def test_the_readme_table_follows_the_headline_rule(tmp_path):
         row("optim", "unscale+clip+AdamW+update, tiny", 2.0, 4.0, "ms"),
         row("optim", "unscale+clip+AdamW+update, large", 1.0, 8.0, "ms"),  # not the first: not shown
         row("photos", "loader alone, fp16 channels_last, steady img/s", float("nan"), float("nan"), "img/s")]})
-    gpu = write(tmp_path / "b-gpu.json", {**settings(device="cuda:0", device_name="Some GPU"), "rows": [
-        row("optim", "unscale+clip+AdamW+update, 1.3 B", 10.0, 15.0, "ms"),
-        row("photos", "loader alone, fp16 channels_last, steady img/s", 18000.0, 3000.0, "img/s")]})
-    table = report.readme_table([report.load(cpu), report.load(gpu)]).splitlines()
-    assert table[:6] == [
+    gpu_settings = settings(device="cuda:0", device_name="Some GPU")
+    gpu = write(tmp_path / "b-gpu.json", {**gpu_settings, "rows": [
+        row("optim", "unscale+clip+AdamW+update, 1.3 B", 10.0, 15.0, "ms")]})
+    # a second file of the same GPU (an `--only photos` run) fills the same column
+    photos = write(tmp_path / "c-gpu-photos.json", {**gpu_settings, "command": "bench --only photos", "rows": [
+        row("photos", "loader alone, fp16 channels_last, steady img/s", 18000.0, 3000.0, "img/s"),
+        row("photos", "resnet50 fp16 fed, steady, % of resident", 90.0, 60.0, "%")]})
+    table = report.readme_table([report.load(p) for p in (photos, cpu, gpu)]).splitlines()
+    assert table[:7] == [
         "| job | Some GPU | Some CPU CPU, 4 cores |",
         "| --- | --- | --- |",
         "| inf/NaN check, read bandwidth | – | 3.00x (30 vs 10 GB/s) |",
         "| whole step: unscale + clip + AdamW + update | 1.50x (10 vs 15 ms) | 2.00x (2 vs 4 ms) |",
         "| JPEG folder loader, gpu\\_decode=True | 6.00x (18,000 vs 3,000 img/s) | – |",
+        "| ResNet-50 AMP fed by it, % of its speed on data already on the GPU | 1.50x (90 vs 60 %) | – |",
         ""]
-    assert table[7].startswith("- **Some GPU**: 2026-01-02; hotloop 0.1.0; torch 2.14.1; Python 3.11.7.")
-    assert table[8].startswith("- **Some CPU CPU, 4 cores**: 2026-01-02;") and "load average 0.50 at the start" in table[8]
+    assert table[8].startswith("- **Some GPU**: 2026-01-02; hotloop 0.1.0; torch 2.14.1; Python 3.11.7.")
     assert table[8].endswith("`python -m hotloop bench components --json x.json`")
+    assert table[9].startswith("- **Some GPU**: ") and table[9].endswith("`bench --only photos`")
+    assert table[10].startswith("- **Some CPU CPU, 4 cores**: 2026-01-02;") and "load average 0.50 at the start" in table[10]
+    assert table[10].endswith("`python -m hotloop bench components --json x.json`")
+    assert len(table) == 11
 
 
 def test_the_page_has_every_row_of_every_file(tmp_path):
