@@ -16,11 +16,11 @@ Whichever thread comes first queues a batch's device work: the runner, or next()
 batch order and next() wants the oldest first, so device work is never queued for two batches at
 once (the decoder serves one thread at a time) nor out of order.
 
-Measured, it bought nothing, and DeviceCopies.decode_ahead is off by default: on an H100 with 8
-workers on realistic photos, the host work did leave the decode thread, but nvjpeg's call took 60 %
-longer (19.4 ms against 11.9 ms a batch) while the next batch was staged beside it, and the loader
-ran at the same rate (15.3k img/s). Kept for machines whose host is the bound (set the class
-attribute to True), and for its tests.
+It buys nothing where nvjpeg's call is the bound, and DeviceCopies.decode_ahead is off by default:
+nvjpeg's call is itself host work (a copy, a kernel and an event per image), so the next batch's
+staging, run beside it, slows it by about what it takes off the prefetch thread, and the loader's
+rate stays where it was. Kept for machines whose host work, not the decoder, is the bound (set the
+class attribute to True), and for its tests.
 """
 import collections
 import os
