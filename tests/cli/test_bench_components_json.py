@@ -24,7 +24,7 @@ def test_components_json_holds_the_printed_rows_and_the_settings(tmp_path):
 
     printed = [line.split() for line in out.stdout.split("\n\n", 1)[1].splitlines() if line.startswith("ops ")]
     assert len(document["rows"]) == len(printed) == 2
-    for row, cells in zip(document["rows"], printed):
+    for row, cells in zip(document["rows"], printed, strict=True):
         assert set(row) == {"component", "figure", "hotloop", "torch", "unit", "note"}
         assert row["component"] == "ops" and row["figure"] in " ".join(cells)
         unit_at = cells.index(row["unit"])
