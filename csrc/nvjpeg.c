@@ -236,6 +236,16 @@ typedef int DEVICE_GUARD;
 enum { BACKEND_HARDWARE = 0, BACKEND_CUDA = 1 };
 static const char *const backend_names[] = {"hardware", "cuda"};
 
+/* NOTE [ RGB out of nvjpeg ]
+   The hardware backend's engines write each image into nvjpeg's own memory, and nvjpeg then brings it
+   to the output format on the GPU, one image at a time, each step a CUDA call of its own: for
+   interleaved RGB one small colour-conversion kernel per image. Planar YUV, which would let the resize
+   kernel convert colour in the pass it makes anyway, is no cheaper there: nvjpeg copies each of the
+   three planes out with a 2D device-to-device copy, three calls where RGB takes one, and the loader
+   and the step it fed were slower with it. So every decode asks for NVJPEG_OUTPUT_RGBI. The same
+   per-image work runs on streams nvjpeg creates for itself, ordered after the caller's by events: the
+   priority of the stream a decode is given reaches only our own kernel (stage.py's _DecodeStream). */
+
 /* NOTE [ Two handles ]
    Chroma upsampled by interpolation (NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, libjpeg-turbo's
    "fancy upsampling", which PIL applies) is a flag of the whole handle. A hardware batch decoded by

@@ -32,7 +32,9 @@ enum { /* nvjpegBackend_t */
     NVJPEG_BACKEND_HARDWARE = 3,   /* the JPEG engines (A100, H100, H200...): baseline, one scan */
 };
 
-enum { NVJPEG_OUTPUT_RGBI = 5 }; /* nvjpegOutputFormat_t: R, G, B interleaved in channel[0] */
+/* nvjpegOutputFormat_t: R, G, B interleaved in channel[0], the only format asked for (NOTE [ RGB out of
+   nvjpeg ] in nvjpeg.c) */
+enum { NVJPEG_OUTPUT_RGBI = 5 };
 enum { NVJPEG_FLAGS_DEFAULT = 0, NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION = 1 << 5 };
 enum { HL_LIBRARY_MAJOR_VERSION = 0, HL_LIBRARY_MINOR_VERSION = 1, HL_LIBRARY_PATCH_LEVEL = 2 }; /* libraryPropertyType */
 

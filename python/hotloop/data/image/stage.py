@@ -73,6 +73,9 @@ class _Begun:
 class _DecodeStream:
     """Where a batch is decoded: a stream that waits for nothing of the consumer's, into memory of its
     own pool of the caching allocator.
+    - It has the default priority: nvjpeg runs its per-image work on streams of its own, which a
+      priority of this one does not reach (NOTE [ RGB out of nvjpeg ] in nvjpeg.c), and a
+      high-priority decode and side stream did not feed a training step faster.
     - The decode used to run on the side stream, behind a wait for the consumer's stream. There, with
       training steps running in another thread, the loader's thread could hang inside nvjpeg's
       hardware decode (in the bench and in tests/data/test_gpu_decode_beside_step.py); on a stream
