@@ -107,7 +107,7 @@ def test_the_readme_table_follows_the_headline_rule(tmp_path):
         "| inf/NaN check, read bandwidth | – | 3.00x (30 vs 10 GB/s) |",
         "| whole step: unscale + clip + AdamW + update | 1.50x (10 vs 15 ms) | 2.00x (2 vs 4 ms) |",
         "| JPEG folder loader, gpu\\_decode=True | 6.00x (18,000 vs 3,000 img/s) | – |",
-        "| ResNet-50 AMP fed by it, % of its speed on data already on the GPU | 1.50x (90 vs 60 %) | – |",
+        "| ResNet-50 AMP fed by it: % of its speed on a batch already on the GPU | 1.50x (90 vs 60 %) | – |",
         ""]
     assert table[8].startswith("- **Some GPU**: 2026-01-02; hotloop 0.1.0; torch 2.14.1; Python 3.11.7.")
     assert table[8].endswith("`python -m hotloop bench components --json x.json`")

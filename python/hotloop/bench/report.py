@@ -27,8 +27,8 @@ HEADLINE = [
     ("DataLoader alone", "loader", "loader alone, "),
     ("crop + resize + flip + normalise", "images", "images per second"),
     ("JPEG folder loader, gpu_decode=True", "photos", "loader alone, fp16 channels_last, steady img/s"),
-    ("ResNet-50 AMP fed by it, % of its speed on data already on the GPU", "photos", "resnet50 fp16 fed, steady"),
-    ("ViT-B/16 bf16 fed by it, same", "photos", "vit_b_16 bf16 fed, steady"),
+    ("ResNet-50 AMP fed by it: % of its speed on a batch already on the GPU", "photos", "resnet50 fp16 fed, steady"),
+    ("ViT-B/16 bf16 fed by it: % of its speed on a batch already on the GPU", "photos", "vit_b_16 bf16 fed, steady"),
 ]
 
 
