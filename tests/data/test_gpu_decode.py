@@ -8,6 +8,7 @@ import array
 import ctypes
 import io
 import random
+import time
 
 import numpy as np
 import pytest
@@ -266,3 +267,33 @@ def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers)
     # the CMYK, progressive and PNG files never reach the decoder: the workers decode them
     assert st.images_cpu_decoded == 3
     assert st.images_gpu_decoded + st.images_refused + st.images_cpu_decoded == len(ds)
+
+
+class SlowDecoder(PilDecoder):
+    """PilDecoder whose every call takes at least PAUSE seconds, and that counts its calls."""
+
+    PAUSE = 0.05
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def decode(self, sources, dests, count, stream):
+        self.calls += 1
+        time.sleep(self.PAUSE)
+        return super().decode(sources, dests, count, stream)
+
+
+def test_stats_say_how_long_the_decoder_and_the_staging_took(tmp_path, monkeypatch):
+    decoder = SlowDecoder()
+    open_with(monkeypatch, decoder)
+    root = make_folder(str(tmp_path), n=12)
+    loader = hotloop.DataLoader(ImageFolder(root, transform=TRAIN_V2(28)), batch_size=4, gpu_decode=True)
+    started = time.perf_counter()
+    assert len(list(loader)) == 3
+    elapsed = time.perf_counter() - started
+    st = loader.stats
+    assert decoder.calls == 3
+    assert SlowDecoder.PAUSE * decoder.calls <= st.image_decode_seconds < elapsed
+    assert 0 < st.image_staging_seconds < elapsed - st.image_decode_seconds
+    assert st.as_dict()["image_decode_seconds"] == st.image_decode_seconds

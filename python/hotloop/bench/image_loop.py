@@ -178,7 +178,13 @@ def rows(ctx):
 
         def alone(make):
             loader = make(torch.float16)
-            return plain_loop(lambda x, y: None, loader, device, warmup, steady)
+            result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
+            stats = getattr(loader, "stats", None)  # hotloop's: where its main process's time went
+            if stats is not None:
+                batches = result["images"] / BATCH
+                result["decode_ms"] = 1e3 * stats.image_decode_seconds / batches
+                result["staging_ms"] = 1e3 * stats.image_staging_seconds / batches
+            return result
 
         runs = alternated({"hotloop": lambda dtype: hotloop_way(dataset, ours_workers, device, dtype),
                            "torch": lambda dtype: TorchWay(dataset, torch_workers, device, dtype)}, alone, rounds)
@@ -188,6 +194,14 @@ def rows(ctx):
                   1e3 * median(runs["hotloop"], "cpu_s") / median(runs["hotloop"], "images"),
                   1e3 * median(runs["torch"], "cpu_s") / median(runs["torch"], "images"), "ms",
                   note="user + system time of the main process and its workers over the epoch")
+        # hotloop's alone: a diagnosis of its own rate, with no torch figure to set beside it
+        batch_ms = 1e3 * BATCH / median(runs["hotloop"], "rate")
+        for key, what, field in (("decode_ms", "in the decoder's call", "image_decode_seconds"),
+                                 ("staging_ms", "staging JPEG bytes and building tables", "image_staging_seconds")):
+            yield Row("photos", f"loader alone, hotloop's ms per batch {what} (diagnosis)",
+                      median(runs["hotloop"], key), float("nan"), "ms",
+                      note=f"loader.stats.{field} over the epoch, per batch; a batch takes {batch_ms:.1f} ms at "
+                           "the steady rate")
         for name, precision in MODELS:
             dtype = DTYPES[precision]
             step = model_step(name, precision, device)

@@ -36,6 +36,9 @@ class LoaderStats:
     images_cpu_decoded: int = 0  # images the workers decoded (CPU backend; PNG, CMYK, progressive, truncated files)
     images_refused: int = 0  # images nvjpeg refused, decoded by PIL in the main process instead
     images_cpu_pipeline: int = 0  # images the dataset's own transform made (a CenterCrop larger than the image)
+    # gpu_decode: where the main process's time per batch goes, beside the training loop
+    image_staging_seconds: float = 0.0  # staging a batch's JPEG bytes and building its decode and kernel tables
+    image_decode_seconds: float = 0.0  # inside the decoder's calls (nvjpeg's: the calling thread waits for them)
 
     @property
     def stall_fraction(self) -> float:

@@ -11,6 +11,7 @@ the CPU, the kernel's C reference resizing: what the CPU tests check.
 import array
 import dataclasses
 import os
+import time
 
 import numpy as np
 import torch
@@ -269,6 +270,7 @@ class ImageStage(BatchStage):
         """The batch's host work, nothing queued on a device: its bytes staged, the decode's and the
         kernel's tables built. data's memory (a ring slot) must stay put until `stream` has passed
         the batch's work (released after the batch's event)."""
+        started = time.perf_counter()
         p = prepared
         table_host = None
         if self.device is not None:
@@ -303,6 +305,7 @@ class ImageStage(BatchStage):
             entries.append((base + p.places[k], r[_SRC_W] * 3, r[_SRC_H], r[_SRC_W], r[_BOX_TOP], r[_BOX_LEFT],
                             r[_BOX_H], r[_BOX_W], r[_RESIZED_H], r[_RESIZED_W], r[_OUT_TOP], r[_OUT_LEFT],
                             r[_FLIP], 3))
+        self.stats.image_staging_seconds += time.perf_counter() - started
         return _Begun(p, data, done, stream, table_host, encoded, sources.tobytes(), dests.tobytes(),
                       image_resize.pack_entries(entries), len(entries))
 
@@ -340,7 +343,9 @@ class ImageStage(BatchStage):
         if not b.encoded:
             return
         p = b.prepared
+        started = time.perf_counter()
         statuses = self.decoder.decode(b.sources, b.dests, len(b.encoded), stream)
+        self.stats.image_decode_seconds += time.perf_counter() - started
         for k, status in zip(b.encoded, statuses, strict=True):
             if status == 0:
                 self.stats.images_gpu_decoded += 1
