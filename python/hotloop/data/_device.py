@@ -281,6 +281,14 @@ class DeviceCopies:
                 st.h2d_bytes += p.nbytes
             self._recycle(p)
 
+    def settle(self):
+        """Wait for every copy in flight and let go of its buffers: at an epoch's end, so that between
+        epochs the loader holds none of a batch's memory (gpu_decode's decode buffer and staged bytes
+        included), and memory_allocated() after an epoch shows none of it. The host waits only for the
+        last batches' copies, which their consumer's stream waits for anyway."""
+        while self.inflight:
+            self.reclaim(True)
+
     def take_finished(self) -> list:
         """The slots whose copies are over since the last call: the owner frees them."""
         finished, self.finished = self.finished, []
@@ -397,6 +405,13 @@ class LocalRing:
         whose copies are over go back."""
         try:
             return self.copies.deliver(pending)
+        finally:
+            self.free_slots += self.copies.take_finished()
+
+    def settle(self):
+        """The epoch's end: every copy waited for and its slot back (DeviceCopies.settle)."""
+        try:
+            self.copies.settle()
         finally:
             self.free_slots += self.copies.take_finished()
 

@@ -107,6 +107,12 @@ class Feed:
         if pool is not None and not self._persistent_workers:
             pool.close()
 
+    def settle(self):
+        """The epoch's end with persistent workers: the epoch's last copies waited for, so that its
+        batches' buffers are not held until the next epoch (DeviceCopies.settle)."""
+        if self.pool is not None and self.pool.device is not None:
+            self.pool.slots.settle()
+
     def _fill(self):
         while self._try_put_index():
             pass

@@ -205,6 +205,8 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
             except StopIteration:
                 self._exhausted = True
                 self._epochs.epoch_done = True
+                if self._epochs.local_ring is not None:
+                    self._epochs.local_ring.settle()
                 raise
             batch, samples, states = self._prepared.popleft()
             self._handed(states)
@@ -400,6 +402,8 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
                     self._stop_prefetcher()
                     if not self._persistent_workers:
                         feed.shutdown()
+                    else:
+                        feed.settle()
                 raise
             finally:
                 if feed.top_up_due:  # a device batch went out (or raised): the next batches' copies

@@ -185,6 +185,14 @@ class RingSlots:
             finally:
                 self._release_finished()
 
+    def settle(self):
+        """The epoch's end: every copy waited for and its slot freed (DeviceCopies.settle)."""
+        if self.copies is not None:
+            try:
+                self.copies.settle()
+            finally:
+                self._release_finished()
+
     def _release_finished(self):
         for slot in self.copies.take_finished():
             self.release_slot(slot)
