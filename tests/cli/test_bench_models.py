@@ -48,7 +48,8 @@ def test_train_on_the_cpu_writes_table_csv_json_and_plot(tmp_path):
     assert [(w["precision"], int(w["batch_size"])) for w in written] == [(r[0], int(r[1])) for r in rows]
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["model"] == "tiny-cnn" and len(data["rows"]) == 4 and data["rows"][0]["steps"] == 2
-    for r, shown in zip(data["rows"], rows, strict=True):  # the table rounds ms to 0.1: rates are checked at full precision
+    # the table rounds ms to 0.1: rates are checked at full precision
+    for r, shown in zip(data["rows"], rows, strict=True):
         assert r["ms_per_step"] > 0 and r["samples_per_s"] == pytest.approx(r["batch_size"] * 1e3 / r["ms_per_step"])
         assert float(shown[3]) == pytest.approx(r["samples_per_s"], abs=0.051)
     if plot:
