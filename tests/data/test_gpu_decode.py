@@ -269,7 +269,7 @@ def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers)
     assert st.images_gpu_decoded + st.images_refused + st.images_cpu_decoded == len(ds)
 
 
-class SlowDecoder(PilDecoder):
+class PausingDecoder(PilDecoder):
     """PilDecoder whose every call takes at least PAUSE seconds, and that counts its calls."""
 
     PAUSE = 0.05
@@ -285,7 +285,7 @@ class SlowDecoder(PilDecoder):
 
 
 def test_stats_say_how_long_the_decoder_and_the_staging_took(tmp_path, monkeypatch):
-    decoder = SlowDecoder()
+    decoder = PausingDecoder()
     open_with(monkeypatch, decoder)
     root = make_folder(str(tmp_path), n=12)
     loader = hotloop.DataLoader(ImageFolder(root, transform=TRAIN_V2(28)), batch_size=4, gpu_decode=True)
@@ -294,6 +294,6 @@ def test_stats_say_how_long_the_decoder_and_the_staging_took(tmp_path, monkeypat
     elapsed = time.perf_counter() - started
     st = loader.stats
     assert decoder.calls == 3
-    assert SlowDecoder.PAUSE * decoder.calls <= st.image_decode_seconds < elapsed
+    assert PausingDecoder.PAUSE * decoder.calls <= st.image_decode_seconds < elapsed
     assert 0 < st.image_staging_seconds < elapsed - st.image_decode_seconds
     assert st.as_dict()["image_decode_seconds"] == st.image_decode_seconds

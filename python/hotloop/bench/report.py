@@ -152,7 +152,7 @@ def readme_table(results) -> str:
     for title, component, start in HEADLINE:
         cells = []
         for files in machines.values():
-            row = next((r for r in (headline_row(f, component, start) for f in files) if r is not None), None)
+            row = next(filter(None, (headline_row(f, component, start) for f in files)), None)
             cells.append("–" if row is None else
                          f"{row.speedup:.2f}x ({_number(row.hotloop)} vs {_number(row.torch)} {row.unit})")
         if any(cell != "–" for cell in cells):
