@@ -102,7 +102,7 @@ def test_the_readme_table_follows_the_headline_rule(tmp_path):
         row("photos", "resnet50 fp16 fed, steady, % of resident", 90.0, 60.0, "%")]})
     table = report.readme_table([report.load(p) for p in (photos, cpu, gpu)]).splitlines()
     assert table[:7] == [
-        "| job | Some GPU | Some CPU CPU, 4 cores |",
+        "| job | Some GPU | Some CPU, 4 cores |",
         "| --- | --- | --- |",
         "| inf/NaN check, read bandwidth | – | 3.00x (30 vs 10 GB/s) |",
         "| whole step: unscale + clip + AdamW + update | 1.50x (10 vs 15 ms) | 2.00x (2 vs 4 ms) |",
@@ -112,7 +112,7 @@ def test_the_readme_table_follows_the_headline_rule(tmp_path):
     assert table[8].startswith("- **Some GPU**: 2026-01-02; hotloop 0.1.0; torch 2.14.1; Python 3.11.7.")
     assert table[8].endswith("`python -m hotloop bench components --json x.json`")
     assert table[9].startswith("- **Some GPU**: ") and table[9].endswith("`bench --only photos`")
-    assert table[10].startswith("- **Some CPU CPU, 4 cores**: 2026-01-02;")
+    assert table[10].startswith("- **Some CPU, 4 cores**: 2026-01-02;")
     assert "load average 0.50 at the start" in table[10]
     assert table[10].endswith("`python -m hotloop bench components --json x.json`")
     assert len(table) == 11
@@ -124,7 +124,7 @@ def test_the_page_has_every_row_of_every_file(tmp_path):
             row("images", "needs torchvision", float("nan"), float("nan"), "img/s")]
     path = write(tmp_path / "cpu.json", {**settings(quick=True), "rows": rows})
     page = report.performance_page([report.load(path)], str(tmp_path / "performance.md"))
-    assert "## Some CPU CPU, 4 cores" in page and "[cpu.json](cpu.json)" in page and "--quick" in page
+    assert "## Some CPU, 4 cores" in page and "[cpu.json](cpu.json)" in page and "--quick" in page
     assert "| ops | non\\_finite\\_check read bandwidth | 30 GB/s | 10 GB/s | 3.000 | 3.00x | a \\| note |" in page
     assert "| loader | loader alone, 2 workers | 1,500 img/s | 500 img/s | 3.000 | 3.00x |  |" in page
     assert "| images | needs torchvision | – | – | – | – |  |" in page
@@ -166,3 +166,9 @@ def test_report_without_files_is_refused_by_its_usage(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "report"])
     assert exit_.value.code == 2 and "FILE.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, plain", [("Intel(R) Xeon(R) Processor", "Intel Xeon CPU"), ("AMD EPYC", "AMD EPYC CPU"),
+                                         ("Intel(R) Core(TM) i9-13900K CPU @ 3.00GHz", "Intel Core i9-13900K CPU")])
+def test_cpu_names_lose_marks_clock_and_generic_words(name, plain):
+    assert report._plain_cpu_name(name) == plain

@@ -48,7 +48,7 @@ class Result:
         s = self.settings
         if self.is_gpu:
             return s["device_name"]
-        return f"{s['cpu_name']} CPU, {s['cpu_count']} cores"
+        return f"{_plain_cpu_name(s['cpu_name'])}, {s['cpu_count']} cores"
 
     def describe(self) -> str:
         """The settings a reader needs to weigh the figures, in one sentence."""
@@ -60,6 +60,13 @@ class Result:
         if s.get("quick"):
             parts.append("--quick (small sizes, few repetitions: a smoke run)")
         return "; ".join(parts)
+
+
+def _plain_cpu_name(name) -> str:
+    """"Intel(R) Xeon(R) Processor" -> "Intel Xeon CPU": the marks, the clock and the generic words dropped."""
+    name = name.split(" @ ")[0].replace("(R)", "").replace("(TM)", "")
+    words = [w for w in name.split() if w not in ("Processor", "CPU")]
+    return " ".join(words + ["CPU"])
 
 
 def _load(averages) -> str:
