@@ -49,7 +49,7 @@ static void after_fork_child(void) { pthread_mutex_init(&library_lock, NULL); }
 static void install_fork_handlers(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
 
 /* Every entry point hotloop calls, by name and where its pointer goes; all required but the
-   hardware-engine query (added in CUDA 11.4). */
+   hardware backend's (added in CUDA 11.4): the engine query and pre-allocation. */
 #define ENTRY(field, name, required) {offsetof(hl_nvjpeg, field), name, required}
 static const struct {
     size_t offset;
@@ -84,6 +84,7 @@ static const struct {
     ENTRY(decode_host, "nvjpegDecodeJpegHost", 1),
     ENTRY(decode_transfer, "nvjpegDecodeJpegTransferToDevice", 1),
     ENTRY(decode_device, "nvjpegDecodeJpegDevice", 1),
+    ENTRY(batched_preallocate, "nvjpegDecodeBatchedPreAllocate", 0),
 };
 
 /* The library at `path`, opened and resolved (or found already open); NULL with `why` filled. */
@@ -260,6 +261,7 @@ typedef struct {
     nvjpegJpegState_t state;
     int batch; /* the batch size `state` is initialised for; 0: initialise again */
     int owns_handle;
+    int alloc_width, alloc_height; /* what nvjpegDecodeBatchedPreAllocate was last given (preallocate) */
 } batched_decoder;
 
 typedef struct {
@@ -271,6 +273,8 @@ typedef struct {
     atomic_int busy; /* a decode() or close() is running: one thread at a time */
     pid_t pid;       /* the process that opened it: a forked copy owns none of its nvjpeg or CUDA state */
     unsigned int engines, cores_per_engine; /* hardware backend: what nvjpegGetHardwareDecoderInfo says */
+    int preallocate; /* size nvjpeg's buffers for the largest image seen, ahead of the batch (NOTE [ Largest first ]) */
+    int size_order;  /* hand the engines each batch's images largest first (NOTE [ Largest first ]) */
 
     nvjpegHandle_t handle;
     batched_decoder batched;          /* on `handle`: every image, or those with chroma to upsample */
@@ -299,6 +303,8 @@ typedef struct {
     size_t *lengths;
     nvjpegImage_t *images;
     int *order;
+    int *widths, *heights; /* each image's, from its header */
+    long long *keys;       /* size_order's sort keys */
 } hl_jpeg_decoder;
 
 /* The first failure of a call, raised once the GIL is back. */
@@ -534,10 +540,27 @@ static int decode_batch(hl_jpeg_decoder *d, batched_decoder *b, decode_call *c, 
         }
         b->batch = count;
     }
+    int widest = 0, tallest = 0;
     for (int k = 0; k < count; k++) {
         d->data[k] = source_of(c, order[k]);
         d->lengths[k] = (size_t)c->src[2 * order[k] + 1];
         d->images[k] = image_of(c, order[k]);
+        widest = d->widths[order[k]] > widest ? d->widths[order[k]] : widest;
+        tallest = d->heights[order[k]] > tallest ? d->heights[order[k]] : tallest;
+    }
+    if (d->preallocate && n->batched_preallocate != NULL &&
+        (widest > b->alloc_width || tallest > b->alloc_height)) {
+        /* grown in steps of 256 px, so that a few calls cover a data set's sizes */
+        int width = (widest > b->alloc_width ? widest : b->alloc_width) + 255, height;
+        height = (tallest > b->alloc_height ? tallest : b->alloc_height) + 255;
+        width -= width % 256;
+        height -= height % 256;
+        rc = n->batched_preallocate(b->handle, b->state, d->max_batch, width, height, NVJPEG_CSS_444,
+                                    NVJPEG_OUTPUT_RGBI);
+        if (rc == NVJPEG_STATUS_SUCCESS) {
+            b->alloc_width = width;
+            b->alloc_height = height;
+        }
     }
     rc = n->batched(b->handle, b->state, d->data, d->lengths, d->images, c->stream);
     if (rc == NVJPEG_STATUS_SUCCESS) {
@@ -584,6 +607,31 @@ static int known_to_engines(const hl_jpeg_info *info) {
            (luma == 0x11 || luma == 0x21 || luma == 0x22);
 }
 
+/* NOTE [ Largest first ]
+   The engines take a batch's images in the order given; handed largest first, the small ones fill
+   in at the end and the engines finish together. Measured on an H100 (nvjpeg 13.0, 256 realistic
+   photos a call, .gpu/diag_sync.py on the gpu-diag branch): a call took 6.3 ms instead of 8.0, and
+   the loader alone ran 5 % faster, so it is on for the hardware backend. size_order=False gives
+   the caller's order.
+   nvjpegDecodeBatchedPreAllocate (preallocate) sized for the largest image seen made the loader a
+   further 14 % faster and fed ResNet-50 at 96 % of its resident speed instead of 94 %, but it
+   reserves room for a whole batch of the largest image, which may be gigabytes that nvjpeg holds
+   outside torch's allocator; its memory was not measured yet, so it is off unless asked for. */
+
+static int key_descending(const void *a, const void *b) {
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return (x < y) - (x > y);
+}
+
+/* order[0..count) by pixel count, largest first (ties by index) */
+static void sort_largest_first(hl_jpeg_decoder *d, int *order, int count) {
+    for (int k = 0; k < count; k++)
+        d->keys[k] = ((long long)d->widths[order[k]] * d->heights[order[k]] << 17) | (65535 - order[k]);
+    qsort(d->keys, (size_t)count, sizeof(*d->keys), key_descending);
+    for (int k = 0; k < count; k++)
+        order[k] = 65535 - (int)(d->keys[k] & 0x1ffff);
+}
+
 static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
     const hl_nvjpeg *n = d->lib;
     decode_failure *f = c->f;
@@ -612,6 +660,8 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
             c->status[i] = HL_JPEG_CORRUPT_DATA; /* truncated files included: PIL refuses them too */
             continue;
         }
+        d->widths[i] = (int)info.width;
+        d->heights[i] = (int)info.height;
         if (pitch < (int64_t)info.width * 3) {
             f->bad_what = "destination pitch is below width * 3 bytes";
             f->bad_value = pitch;
@@ -650,6 +700,10 @@ static void run_decode(hl_jpeg_decoder *d, decode_call *c, int count) {
         }
     }
     f->bad_what = NULL;
+    if (d->size_order) {
+        sort_largest_first(d, order, batched);
+        sort_largest_first(d, order + count - plain, plain);
+    }
 
     /* 2. the work, all on c->stream; a stream other than the last call's first waits for that call */
     if (d->done_pending && d->last_stream != c->stream) {
@@ -851,6 +905,32 @@ static PyObject *get_closed(PyObject *self, void *Py_UNUSED(closure)) {
     return PyBool_FromLong(((hl_jpeg_decoder *)self)->closed);
 }
 
+static PyObject *get_preallocate(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(((hl_jpeg_decoder *)self)->preallocate);
+}
+
+static int set_flag(PyObject *value, int *flag, const char *name) {
+    int truth = value != NULL ? PyObject_IsTrue(value) : -1;
+    if (value == NULL)
+        PyErr_Format(PyExc_AttributeError, "JpegDecoder.%s cannot be deleted", name);
+    if (truth < 0)
+        return -1;
+    *flag = truth;
+    return 0;
+}
+
+static int set_preallocate(PyObject *self, PyObject *value, void *Py_UNUSED(closure)) {
+    return set_flag(value, &((hl_jpeg_decoder *)self)->preallocate, "preallocate");
+}
+
+static PyObject *get_size_order(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(((hl_jpeg_decoder *)self)->size_order);
+}
+
+static int set_size_order(PyObject *self, PyObject *value, void *Py_UNUSED(closure)) {
+    return set_flag(value, &((hl_jpeg_decoder *)self)->size_order, "size_order");
+}
+
 static PyObject *get_engines(PyObject *self, void *Py_UNUSED(closure)) {
     hl_jpeg_decoder *d = (hl_jpeg_decoder *)self;
     if (d->engines == 0)
@@ -867,6 +947,10 @@ static PyGetSetDef decoder_getset[] = {
     {"closed", get_closed, NULL, "whether close() ran", NULL},
     {"interpolate", get_interpolate, NULL, "chroma upsampled by interpolation (False: replicated)", NULL},
     {"hardware_engines", get_engines, NULL, "(engines, cores per engine) of the hardware backend, else None", NULL},
+    {"preallocate", get_preallocate, set_preallocate,
+     "size nvjpeg's buffers ahead for the largest image seen (nvjpegDecodeBatchedPreAllocate)", NULL},
+    {"size_order", get_size_order, set_size_order,
+     "hand each batch's images to the decoder largest first (on by default for the hardware backend)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -912,13 +996,18 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     d->backend = backend;
     d->max_batch = max_batch;
     d->interpolate = interpolate;
+    d->size_order = backend == BACKEND_HARDWARE; /* NOTE [ Largest first ] */
     d->pid = getpid();
     atomic_init(&d->busy, 0);
     d->data = calloc((size_t)max_batch, sizeof(*d->data));
     d->lengths = calloc((size_t)max_batch, sizeof(*d->lengths));
     d->images = calloc((size_t)max_batch, sizeof(*d->images));
     d->order = calloc((size_t)max_batch, sizeof(*d->order));
-    if (d->data == NULL || d->lengths == NULL || d->images == NULL || d->order == NULL) {
+    d->widths = calloc((size_t)max_batch, sizeof(*d->widths));
+    d->heights = calloc((size_t)max_batch, sizeof(*d->heights));
+    d->keys = calloc((size_t)max_batch, sizeof(*d->keys));
+    if (d->data == NULL || d->lengths == NULL || d->images == NULL || d->order == NULL || d->widths == NULL ||
+        d->heights == NULL || d->keys == NULL) {
         Py_DECREF(d);
         return PyErr_NoMemory();
     }
@@ -959,6 +1048,9 @@ static void decoder_dealloc(PyObject *self) {
     free(d->lengths);
     free(d->images);
     free(d->order);
+    free(d->widths);
+    free(d->heights);
+    free(d->keys);
     freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
     tp_free(self);
     Py_DECREF(type);

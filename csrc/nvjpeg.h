@@ -35,6 +35,7 @@ enum { /* nvjpegBackend_t */
 /* nvjpegOutputFormat_t: R, G, B interleaved in channel[0], the only format asked for (NOTE [ RGB out of
    nvjpeg ] in nvjpeg.c) */
 enum { NVJPEG_OUTPUT_RGBI = 5 };
+enum { NVJPEG_CSS_444 = 0 }; /* nvjpegChromaSubsampling_t: the layout that holds any other */
 enum { NVJPEG_FLAGS_DEFAULT = 0, NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION = 1 << 5 };
 enum { HL_LIBRARY_MAJOR_VERSION = 0, HL_LIBRARY_MINOR_VERSION = 1, HL_LIBRARY_PATCH_LEVEL = 2 }; /* libraryPropertyType */
 
@@ -103,7 +104,12 @@ typedef nvjpegStatus_t (*nvjpegDecodeJpegDevice_fn)(nvjpegHandle_t handle, nvjpe
                                                     nvjpegJpegState_t state, nvjpegImage_t *destination,
                                                     hl_stream_t stream);
 
-/* what nvjpeg.c resolved from one library; only hardware_info may be NULL */
+typedef nvjpegStatus_t (*nvjpegDecodeBatchedPreAllocate_fn)(nvjpegHandle_t handle, nvjpegJpegState_t state,
+                                                            int batch_size, int width, int height,
+                                                            int chroma_subsampling, int output_format);
+
+/* what nvjpeg.c resolved from one library; hardware_info and batched_preallocate may be NULL (an
+   nvjpeg before CUDA 11.4) */
 typedef struct {
     char path[512];
     int version[3]; /* major, minor, patch */
@@ -135,6 +141,7 @@ typedef struct {
     nvjpegDecodeJpegHost_fn decode_host;
     nvjpegDecodeJpegTransferToDevice_fn decode_transfer;
     nvjpegDecodeJpegDevice_fn decode_device;
+    nvjpegDecodeBatchedPreAllocate_fn batched_preallocate;
 } hl_nvjpeg;
 
 /* "NVJPEG_STATUS_BAD_JPEG"; "NVJPEG_STATUS_<n>" for a number nvjpeg.h does not name */

@@ -539,6 +539,34 @@ def test_decode_batch_against_pil(backend, interpolate):
 
 
 @pytest.mark.gpu
+def test_engine_order_and_preallocation_change_no_pixel():
+    """size_order (on for the hardware backend: NOTE [ Largest first ] in nvjpeg.c) and preallocate
+    change only when and where nvjpeg works: every image lands in its own output, pixel for pixel as
+    in the caller's order, the two handles' images (4:2:0; 4:4:4 and grey) included."""
+    rng = np.random.default_rng(derived_seed())
+    kinds = [["420", "420", "444", "grey"][i % 4] for i in range(40)]
+    blobs = [make_jpeg(rng, int(rng.integers(8, 900)), int(rng.integers(8, 900)), k) for k in kinds]
+    decoder = open_decoder("hardware", 40)
+    assert decoder.size_order and not decoder.preallocate
+    batch = Batch(blobs)
+    seen = {}
+    for size_order, preallocate in ((False, False), (True, False), (True, True), (False, True)):
+        decoder.size_order, decoder.preallocate = size_order, preallocate
+        statuses, images, _, _ = batch.decode(decoder)
+        assert statuses == [_C.JPEG_DECODED] * len(blobs)
+        seen[size_order, preallocate] = images
+    for key, images in seen.items():
+        for i, (got, want) in enumerate(zip(images, seen[False, False], strict=True)):
+            assert np.array_equal(got, want), (key, i, kinds[i])
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del decoder.size_order
+    decoder.close()
+    whole_order = open_decoder("cuda", 2)
+    assert not whole_order.size_order and not whole_order.preallocate
+    whole_order.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_unsupported_and_corrupt_images_keep_the_others(backend):
     rng = np.random.default_rng(derived_seed())
