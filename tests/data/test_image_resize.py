@@ -160,6 +160,13 @@ class Agreement:
 # to torchvision's (RandomResizedCrop boxes to 224: 99.52 %); equal to Pillow's wherever Pillow
 # resamples horizontally first as hotloop does (see pillow_resizes_vertically_first), 95.6-100 %
 # overall (RandomResizedCrop boxes to 224: 96.3 %).
+# torchvision's uint8 resize rounds after each of its two passes, ours once: where both land a level
+# off the exact value on opposite sides, they differ by 2 (seen once in CI: 7 of 150,528 values,
+# Resize(256) + CenterCrop(224) of a 320 x 515 image, each within a level of the float32 resize).
+# Pillow's agreement below stays at 0 or 1, and the share of equal values above 95 %.
+TV_LEVELS = 2
+
+
 @pytest.mark.parametrize("kind", ["shrink", "enlarge", "thin", "mixed"])
 def test_reference_matches_torchvision_and_pillow(kind):
     tv, pil = Agreement(), Agreement()
@@ -169,7 +176,7 @@ def test_reference_matches_torchvision_and_pillow(kind):
         ours = checked_run(images, boxes, size, flips=flips)
         for i, (image, box, flip) in enumerate(zip(images, boxes, flips, strict=True)):
             what = f"{kind} image {tuple(image.shape)} stride {image.stride()} box {box} -> {size} flip {flip}"
-            tv.add(ours[i], torchvision_reference(image, box, size, flip=flip), 1, "torchvision: " + what)
+            tv.add(ours[i], torchvision_reference(image, box, size, flip=flip), TV_LEVELS, "torchvision: " + what)
             if pillow_resizes_vertically_first(box[2], box[3], *size):
                 pil.add(ours[i], pillow_reference(image, box, size, flip=flip), 1, "Pillow: " + what)
             else:
@@ -197,7 +204,7 @@ def test_resize_then_center_crop_window(resize_to, crop):
     ours = checked_run(images, boxes, (crop, crop), resized=resized, offsets=offsets, flips=flips)
     for i in range(len(images)):
         args = (images[i], boxes[i], (crop, crop), resized[i], offsets[i], flips[i])
-        tv.add(ours[i], torchvision_reference(*args), 1, f"torchvision: {args[1:]}")
+        tv.add(ours[i], torchvision_reference(*args), TV_LEVELS, f"torchvision: {args[1:]}")
         exact = not pillow_resizes_vertically_first(*images[i].shape[:2], *resized[i])
         pil.add(ours[i], pillow_reference(*args), 0 if exact else 1, f"Pillow: {args[1:]}")
     # the window is the resized image's own pixels: centre-cropping torchvision's own resize agrees
