@@ -551,10 +551,8 @@ static int decode_batch(hl_jpeg_decoder *d, batched_decoder *b, decode_call *c, 
     if (d->preallocate && n->batched_preallocate != NULL &&
         (widest > b->alloc_width || tallest > b->alloc_height)) {
         /* grown in steps of 256 px, so that a few calls cover a data set's sizes */
-        int width = (widest > b->alloc_width ? widest : b->alloc_width) + 255, height;
-        height = (tallest > b->alloc_height ? tallest : b->alloc_height) + 255;
-        width -= width % 256;
-        height -= height % 256;
+        int width = ((widest > b->alloc_width ? widest : b->alloc_width) + 255) / 256 * 256;
+        int height = ((tallest > b->alloc_height ? tallest : b->alloc_height) + 255) / 256 * 256;
         rc = n->batched_preallocate(b->handle, b->state, d->max_batch, width, height, NVJPEG_CSS_444,
                                     NVJPEG_OUTPUT_RGBI);
         if (rc == NVJPEG_STATUS_SUCCESS) {

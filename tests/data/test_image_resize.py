@@ -156,9 +156,9 @@ class Agreement:
 
 
 # Measured on the CPU (torch 2.14.1, torchvision 0.29.1, Pillow 13.0.0; 640 images, 28 M values): every
-# value within one level of torchvision's resized_crop and of Pillow's crop + resize; 99.5-99.8 % equal
-# to torchvision's (RandomResizedCrop boxes to 224: 99.52 %); equal to Pillow's wherever Pillow
-# resamples horizontally first as hotloop does (see pillow_resizes_vertically_first), 95.6-100 %
+# value within one level of Pillow's crop + resize and, but for the case below, of torchvision's
+# resized_crop; 99.5-99.8 % equal to torchvision's (RandomResizedCrop boxes to 224: 99.52 %); equal
+# to Pillow's wherever Pillow resamples horizontally first as hotloop does (see pillow_resizes_vertically_first), 95.6-100 %
 # overall (RandomResizedCrop boxes to 224: 96.3 %).
 # torchvision's uint8 resize rounds after each of its two passes, ours once: where both land a level
 # off the exact value on opposite sides, they differ by 2 (seen once in CI: 7 of 150,528 values,
@@ -211,7 +211,7 @@ def test_resize_then_center_crop_window(resize_to, crop):
     tvf = pytest.importorskip("torchvision.transforms.v2.functional")
     ref = tvf.center_crop(tvf.resize(images[0].permute(2, 0, 1), list(resized[0]), antialias=True), [crop, crop])
     ref = tvf.hflip(ref) if flips[0] else ref
-    assert int((ours[0].int() - ref.expand(3, -1, -1).int()).abs().max()) <= 1
+    assert int((ours[0].int() - ref.expand(3, -1, -1).int()).abs().max()) <= TV_LEVELS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
