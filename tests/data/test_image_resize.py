@@ -158,8 +158,8 @@ class Agreement:
 # Measured on the CPU (torch 2.14.1, torchvision 0.29.1, Pillow 13.0.0; 640 images, 28 M values): every
 # value within one level of Pillow's crop + resize and, but for the case below, of torchvision's
 # resized_crop; 99.5-99.8 % equal to torchvision's (RandomResizedCrop boxes to 224: 99.52 %); equal
-# to Pillow's wherever Pillow resamples horizontally first as hotloop does (see pillow_resizes_vertically_first), 95.6-100 %
-# overall (RandomResizedCrop boxes to 224: 96.3 %).
+# to Pillow's wherever Pillow resamples horizontally first as hotloop does (see
+# pillow_resizes_vertically_first), 95.6-100 % overall (RandomResizedCrop boxes to 224: 96.3 %).
 # torchvision's uint8 resize rounds after each of its two passes, ours once: where both land a level
 # off the exact value on opposite sides, they differ by 2 (seen once in CI: 7 of 150,528 values,
 # Resize(256) + CenterCrop(224) of a 320 x 515 image, each within a level of the float32 resize).
