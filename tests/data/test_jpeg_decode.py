@@ -539,15 +539,20 @@ def test_decode_batch_against_pil(backend, interpolate):
 
 
 @pytest.mark.gpu
-def test_engine_order_and_preallocation_change_no_pixel():
-    """size_order (on for the hardware backend: NOTE [ Largest first ] in nvjpeg.c) and preallocate
+@pytest.mark.parametrize("max_batch", [40, 256])
+def test_engine_order_and_preallocation_change_no_pixel(max_batch):
+    """size_order and preallocate (on for the hardware backend: NOTE [ Largest first ] in nvjpeg.c)
     change only when and where nvjpeg works: every image lands in its own output, pixel for pixel as
-    in the caller's order, the two handles' images (4:2:0; 4:4:4 and grey) included."""
+    in the caller's order, the two handles' images (4:2:0; 4:4:4 and grey) included. With room for
+    256 images, one 2,400 x 1,800 image takes the preallocation past its budget (PREALLOCATE_PIXELS):
+    nvjpeg then grows its own buffers, and the pixels are the same."""
     rng = np.random.default_rng(derived_seed())
     kinds = [["420", "420", "444", "grey"][i % 4] for i in range(40)]
     blobs = [make_jpeg(rng, int(rng.integers(8, 900)), int(rng.integers(8, 900)), k) for k in kinds]
-    decoder = open_decoder("hardware", 40)
-    assert decoder.size_order and not decoder.preallocate
+    if max_batch == 256:
+        blobs[7] = make_jpeg(rng, 1800, 2400, "420")
+    decoder = open_decoder("hardware", max_batch)
+    assert decoder.size_order and decoder.preallocate
     batch = Batch(blobs)
     seen = {}
     for size_order, preallocate in ((False, False), (True, False), (True, True), (False, True)):
