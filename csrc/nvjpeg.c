@@ -525,11 +525,11 @@ static int decode_one(hl_jpeg_decoder *d, decode_call *c, int i) {
     return 0;
 }
 
-/* The images order[0..count) in one batched call; a failed call is split in halves until each
-   failure is one image's. 0, or -1 on a failure that stops the call (kept in c->f). */
 /* max_batch x width x height preallocated at most (NOTE [ Largest first ]) */
 #define PREALLOCATE_PIXELS (256LL * 2048 * 2048)
 
+/* The images order[0..count) in one batched call; a failed call is split in halves until each
+   failure is one image's. 0, or -1 on a failure that stops the call (kept in c->f). */
 static int decode_batch(hl_jpeg_decoder *d, batched_decoder *b, decode_call *c, const int *order, int count) {
     const hl_nvjpeg *n = d->lib;
     nvjpegStatus_t rc;
@@ -616,16 +616,16 @@ static int known_to_engines(const hl_jpeg_info *info) {
    the loader alone ran 5 % faster, so it is on for the hardware backend. size_order=False gives
    the caller's order.
 
-   nvjpegDecodeBatchedPreAllocate (preallocate) sizes nvjpeg's buffers for the largest image seen
-   so far, ahead of the batch; without it nvjpeg grows them inside its calls as larger images come
-   (its memory still grew in a loader's third epoch). On for the hardware backend. Measured on an H100 (15,000 realistic photos up to 1,931 px,
-   8 workers, one loader kept for 3 epochs, .gpu/diag_prealloc_mem.py on the gpu-diag branch): the
-   loader alone ran at a median 25.5k img/s instead of 23.0k, and fed ResNet-50 AMP at 96.6 % of its
-   resident speed instead of 92.7 % (88.6 and 96.8 in two epochs). It costs device memory outside
-   torch's allocator: 707 MiB against 119-211 MiB without, for batches of 256 preallocated at
-   2048 x 2048 at most (the largest images rounded up). That is PREALLOCATE_PIXELS: a data set of
-   larger images (or a larger batch) is preallocated no further, and nvjpeg grows its buffers
-   itself past it. */
+   nvjpegDecodeBatchedPreAllocate (preallocate) sizes nvjpeg's buffers for the largest image seen so
+   far, ahead of the batch; without it nvjpeg grows them inside its calls as larger images come (its
+   memory still grew in a loader's third epoch). On for the hardware backend. Measured on an H100
+   (15,000 realistic photos up to 1,931 px, 8 workers, one loader kept for 3 epochs,
+   .gpu/diag_prealloc_mem.py on the gpu-diag branch): the loader alone ran at a median 25.5k img/s
+   instead of 23.0k, and fed ResNet-50 AMP at 96.6 % of its resident speed instead of 92.7 % (88.6
+   and 96.8 in two epochs). It costs device memory outside torch's allocator: 707 MiB against
+   119-211 MiB without, for batches of 256 preallocated at 2048 x 2048 at most (the largest images
+   rounded up). That is PREALLOCATE_PIXELS: a data set of larger images (or a larger batch) is
+   preallocated no further, and nvjpeg grows its buffers itself past it. */
 
 static int key_descending(const void *a, const void *b) {
     long long x = *(const long long *)a, y = *(const long long *)b;

@@ -550,7 +550,7 @@ def test_engine_order_and_preallocation_change_no_pixel(max_batch):
     kinds = [["420", "420", "444", "grey"][i % 4] for i in range(40)]
     blobs = [make_jpeg(rng, int(rng.integers(8, 900)), int(rng.integers(8, 900)), k) for k in kinds]
     if max_batch == 256:
-        blobs[7] = make_jpeg(rng, 1800, 2400, "420")
+        kinds[7], blobs[7] = "420", make_jpeg(rng, 1800, 2400, "420")
     decoder = open_decoder("hardware", max_batch)
     assert decoder.size_order and decoder.preallocate
     batch = Batch(blobs)
