@@ -632,7 +632,9 @@ static int key_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* order[0..count) by pixel count, largest first (ties by index) */
+/* order[0..count) by pixel count, largest first (ties by index). One qsort of packed keys, as qsort's
+   comparator has no context: the area above bit 17, the index's complement below (max_batch is at
+   most 65536, so it fits 16 bits), so that among equal areas the lower index sorts first. */
 static void sort_largest_first(hl_jpeg_decoder *d, int *order, int count) {
     for (int k = 0; k < count; k++)
         d->keys[k] = ((long long)d->widths[order[k]] * d->heights[order[k]] << 17) | (65535 - order[k]);
