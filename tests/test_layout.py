@@ -68,9 +68,10 @@ def test_a_folder_per_component():
     assert components <= top
     # the top level holds the package's entry points and what components publish to each other or share
     # (argument checks; rtc: the kernels' run-time compilation, which every component's kernels use;
-    # _torch_compat: torch's private names, so that torch-version drift lives in one file), no component
+    # _torch_compat: torch's private names, so that torch-version drift lives in one file; cuda_queues:
+    # what `import hotloop` sets before CUDA starts, for every component), no component
     assert top - components == {"__init__.py", "__main__.py", "_version.py",
-                                "input_wait.py", "_arguments.py", "_torch_compat.py"}
+                                "input_wait.py", "_arguments.py", "_torch_compat.py", "cuda_queues.py"}
 
 
 def test_every_subpackage_is_installed():

@@ -1,12 +1,18 @@
 """hotloop keeps a PyTorch GPU busy: C and CUDA C under thin wrappers that slot into a training loop.
 
 `import hotloop` needs neither a GPU nor torch; the parts that work on tensors import torch when used.
+It sets CUDA_DEVICE_MAX_CONNECTIONS=32 where the variable is unset and torch has not started CUDA yet
+(NOTE [ Hardware queues ] in cuda_queues.py).
 """
 import importlib
 
-from . import _C
-from ._C import CudaError, NvjpegError, NvmlError
-from ._version import __version__
+from . import cuda_queues
+
+cuda_queues.widen()  # before any CUDA context exists: NOTE [ Hardware queues ] in cuda_queues.py
+
+from . import _C  # noqa: E402
+from ._C import CudaError, NvjpegError, NvmlError  # noqa: E402
+from ._version import __version__  # noqa: E402
 
 if hasattr(_C, "set_kernel_loader"):  # C's kernels are compiled at first use, by NVRTC: see hotloop.rtc
     _C.set_kernel_loader(importlib.import_module(f"{__name__}.rtc.loader").load_kernel_image)

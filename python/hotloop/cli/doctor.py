@@ -12,7 +12,7 @@ import re
 import sys
 import time
 
-from .. import _C
+from .. import _C, cuda_queues
 from ..memory.clock_reasons import SLOWDOWN_REASONS, reason_names
 
 # PCIe data rate per lane and direction, GB/s, after line encoding
@@ -280,6 +280,13 @@ class Doctor:
                  f"float32 matmul precision '{precision}', cuDNN TF32 {'on' if cudnn_tf32 else 'off'}",
                  "" if tf32_ok else "float32 matmuls skip the tensor cores: torch.set_float32_matmul_precision('high')"
                  " (or train with AMP)")
+        queues = os.environ.get(cuda_queues.VARIABLE)
+        wide = queues == cuda_queues.WIDEST
+        by_us = " (set by hotloop at import)" if cuda_queues.set_by_hotloop else ""
+        self.add("CUDA hardware queues", "PASS" if wide else "WARN", f"{queues or '8 (CUDA default)'}{by_us}",
+                 "" if wide else "streams share fewer queues, and gpu_decode's work can wait behind the training "
+                 f"step's (NOTE [ Hardware queues ] in hotloop/cuda_queues.py): {cuda_queues.VARIABLE}=32 "
+                 "before CUDA starts, unless something else in the process needs fewer")
         bench = bool(torch.backends.cudnn.benchmark)
         self.add("cudnn.benchmark", "PASS", "on" if bench else "off",
                  "" if bench else "with fixed input shapes, torch.backends.cudnn.benchmark = True picks faster "

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ... import _C
+from ... import _C, cuda_queues
 from . import resize as image_resize
 from ..stage import BatchStage, spec_dict, spec_list
 from .decoder_opening import DecoderOpening, open_decoder
@@ -175,6 +175,7 @@ class ImageStage(BatchStage):
             self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
         if refusal is None:
             self.backend = backend
+            cuda_queues.warn_if_narrow("gpu_decode")  # NOTE [ Hardware queues ] in cuda_queues.py
         elif wanted != "auto":
             raise refusal
         else:

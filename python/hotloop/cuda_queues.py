@@ -1,0 +1,57 @@
+"""CUDA's hardware work queues widened before CUDA starts in this process (NOTE [ Hardware queues ]).
+
+NOTE [ Hardware queues ]
+A CUDA context feeds the GPU through a fixed number of hardware work queues,
+CUDA_DEVICE_MAX_CONNECTIONS of them (8 unless set, 32 at most), read when the context is made. Streams
+share them, and work on one queue starts in the order it was queued, whichever stream it came from.
+nvjpeg's hardware decode runs its per-image work on streams of its own; sharing a queue with the
+training stream, that work waited behind the step's queued kernels. Measured on an H100 (nvjpeg 13.0,
+256 realistic photos per call, .gpu/diag_conn.py on the gpu-diag branch): beside 60 queued bf16
+GEMMs a decode call held its thread 97 ms with 8 queues and 28 ms with 32. Fed by gpu_decode, a
+ViT-B/16 bf16 plain loop ran at 95-96 % of its resident speed with 8 queues, next() waiting 50-75 ms a
+step for the decode, and at 97.8-98.3 % with 32 (torch's loader beside it: 91.8-97.3 %).
+
+So `import hotloop` asks for 32 queues, but only where the user has not set the variable and torch has
+not started CUDA yet (later it would change nothing). Setting CUDA_DEVICE_MAX_CONNECTIONS yourself, to
+8 for CUDA's default, keeps your choice; `python -m hotloop doctor` shows the value in effect, and a
+gpu_decode loader on the hardware decoder warns where hotloop came too late to set it.
+"""
+import os
+import sys
+import warnings
+
+VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
+WIDEST = "32"  # CUDA's most
+
+set_by_hotloop = False  # whether widen() set the variable in this process
+
+
+def widen():
+    """Ask for WIDEST queues where the user chose none and no torch CUDA context exists yet."""
+    global set_by_hotloop
+    if VARIABLE in os.environ or _torch_cuda_started():
+        return
+    os.environ[VARIABLE] = WIDEST
+    set_by_hotloop = True
+
+
+def _torch_cuda_started():
+    torch = sys.modules.get("torch")  # `import hotloop` does not import torch
+    return torch is not None and torch.cuda.is_initialized()
+
+
+_warned = False
+
+
+def warn_if_narrow(what):
+    """Once per process, a warning that `what` may wait behind the training step: hotloop was imported
+    after torch started CUDA, and CUDA's default of 8 queues is in effect. A value the user set is
+    their choice and is left unremarked."""
+    global _warned
+    if _warned or VARIABLE in os.environ:
+        return
+    _warned = True
+    warnings.warn(f"{what}: CUDA started before `import hotloop`, with CUDA's default of 8 hardware queues, "
+                  "where the decoder's work can wait behind the training step's and slow it (NOTE [ Hardware "
+                  f"queues ] in hotloop/cuda_queues.py). Import hotloop before CUDA starts, or set "
+                  f"{VARIABLE}=32 in the environment", RuntimeWarning, stacklevel=2)
