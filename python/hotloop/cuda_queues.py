@@ -24,6 +24,7 @@ VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
 WIDEST = "32"  # CUDA's most
 
 set_by_hotloop = False  # whether widen() set the variable in this process
+_warned = False  # whether warn_if_narrow() has warned in this process
 
 
 def widen():
@@ -37,10 +38,9 @@ def widen():
 
 def _torch_cuda_started():
     torch = sys.modules.get("torch")  # `import hotloop` does not import torch
-    return torch is not None and torch.cuda.is_initialized()
+    cuda = getattr(torch, "cuda", None)  # None too while torch itself is still being imported
+    return cuda is not None and cuda.is_initialized()
 
-
-_warned = False
 
 
 def warn_if_narrow(what):
