@@ -14,7 +14,7 @@ step for the decode, and at 97.8-98.3 % with 32 (torch's loader beside it: 91.8-
 So `import hotloop` asks for 32 queues, but only where the user has not set the variable and torch has
 not started CUDA yet (later it would change nothing). Setting CUDA_DEVICE_MAX_CONNECTIONS yourself, to
 8 for CUDA's default, keeps your choice; `python -m hotloop doctor` shows the value in effect, and a
-gpu_decode loader on the hardware decoder warns where hotloop came too late to set it.
+gpu_decode loader on nvjpeg (either backend) warns where hotloop came too late to set it.
 """
 import os
 import sys
@@ -40,7 +40,6 @@ def _torch_cuda_started():
     torch = sys.modules.get("torch")  # `import hotloop` does not import torch
     cuda = getattr(torch, "cuda", None)  # None too while torch itself is still being imported
     return cuda is not None and cuda.is_initialized()
-
 
 
 def warn_if_narrow(what):
