@@ -197,7 +197,7 @@ def rows(ctx):
         # hotloop's alone: a diagnosis of its own rate, with no torch figure to set beside it
         batch_ms = 1e3 * BATCH / median(runs["hotloop"], "rate")
         for key, what, field in (("decode_ms", "in the decoder's call", "image_decode_seconds"),
-                                 ("staging_ms", "staging JPEG bytes and building tables", "image_staging_seconds")):
+                                 ("staging_ms", "building its decode and kernel tables", "image_staging_seconds")):
             yield Row("photos", f"loader alone, hotloop's ms per batch {what} (diagnosis)",
                       median(runs["hotloop"], key), float("nan"), "ms",
                       note=f"loader.stats.{field} over the epoch, per batch; a batch takes {batch_ms:.1f} ms at "

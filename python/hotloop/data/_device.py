@@ -95,7 +95,7 @@ class Pending:
     tensors: list
     nbytes: int
     timing: tuple  # (start, end) timing events or None
-    held: object = None  # gpu_decode's staged bytes and decode buffer, kept until `event` was seen done
+    held: object = None  # gpu_decode's page-locked entry table and decode buffer, kept until `event` was seen done
     launch: object = None  # gpu_decode: its ImageLaunch, queued after the rest (copy_to_device(defer=True))
 
 
@@ -283,7 +283,7 @@ class DeviceCopies:
 
     def settle(self):
         """Wait for every copy in flight and let go of its buffers: at an epoch's end, so that between
-        epochs the loader holds none of a batch's memory (gpu_decode's decode buffer and staged bytes
+        epochs the loader holds none of a batch's memory (gpu_decode's decode buffer and entry table
         included), and memory_allocated() after an epoch shows none of it. The host waits only for the
         last batches' copies, which their consumer's stream waits for anyway."""
         while self.inflight:

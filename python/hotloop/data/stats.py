@@ -37,7 +37,7 @@ class LoaderStats:
     images_refused: int = 0  # images nvjpeg refused, decoded by PIL in the main process instead
     images_cpu_pipeline: int = 0  # images the dataset's own transform made (a CenterCrop larger than the image)
     # gpu_decode: where the main process's time per batch goes, beside the training loop
-    image_staging_seconds: float = 0.0  # staging a batch's JPEG bytes and building its decode and kernel tables
+    image_staging_seconds: float = 0.0  # a batch's host work before its decode: its decode and kernel tables built
     image_decode_seconds: float = 0.0  # inside the decoder's calls (nvjpeg's: the calling thread waits for them)
 
     @property

@@ -1,8 +1,8 @@
 """The main process's half of gpu_decode: a packed batch (source.py) to one image tensor.
 
-Per batch: the JPEG bytes, copied out of the ring slot into page-locked memory, go to nvjpeg in one
-batched call that decodes into one device buffer; the crop boxes that workers decoded themselves are
-copied into the same buffer (the decode and those copies on a stream of their own: _DecodeStream);
+Per batch: nvjpeg decodes the JPEG bytes, read from the ring slot where they lie, in one batched
+call into one device buffer; the crop boxes that workers decoded themselves are copied into the
+same buffer (the decode and those copies on a stream of their own: _DecodeStream);
 then one kernel, on the loader's side stream, crops, resizes, flips and normalises every image into
 the batch (resize.py). An image nvjpeg refused is decoded here by the dataset's own loader
 (PIL, whose error is the CPU pipeline's) and joins the rest. Without a device the same steps run on
@@ -52,7 +52,7 @@ class _Prepared:
     mem: torch.Tensor  # their memory, in the kernel's order
     buf: torch.Tensor  # decoded pixels of every image
     table_dev: torch.Tensor  # the kernel's entry table on the device (None on the CPU)
-    host: torch.Tensor = None  # page-locked: the bytes the decode and uploads read, then the entry table (GPU)
+    host: torch.Tensor = None  # page-locked: the kernel's entry table (GPU)
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ class _Begun:
     """A batch begin() made ready for finish_batch(): its host work done, nothing queued yet."""
 
     prepared: _Prepared
-    data: torch.Tensor  # the batch's bytes: the page-locked copy (GPU) or the slot (CPU)
+    data: torch.Tensor  # the batch's bytes: the slot, or a whole batch's own tensor
     done: torch.Tensor  # the images workers finished themselves
     stream: int  # where the kernel goes
     table_host: torch.Tensor  # page-locked room for the kernel's entry table (None on the CPU)
@@ -127,8 +127,8 @@ class ImageStage(BatchStage):
     The loader calls it through BatchStage's hooks (../stage.py), below close()."""
 
     paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
-    # gpu_decode's batches never leave their slot by DMA: begin reads the JPEG bytes into a
-    # page-locked copy of its own and the targets are a few kB. Page-locking the
+    # gpu_decode's batches never leave their slot by DMA: nvjpeg copies the JPEG bytes itself, images
+    # that workers decoded are a few per batch, and the targets are a few kB. Page-locking the
     # ring (hundreds of MB with 4 workers and batches of 256) would run in the background through the
     # first steps, holding the driver lock while the first decodes and launches run: it slows the
     # first next() and the first steps and buys nothing later, as no copy reads the ring by DMA
@@ -268,26 +268,20 @@ class ImageStage(BatchStage):
         return _Prepared(rows, places, out, mem, buf, table_dev)
 
     def begin(self, prepared, data, done, stream):
-        """The batch's host work, nothing queued on a device: its bytes staged, the decode's and the
-        kernel's tables built. data's memory (a ring slot) must stay put until `stream` has passed
-        the batch's work (released after the batch's event)."""
+        """The batch's host work, nothing queued on a device: the decode's and the kernel's tables
+        built. data's memory (a ring slot) must stay put until `stream` has passed the batch's work
+        (released after the batch's event): nvjpeg reads it in finish_batch."""
         started = time.perf_counter()
         p = prepared
         table_host = None
         if self.device is not None:
-            # a ring slot is page-locked in separate 8 MiB registrations and a DMA may not span two
-            # (ring_pin.c): where a batch's bytes crossed a boundary, the CPU backend's uploads failed
-            # (cudaErrorInvalidValue) and nvjpeg refused some images of batches of 256, then hung. One
-            # page-locked copy of the bytes the batch uses (off the training thread) is a single
-            # allocation.
-            # The kernel's entry table rides at its end: uploaded from pageable memory, the driver may
+            # nvjpeg reads the JPEG bytes where they lie, in the slot: it copies them into page-locked
+            # buffers of its own inside its call. A page-locked copy made here first (as before) only
+            # moved that copy out of the call: 2.2 ms of staging a batch of 256 against 0.3 without,
+            # while nvjpeg's call grew by about 1 ms (H100, .gpu/diag_slot.py on the gpu-diag branch).
+            # The kernel's entry table is page-locked: uploaded from pageable memory, the driver may
             # wait for the stream first, and there that is the decode (image_resize's table_host).
-            used = max((r[_OFFSET] + r[_LENGTH] for r in p.rows if r[_KIND] != DONE), default=0)
-            table_at = (used + 63) // 64 * 64
-            staged = torch.empty(table_at + len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
-            staged[:used].copy_(data[:used])
-            data = p.host = staged
-            table_host = staged[table_at:]
+            p.host = table_host = torch.empty(len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
         base, data_addr = p.buf.data_ptr(), data.data_ptr()
         encoded, sources, dests, entries = [], array.array("q"), array.array("q"), []
         h, w = self.pipeline.plan.out_size
@@ -313,8 +307,8 @@ class ImageStage(BatchStage):
     def finish_batch(self, begun):
         """Queue begin's batch: its decode and uploads (on the _DecodeStream), then its kernel on
         begun.stream. Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the
-        caller keeps the buffers until the stream passed them, and `held` (the page-locked bytes and
-        the decode buffer; None on the CPU) until it has seen the stream pass them (the batch's event
+        caller keeps the buffers until the stream passed them, and `held` (the page-locked entry table
+        and the decode buffer; None on the CPU) until it has seen the stream pass them (the batch's event
         done)."""
         b, p = begun, begun.prepared
         decoding = self._decoding.handle if self.device is not None else b.stream
@@ -362,8 +356,8 @@ class ImageStage(BatchStage):
             self._upload(p.buf, p.places[k], torch.from_numpy(pixels).view(-1), stream)
 
     def _upload(self, buf, place, src, stream):
-        """Host bytes into the decode buffer at `place`: from the slot (page-locked) a DMA on the
-        stream; from pageable memory cuMemcpyHtoDAsync stages them before it returns."""
+        """Host bytes into the decode buffer at `place`, on the stream: they are pageable (the slot,
+        or PIL's pixels), and cuMemcpyHtoDAsync stages them before it returns."""
         nbytes = src.numel()
         if self.device is None:
             buf[place:place + nbytes].copy_(src)
