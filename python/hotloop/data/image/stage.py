@@ -1,12 +1,12 @@
 """The main process's half of gpu_decode: a packed batch (source.py) to one image tensor.
 
 Per batch: nvjpeg decodes the JPEG bytes, read from the ring slot where they lie, in one batched
-call into one device buffer; the crop boxes that workers decoded themselves are copied into the
-same buffer (the decode and those copies on a stream of their own: _DecodeStream);
-then one kernel, on the loader's side stream, crops, resizes, flips and normalises every image into
-the batch (resize.py). An image nvjpeg refused is decoded here by the dataset's own loader
-(PIL, whose error is the CPU pipeline's) and joins the rest. Without a device the same steps run on
-the CPU, the kernel's C reference resizing: what the CPU tests check.
+call into one device buffer; the crop boxes that workers decoded themselves are copied into the same
+buffer (the decode and those copies on a stream of their own: _DecodeStream); then one kernel, on
+the loader's side stream, crops, resizes, flips and normalises every image into the batch
+(resize.py). An image nvjpeg refused is decoded here by the dataset's own loader (PIL, whose error
+is the CPU pipeline's) and joins the rest. Without a device the same steps run on the CPU, the
+kernel's C reference resizing: what the CPU tests check.
 """
 import array
 import dataclasses
@@ -275,10 +275,10 @@ class ImageStage(BatchStage):
         p = prepared
         table_host = None
         if self.device is not None:
-            # nvjpeg reads the JPEG bytes where they lie, in the slot: it copies them into page-locked
-            # buffers of its own inside its call. A page-locked copy made here first (as before) only
-            # moved that copy out of the call: 2.2 ms of staging a batch of 256 against 0.3 without,
-            # while nvjpeg's call grew by about 1 ms (H100, .gpu/diag_slot.py on the gpu-diag branch).
+            # nvjpeg reads the JPEG bytes where they lie, in the slot, and copies them into page-locked
+            # buffers of its own inside its call. A page-locked copy made here first (as before) took
+            # the loader's thread 2.2 ms a batch of 256 (0.3 ms without it) and saved nvjpeg's call
+            # only about 1 ms (H100, .gpu/diag_slot.py on the gpu-diag branch).
             # The kernel's entry table is page-locked: uploaded from pageable memory, the driver may
             # wait for the stream first, and there that is the decode (image_resize's table_host).
             p.host = table_host = torch.empty(len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -307,9 +307,9 @@ class ImageStage(BatchStage):
     def finish_batch(self, begun):
         """Queue begin's batch: its decode and uploads (on the _DecodeStream), then its kernel on
         begun.stream. Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the
-        caller keeps the buffers until the stream passed them, and `held` (the page-locked entry table
-        and the decode buffer; None on the CPU) until it has seen the stream pass them (the batch's event
-        done)."""
+        caller keeps the buffers until the stream passed them, and `held` (the page-locked entry
+        table and the decode buffer; None on the CPU) until it has seen the stream pass them (the
+        batch's event done)."""
         b, p = begun, begun.prepared
         decoding = self._decoding.handle if self.device is not None else b.stream
         self._decode(b, decoding)
