@@ -19,9 +19,11 @@ It buys nothing where nvjpeg's call is the bound, and DeviceCopies.decode_ahead 
 nvjpeg's call is itself host work (a copy, a kernel and an event per image), so the next batch's
 host work, run beside it, slowed it by about what it took off the prefetch thread, and the loader's
 rate stayed where it was. That was when the host work included copying the JPEG bytes into
-page-locked memory; since nvjpeg reads them from the slot (stage.py's begin), it is about 0.3 ms of
-a 10 ms batch (H100), less still to gain. Kept for machines whose host work, not the decoder, is the
-bound (set the class attribute to True), and for its tests.
+page-locked memory. Measured again once nvjpeg read them from the slot (stage.py's begin), with
+about 1.2 ms of host work a batch beside a 7-11 ms call, it still bought nothing: the loader alone's
+first epoch ran at 22.8k img/s against 22.2k off, its second at 20.2k against 23.6k (H100, medians
+of 4 fresh loaders). Kept for machines whose host work, not the decoder, is the bound (set the
+class attribute to True), and for its tests.
 """
 import collections
 import os
@@ -44,7 +46,8 @@ class ImageLaunch:
         self._begun = None
         self._lock = threading.Lock()
         self._state = "waiting"  # then "begun", and "queued" or "skipped"
-        self.error = None  # what begin, complete or finish raised (a file PIL cannot read, a CUDA error): deliver raises it
+        # what begin, complete or finish raised (a file PIL cannot read, a CUDA error): deliver raises it
+        self.error = None
 
     @property
     def waiting(self) -> bool:
