@@ -42,7 +42,8 @@ def open_folder(folder, owners) -> int:
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+        # O_NOFOLLOW met a link: ELOOP, or ENOTDIR where O_DIRECTORY is checked first
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(folder):
             raise Refused(folder, "is a symbolic link, not a folder") from exc
         raise
     try:

@@ -74,16 +74,18 @@ def user_name(uid: int) -> str:
 
 def refusal(st: os.stat_result, folder: bool, owners: frozenset):
     """Why a file (folder=False) or folder of status `st` must not be trusted, as a phrase that follows
-    its path ("is writable by group and others (mode 777)"); None when it passes NOTE [ Trusted files ]."""
+    its path ("is writable by group and others (mode 777)"), every check that failed; None when it
+    passes NOTE [ Trusted files ]."""
     if not (stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode)):
         return "is not a folder" if folder else "is not a regular file"
+    failed = []
     if st.st_uid not in owners:
-        return (f"is owned by {user_name(st.st_uid)}: neither you ({user_name(os.geteuid())}) nor an owner "
-                f"{TRUSTED_OWNERS_VARIABLE} trusts")
+        failed.append(f"is owned by {user_name(st.st_uid)}: neither you ({user_name(os.geteuid())}) nor an owner "
+                      f"{TRUSTED_OWNERS_VARIABLE} trusts")
     writers = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
     if writers:
-        return f"is writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+        failed.append(f"is writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):o})")
+    return ", and ".join(failed) or None
 
 
 def library_refusal(path, owners: frozenset = None):

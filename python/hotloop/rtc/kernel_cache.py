@@ -81,7 +81,7 @@ def unpack(data: bytes):
     return payload
 
 
-_warned = set()  # (folder, what): each trouble with a folder is said once per process
+_warned = set()  # (folder, kind, cause): each trouble with a folder is said once per process
 
 
 class KernelCache:
@@ -111,7 +111,7 @@ class KernelCache:
             except FileNotFoundError:
                 return None
             except cache_files.Refused as refused:
-                self._warn_once("entry", f"hotloop's kernel cache entry {refused}: it is not loaded, and the kernel "
+                self._warn_once(("entry", refused.why), f"hotloop's kernel cache entry {refused}: it is not loaded, and the kernel "
                                 f"is compiled again. {_ENTRY_FIX}")
                 return None
             except OSError as exc:
@@ -197,17 +197,18 @@ class KernelCache:
 
     def _refuse(self, what: str, fix: str):
         self.disk_error = what
-        self._warn_once("folder", f"hotloop's kernel cache folder {what}: nothing is loaded from it or stored in "
+        self._warn_once(("folder", what), f"hotloop's kernel cache folder {what}: nothing is loaded from it or stored in "
                         f"it, and kernels are compiled into memory for this process only. {fix}".rstrip())
 
     def _cannot_write(self, exc):
         self.read_only = exc
-        self._warn_once("write", f"hotloop's kernel cache folder {self.folder} cannot be written ({exc}); kernels "
+        self._warn_once(("write",), f"hotloop's kernel cache folder {self.folder} cannot be written ({exc}); kernels "
                         f"not already in it are compiled into memory for this process only. {_OWN_FOLDER}")
 
-    def _warn_once(self, what, message):
-        if (self.folder, what) not in _warned:
-            _warned.add((self.folder, what))
+    def _warn_once(self, what: tuple, message):
+        """Warn of `what` (a kind of trouble and its cause) once per folder and process."""
+        if (self.folder,) + what not in _warned:
+            _warned.add((self.folder,) + what)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
@@ -218,11 +219,12 @@ _ENTRY_FIX = ("Only you should be able to write your cache folder: check who can
 
 
 def _folder_fix(folder, why: str) -> str:
-    """How to make a refused folder usable, by the check it failed."""
-    if why.startswith("is writable"):
-        return (f"Make it yours alone (chmod 700 {folder}), or set HOTLOOP_CACHE_DIR to a folder of your own on a "
-                "local disk (some network filesystems show every file as writable by all).")
-    if why.startswith("is owned"):
-        return ("Set HOTLOOP_CACHE_DIR to a folder of your own; or, for a read-only cache an administrator filled "
-                f"(docs/building.md), trust its owner with {file_trust.TRUSTED_OWNERS_VARIABLE}.")
-    return "Replace it with a folder, or set HOTLOOP_CACHE_DIR to a folder of your own."
+    """How to make a refused folder usable, for each check it failed."""
+    fixes = []
+    if "is writable by" in why:
+        fixes.append(f"Make it yours alone (chmod 700 {folder}), or set HOTLOOP_CACHE_DIR to a folder of your own "
+                     "on a local disk (some network filesystems show every file as writable by all).")
+    if "is owned by" in why:
+        fixes.append("Set HOTLOOP_CACHE_DIR to a folder of your own; or, for a read-only cache an administrator "
+                     f"filled (docs/building.md), trust its owner with {file_trust.TRUSTED_OWNERS_VARIABLE}.")
+    return " ".join(fixes) or "Replace it with a folder, or set HOTLOOP_CACHE_DIR to a folder of your own."
