@@ -163,10 +163,10 @@ class KernelCache:
                     cache_files.make_folder(os.fspath(self.folder))
                 fd = cache_files.open_folder(os.fspath(self.folder), file_trust.trusted_owners())
             except cache_files.Refused as refused:
-                self._refuse(str(refused), _folder_fix(self.folder, refused.why))
+                self._refuse(str(refused), folder_fix(self.folder, refused.why))
             except OSError as exc:
                 if create or not isinstance(exc, FileNotFoundError):  # none yet: nothing to read, nothing wrong
-                    self._refuse(f"{self.folder} cannot be used ({exc})", _OWN_FOLDER)
+                    self._refuse(f"{self.folder} cannot be used ({exc})", OWN_FOLDER)
         try:
             yield fd
         finally:
@@ -203,7 +203,7 @@ class KernelCache:
     def _cannot_write(self, exc):
         self.read_only = exc
         self._warn_once(("write",), f"hotloop's kernel cache folder {self.folder} cannot be written ({exc}); kernels "
-                        f"not already in it are compiled into memory for this process only. {_OWN_FOLDER}")
+                        f"not already in it are compiled into memory for this process only. {OWN_FOLDER}")
 
     def _warn_once(self, what: tuple, message):
         """Warn of `what` (a kind of trouble and its cause) once per folder and process."""
@@ -212,13 +212,13 @@ class KernelCache:
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-_OWN_FOLDER = "Set HOTLOOP_CACHE_DIR to a folder of your own on a local disk."
+OWN_FOLDER = "Set HOTLOOP_CACHE_DIR to a folder of your own on a local disk."
 _ENTRY_FIX = ("Only you should be able to write your cache folder: check who can (ls -la on it) and remove "
               "files you did not make; the entry is replaced by the kernel compiled now where the folder "
               "can be written.")
 
 
-def _folder_fix(folder, why: str) -> str:
+def folder_fix(folder, why: str) -> str:
     """How to make a refused folder usable, for each check it failed."""
     fixes = []
     if "is writable by" in why:
