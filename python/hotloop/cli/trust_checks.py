@@ -80,7 +80,7 @@ def library_paths_check():
     """WARN for each HOTLOOP_* library path, and each NVRTC or nvjpeg found, that others could write; else
     the first NVRTC and nvjpeg tried, where each was found."""
     name = "library paths"
-    problems, first = [], []
+    problems, first, missing = [], [], []
     try:
         for variable, companions in LIBRARY_VARIABLES.items():
             value = os.environ.get(variable, "").strip()
@@ -97,9 +97,10 @@ def library_paths_check():
             problems += [f"{c.path} ({c.origin}) {c.skipped}" for c in found if (c.skipped or "").startswith("not opened")]
             tried = [c for c in found if not c.skipped and os.path.exists(c.path)]
             first.append(f"{library} {tried[0].path} ({tried[0].origin})" if tried else f"no {library} found")
+            missing += [] if tried else [library]
     except ValueError as exc:  # HOTLOOP_CACHE_TRUSTED_OWNERS names no user
         return name, "FAIL", str(exc), "name users that exist, or unset it"
     if problems:
         return (name, "WARN", "; ".join(problems), "a library others can write is never opened: chmod go-w the "
                 "file and its folders, or install it where only you (or root) can write")
-    return name, "PASS", "; ".join(first) + ": no one else can write them"
+    return name, "PASS", "; ".join(first) + (": no one else can write them" if len(first) > len(missing) else "")

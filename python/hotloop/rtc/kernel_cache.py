@@ -222,8 +222,9 @@ def folder_fix(folder, why: str) -> str:
     """How to make a refused folder usable, for each check it failed."""
     fixes = []
     if "is writable by" in why:
-        fixes.append(f"Make it yours alone (chmod 700 {folder}), or set HOTLOOP_CACHE_DIR to a folder of your own "
-                     "on a local disk (some network filesystems show every file as writable by all).")
+        fixes.append(f"Make it yours alone (chmod 700 {folder}; a shared cache's owner: chmod -R go-w), or set "
+                     "HOTLOOP_CACHE_DIR to a folder of your own on a local disk (some network filesystems show "
+                     "every file as writable by all).")
     if "is owned by" in why:
         fixes.append("Set HOTLOOP_CACHE_DIR to a folder of your own; or, for a read-only cache an administrator "
                      f"filled (docs/building.md), trust its owner with {file_trust.TRUSTED_OWNERS_VARIABLE}.")
