@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from hotloop.data.image.nvjpeg import nvjpeg_library_candidates
-from hotloop.rtc import file_trust, library_search, nvrtc_finder
+from hotloop.rtc import file_trust, library_search, nvrtc_facts, nvrtc_finder
 
 NOBODY = 65534
 PLANTED_SOURCE = r"""
@@ -199,3 +199,39 @@ def test_the_real_libraries_pass_the_checks():
     if not found:
         pytest.skip("no NVRTC wheel in site-packages")
     assert [c.skipped for c in found] == [None] * len(found)
+
+
+@pytest.fixture
+def planted_nvrtc(site, planted_library, tmp_path, monkeypatch):
+    """The planted library as the only NVRTC of the site folder, its folder writable by all; the mark's path."""
+    path = site / "nvidia/cu13/lib/libnvrtc.so.13"
+    path.parent.mkdir(parents=True)
+    shutil.copy(planted_library, path)
+    os.chmod(path.parent, 0o777)
+    monkeypatch.setenv("PLANTED_MARK", str(tmp_path / "mark"))
+    monkeypatch.setenv("HOTLOOP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(nvrtc_finder, "_found", {})
+    return path, tmp_path / "mark"
+
+
+def test_an_nvrtc_others_can_write_is_not_opened_when_found(planted_nvrtc):
+    path, mark = planted_nvrtc
+    with pytest.raises(RuntimeError, match="no usable NVRTC") as caught:
+        nvrtc_finder.find_nvrtc(driver_version=None)
+    assert f"{path} (pip nvidia-cuda-nvrtc): NVRTC {path} is not opened: {path.parent} is writable by group and " \
+           "others (mode 777)" in str(caught.value)
+    assert not mark.exists()
+    os.chmod(path.parent, 0o755)  # the same library where no one else can write: opened (and found no NVRTC)
+    with pytest.raises(RuntimeError, match="no usable NVRTC"):
+        nvrtc_finder.find_nvrtc(driver_version=None)
+    assert mark.read_text() == "a planted library was loaded\n"
+
+
+def test_an_nvrtc_known_from_remembered_facts_is_checked_when_it_is_opened(planted_nvrtc):
+    path, mark = planted_nvrtc
+    nvrtc_facts.remember(str(path), (13, 0), [80, 90])  # as if it had been opened and asked before
+    known = nvrtc_finder.find_nvrtc(driver_version=None)  # a cached start: the library is not opened
+    assert known.path == str(path) and not known.opened and known.version == (13, 0)
+    with pytest.raises(RuntimeError, match=f"NVRTC {path} is not opened: {path.parent} is writable by group"):
+        known.compile(b"", "k.cu", [], True)  # the first compile opens it: refused
+    assert not mark.exists()

@@ -88,26 +88,30 @@ def refusal(st: os.stat_result, folder: bool, owners: frozenset):
     return ", and ".join(failed) or None
 
 
-def library_refusal(path, owners: frozenset = None):
+def library_refusal(path, owners: frozenset = None, passed: set = None):
     """Why the library at `path` must not be opened, as "<path> <phrase>"; None when the file (after its
     links) and every folder above it, and above the link itself, pass NOTE [ Trusted files ]. A path
-    that does not exist is refused only for its folders: opening it then fails on its own."""
+    that does not exist is refused only for its folders: opening it then fails on its own. `passed`: a
+    set of folders already found good, which a search shares across its files (and adds to)."""
     owners = library_owners() if owners is None else owners
+    passed = set() if passed is None else passed
     path = os.path.abspath(os.fspath(path))
-    real = os.path.realpath(path)
     try:
-        st = os.stat(real)
+        real, st = _resolved(path)
     except FileNotFoundError:
-        pass
+        real = os.path.realpath(path)
     except OSError as exc:
-        return f"{real} cannot be checked ({exc.strerror})"
+        return f"{path} cannot be checked ({exc.strerror})"
     else:
         why = refusal(st, False, owners)
         if why:
             return f"{real} {why}"
     folders = _folders_up(os.path.dirname(real))
-    folders += [f for f in _folders_up(os.path.realpath(os.path.dirname(path))) if f not in folders]
+    if real != path:  # the folder the link itself lies in, and those above it
+        folders += _folders_up(os.path.realpath(os.path.dirname(path)))
     for folder in folders:
+        if folder in passed:
+            continue
         try:
             st = os.stat(folder)
         except FileNotFoundError:
@@ -118,12 +122,34 @@ def library_refusal(path, owners: frozenset = None):
         why = None if sticky else refusal(st, True, owners)  # sticky: others' entries there cannot replace ours
         if why:
             return f"{folder} {why}"
+        passed.add(folder)
     return None
 
 
+def real_path(path) -> str:
+    """os.path.realpath(path), resolved by the kernel in one call where the file exists."""
+    try:
+        return _resolved(path)[0]
+    except OSError:
+        return os.path.realpath(path)
+
+
+def _resolved(path):
+    """(the path `path` resolves to, its status), from one descriptor: the kernel resolves the links at
+    once, where os.path.realpath would lstat each part of the path."""
+    fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc
+            real = os.path.realpath(path)
+        return real, st
+    finally:
+        os.close(fd)
+
+
 def _folders_up(folder):
-    """`folder` and each folder above it, to /."""
-    found = [folder]
-    while os.path.dirname(found[-1]) != found[-1]:
-        found.append(os.path.dirname(found[-1]))
-    return found
+    """`folder` and each folder above it, to / (for an absolute, normalised `folder`)."""
+    parts = folder.split("/")
+    return ["/".join(parts[:n]) or "/" for n in range(len(parts), 0, -1)]

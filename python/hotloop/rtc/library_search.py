@@ -89,33 +89,40 @@ def _existing_once(dirs):
     return result
 
 
-def refusal(path, owners=None, companions=None):
+def refusal(path, owners=None, companions=None, passed=None):
     """file_trust.library_refusal of `path` and of the files beside it (or beside the file it links to)
-    that match the glob `companions`, which the library loads too (NVRTC's builtins)."""
+    whose names begin with `companions`, which the library loads too (NVRTC's builtins). `passed`: the
+    folders found good so far, shared across a search."""
     owners = file_trust.library_owners() if owners is None else owners
-    why = file_trust.library_refusal(path, owners)
+    passed = set() if passed is None else passed
+    why = file_trust.library_refusal(path, owners, passed)
     if why or not companions:
         return why
-    folders = dict.fromkeys(os.path.dirname(p) for p in (os.path.abspath(path), os.path.realpath(path)))
-    for companion in (c for folder in folders for c in sorted(glob.glob(os.path.join(folder, companions)))):
-        why = file_trust.library_refusal(companion, owners)
-        if why:
-            return why
+    path = os.path.abspath(path)
+    for folder in dict.fromkeys((os.path.dirname(path), os.path.dirname(file_trust.real_path(path)))):
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.startswith(companions))
+        except OSError:
+            continue
+        for name in names:
+            why = file_trust.library_refusal(os.path.join(folder, name), owners, passed)
+            if why:
+                return why
     return None
 
 
-def checked(candidate, owners=None, companions=None):
+def checked(candidate, owners=None, companions=None, passed=None):
     """`candidate` (a NamedTuple with `path` and `skipped`) with skipped set where it, or a file beside it
-    matching `companions`, fails NOTE [ Trusted files ]."""
+    named `companions`..., fails NOTE [ Trusted files ]."""
     if candidate.skipped:
         return candidate
-    why = refusal(candidate.path, owners, companions)
+    why = refusal(candidate.path, owners, companions, passed)
     return candidate._replace(skipped=f"not opened: {why}") if why else candidate
 
 
 def chosen_path(variable: str, companions=None):
     """The absolute path $`variable` names, or None when unset. RuntimeError when it (or a file beside it
-    matching `companions`) fails NOTE [ Trusted files ]: a library the user chose is never replaced by
+    named `companions`...) fails NOTE [ Trusted files ]: a library the user chose is never replaced by
     another without saying so."""
     value = os.environ.get(variable, "").strip()
     if not value:
@@ -150,9 +157,9 @@ def nvjpeg_search() -> list:
     if environment and os.path.isfile(os.path.join(environment, NVJPEG_SONAME)):
         found.append(LibraryCandidate(os.path.join(environment, NVJPEG_SONAME), "conda environment"))
     found += [LibraryCandidate(os.path.join(folder, NVJPEG_SONAME), "CUDA toolkit") for folder in toolkit_lib_dirs()]
-    seen, result = set(), []
+    seen, result, owners, passed = set(), [], file_trust.library_owners(), set()
     for c in found:
         if c.path not in seen:
-            seen.add(c.path)
-            result.append(c if c.origin == "HOTLOOP_NVJPEG" else checked(c))  # HOTLOOP_NVJPEG: checked above
+            seen.add(c.path)  # HOTLOOP_NVJPEG was checked above
+            result.append(c if c.origin == "HOTLOOP_NVJPEG" else checked(c, owners, passed=passed))
     return result

@@ -22,7 +22,7 @@ WHEEL_LIBRARIES = (
     ("nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "nvidia-cuda-nvrtc-cu12"),
     ("nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2", "nvidia-cuda-nvrtc-cu11"),
 )
-BUILTINS = "libnvrtc-builtins.so.*"  # loaded from NVRTC's folder too (csrc/nvrtc.c), so checked with it
+BUILTINS = "libnvrtc-builtins.so."  # the names NVRTC's folder loads from too (csrc/nvrtc.c): checked with it
 INSTALL_HINT = ("install NVRTC with pip: `pip install nvidia-cuda-nvrtc-cu12` for a CUDA 12 torch or driver, "
                 "`pip install nvidia-cuda-nvrtc` for CUDA 13; or point HOTLOOP_NVRTC at a libnvrtc.so")
 
@@ -102,18 +102,24 @@ def _order_for_driver(candidates, driver_version):
     return sorted(usable, key=lambda c: (c.major != driver_major, newest_first(c))), skipped
 
 
-def nvrtc_search(driver_version=...) -> NvrtcSearch:
+def nvrtc_search(driver_version=..., checked: bool = True) -> NvrtcSearch:
     """Every NVRTC found, in the order it is tried, and where it was looked for. driver_version: the
-    driver's CUDA version (12080) or None for none; by default the driver's, as _C says."""
+    driver's CUDA version (12080) or None for none; by default the driver's, as _C says. checked=False
+    leaves NOTE [ Trusted files ] to the caller: find_nvrtc checks a library only as it opens it."""
     if driver_version is ...:
         driver_version = driver_cuda_version()
-    chosen = library_search.chosen_path("HOTLOOP_NVRTC", BUILTINS)  # RuntimeError where others could write it
+    if checked:
+        chosen = library_search.chosen_path("HOTLOOP_NVRTC", BUILTINS)  # RuntimeError where others can write it
+    else:
+        chosen = os.path.abspath(os.environ["HOTLOOP_NVRTC"]) if os.environ.get("HOTLOOP_NVRTC", "").strip() else None
     if chosen:  # the user's choice, with no fallback: a mistake in it must show
         return NvrtcSearch([NvrtcCandidate(chosen, "HOTLOOP_NVRTC", _major_of(chosen))], ["HOTLOOP_NVRTC=" + chosen])
     looked = ["HOTLOOP_NVRTC (unset)"]
-    owners = file_trust.library_owners()
-    wheels = [library_search.checked(c, owners, BUILTINS) for c in _wheel_candidates(looked)]
-    toolkits = [library_search.checked(c, owners, BUILTINS) for c in _toolkit_candidates(looked)]
+    wheels, toolkits = _wheel_candidates(looked), _toolkit_candidates(looked)
+    if checked:
+        owners, passed = file_trust.library_owners(), set()
+        wheels = [library_search.checked(c, owners, BUILTINS, passed) for c in wheels]
+        toolkits = [library_search.checked(c, owners, BUILTINS, passed) for c in toolkits]
     untrusted = [c for c in wheels + toolkits if c.skipped]  # never tried, whatever their version
     wheels, skipped_wheels = _order_for_driver([c for c in wheels if not c.skipped], driver_version)
     toolkits, skipped_toolkits = _order_for_driver([c for c in toolkits if not c.skipped], driver_version)
@@ -138,6 +144,17 @@ def open_nvrtc(path) -> "_C.Nvrtc":
         return _opened[path]
 
 
+def open_trusted_nvrtc(path) -> "_C.Nvrtc":
+    """open_nvrtc(path) where the library and its builtins pass NOTE [ Trusted files ]; else RuntimeError
+    saying which check failed. The check is made here, as the library is opened, so that a cached start
+    (which never opens NVRTC: NOTE [ Remembered NVRTC facts ]) does not pay for it."""
+    why = library_search.refusal(path, companions=BUILTINS)
+    if why:
+        raise RuntimeError(f"NVRTC {path} is not opened: {why}. A library someone else could have written is "
+                           "never opened (NOTE [ Trusted files ] in hotloop/rtc/file_trust.py)")
+    return open_nvrtc(path)
+
+
 def find_nvrtc(driver_version=...) -> "nvrtc_facts.KnownNvrtc":
     """The first NVRTC of the search that opens (or opened before: see NOTE [ Remembered NVRTC facts ],
     it is then opened at its first compile), found once per process. RuntimeError naming
@@ -147,7 +164,7 @@ def find_nvrtc(driver_version=...) -> "nvrtc_facts.KnownNvrtc":
         driver_version = driver_cuda_version()
     key = (os.environ.get("HOTLOOP_NVRTC"), driver_version)
     if key not in _found:
-        _found[key] = _first_that_opens(nvrtc_search(driver_version))
+        _found[key] = _first_that_opens(nvrtc_search(driver_version, checked=False))
     return _found[key]
 
 
@@ -155,12 +172,14 @@ _found = {}  # (HOTLOOP_NVRTC, driver version) -> the KnownNvrtc found for it; f
 
 
 def _first_that_opens(search):
+    """The first candidate known from its remembered facts, or that passes NOTE [ Trusted files ] and opens
+    (open_trusted_nvrtc checks each as it opens it)."""
     tried = []
     for candidate in search.candidates:
         if candidate.skipped:
             continue
         try:
-            return nvrtc_facts.known_nvrtc(candidate.path, open_nvrtc)
+            return nvrtc_facts.known_nvrtc(candidate.path, open_trusted_nvrtc)
         except RuntimeError as exc:
             if candidate.origin == "HOTLOOP_NVRTC":
                 raise RuntimeError(f"HOTLOOP_NVRTC={candidate.path} is not a usable NVRTC library: {exc}") from exc

@@ -11,6 +11,9 @@ def nvrtc_report() -> dict:
         nvrtc = nvrtc_finder.find_nvrtc()
     except RuntimeError as exc:
         return {"path": None, "version": None, "error": str(exc)}
+    refused = None if nvrtc.opened else library_search.refusal(nvrtc.path, companions=nvrtc_finder.BUILTINS)
+    if refused:  # known from remembered facts, unopened: its first compile would refuse it
+        return {"path": None, "version": None, "error": f"NVRTC {nvrtc.path} would not be opened: {refused}"}
     return {"path": nvrtc.path, "version": "%d.%d" % nvrtc.version, "error": None}
 
 
