@@ -132,7 +132,8 @@ def test_an_nvrtc_others_can_write_is_never_tried(site, writable):
     os.chmod({"file": bad, "folder": bad.parent, "folder above": bad.parent.parent}[writable], 0o777)
     assert nvrtc_paths(skipped=False) == [str(good)] and nvrtc_paths(skipped=True) == [str(bad)]
     skipped = [c for c in nvrtc_finder.nvrtc_candidates(driver_version=None) if c.skipped][0]
-    assert skipped.skipped.startswith("not opened: ") and "is writable by group and others (mode 777)" in skipped.skipped
+    assert skipped.skipped.startswith("not opened: ")
+    assert "is writable by group and others (mode 777)" in skipped.skipped
 
 
 def test_a_sticky_folder_others_can_write_does_not_refuse_what_lies_below(site):

@@ -94,7 +94,8 @@ def library_paths_check():
             if os.environ.get(variable):  # the user's choice is all that is tried: checked above
                 continue
             found = search()
-            problems += [f"{c.path} ({c.origin}) {c.skipped}" for c in found if (c.skipped or "").startswith("not opened")]
+            problems += [f"{c.path} ({c.origin}) {c.skipped}" for c in found
+                         if (c.skipped or "").startswith("not opened")]
             tried = [c for c in found if not c.skipped and os.path.exists(c.path)]
             first.append(f"{library} {tried[0].path} ({tried[0].origin})" if tried else f"no {library} found")
             missing += [] if tried else [library]

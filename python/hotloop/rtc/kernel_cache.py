@@ -111,8 +111,8 @@ class KernelCache:
             except FileNotFoundError:
                 return None
             except cache_files.Refused as refused:
-                self._warn_once(("entry", refused.why), f"hotloop's kernel cache entry {refused}: it is not loaded, and the kernel "
-                                f"is compiled again. {_ENTRY_FIX}")
+                self._warn_once(("entry", refused.why), f"hotloop's kernel cache entry {refused}: it is not loaded, "
+                                f"and the kernel is compiled again. {_ENTRY_FIX}")
                 return None
             except OSError as exc:
                 _logger.warning("kernel cache: cannot read %s (%s); compiling it again", self.path(name), exc)
@@ -197,8 +197,8 @@ class KernelCache:
 
     def _refuse(self, what: str, fix: str):
         self.disk_error = what
-        self._warn_once(("folder", what), f"hotloop's kernel cache folder {what}: nothing is loaded from it or stored in "
-                        f"it, and kernels are compiled into memory for this process only. {fix}".rstrip())
+        self._warn_once(("folder", what), f"hotloop's kernel cache folder {what}: nothing is loaded from it or "
+                        f"stored in it, and kernels are compiled into memory for this process only. {fix}".rstrip())
 
     def _cannot_write(self, exc):
         self.read_only = exc

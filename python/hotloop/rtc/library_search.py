@@ -58,8 +58,7 @@ def site_packages_dirs() -> list:
 
 
 def toolkit_lib_dirs() -> list:
-    """The environment's lib folder (conda puts CUDA libraries there), $CUDA_HOME/lib64, $CUDA_PATH/lib64,
-    /usr/local/cuda/lib64, then /usr/local/cuda-*/lib64, newest first."""
+    """$CUDA_HOME/lib64, $CUDA_PATH/lib64, /usr/local/cuda/lib64, then /usr/local/cuda-*/lib64, newest first."""
     dirs = [os.path.join(os.environ[v], "lib64") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
     dirs.append("/usr/local/cuda/lib64")
 
@@ -113,7 +112,7 @@ def refusal(path, owners=None, companions=None, passed=None):
 
 def checked(candidate, owners=None, companions=None, passed=None):
     """`candidate` (a NamedTuple with `path` and `skipped`) with skipped set where it, or a file beside it
-    named `companions`..., fails NOTE [ Trusted files ]."""
+    whose name begins with `companions`, fails NOTE [ Trusted files ]."""
     if candidate.skipped:
         return candidate
     why = refusal(candidate.path, owners, companions, passed)
@@ -122,8 +121,8 @@ def checked(candidate, owners=None, companions=None, passed=None):
 
 def chosen_path(variable: str, companions=None):
     """The absolute path $`variable` names, or None when unset. RuntimeError when it (or a file beside it
-    named `companions`...) fails NOTE [ Trusted files ]: a library the user chose is never replaced by
-    another without saying so."""
+    whose name begins with `companions`) fails NOTE [ Trusted files ]: a library the user chose is never
+    replaced by another without saying so."""
     value = os.environ.get(variable, "").strip()
     if not value:
         return None
