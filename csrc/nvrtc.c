@@ -82,20 +82,23 @@ typedef struct {
    name at the first compile; the CUDA 13 wheel's libnvrtc has no RUNPATH, so that name is not found
    next to it. Loading every builtins library of the same folder first, by absolute path and with
    RTLD_GLOBAL, makes the later load by name find the one already in the process. The ".alt."
-   variants (a second ABI of the same library) are not loaded. */
+   variants (a second ABI of the same library) are not loaded. Only for an absolute path: the folder
+   of a bare name or a relative path would be the current directory, where anyone who can write it
+   could plant a builtins library (Python passes the absolute paths of NOTE [ Library search ]). */
 
 /* Load the builtins next to `path` (or next to the file it links to). 0, or -1 with `why` filled. */
 static int preload_builtins(const char *path, char *why, size_t why_len) {
+    if (path[0] != '/')
+        return 0; /* the dynamic linker's search finds NVRTC and, by name, its builtins */
     char folders[2][PATH_MAX];
     snprintf(folders[0], sizeof(folders[0]), "%s", path);
     if (realpath(path, folders[1]) == NULL)
         snprintf(folders[1], sizeof(folders[1]), "%s", path);
     for (int f = 0; f < 2; f++) {
-        char *slash = strrchr(folders[f], '/');
+        char *slash = strrchr(folders[f], '/'); /* never NULL: both paths are absolute */
         if (slash == NULL)
-            snprintf(folders[f], sizeof(folders[f]), ".");
-        else
-            *slash = '\0';
+            continue;
+        *slash = '\0';
         char pattern[PATH_MAX + 32];
         glob_t found;
         if (snprintf(pattern, sizeof(pattern), "%s/libnvrtc-builtins.so.*", folders[f]) >= (int)sizeof(pattern) ||

@@ -22,7 +22,7 @@ from PIL import Image
 
 import hotloop
 from hotloop import _C
-from hotloop.data.image.nvjpeg import SONAME, nvjpeg_library_candidates
+from hotloop.data.image.nvjpeg import nvjpeg_library_candidates
 
 from ..seeding import derived_seed
 
@@ -336,28 +336,6 @@ def test_header_is_fast():
 
 # ---------------------------------------------------------------------------------------------
 # finding and loading nvjpeg
-
-def test_library_candidates_order(monkeypatch, tmp_path):
-    wheel = tmp_path / "site" / "nvidia" / "cu13" / "lib"
-    wheel.mkdir(parents=True)
-    (wheel / SONAME).write_bytes(b"")
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setenv("HOTLOOP_NVJPEG", "/opt/mine/libnvjpeg.so.13")
-    monkeypatch.setenv("CUDA_HOME", "/opt/cuda-x")
-    found = nvjpeg_library_candidates()
-    assert found[:2] == ["/opt/mine/libnvjpeg.so.13", SONAME]
-    assert str(wheel / SONAME) in found
-    assert found[-2:] == ["/opt/cuda-x/lib64/" + SONAME, "/usr/local/cuda/lib64/" + SONAME]
-    assert len(found) == len(set(found))
-    assert found.index(str(wheel / SONAME)) < found.index("/opt/cuda-x/lib64/" + SONAME)
-    torchvision_copies = [p for p in found if "torchvision.libs" in p]
-    assert all(os.path.exists(p) and os.path.basename(p).startswith("libnvjpeg") for p in torchvision_copies)
-    monkeypatch.delenv("HOTLOOP_NVJPEG")
-    monkeypatch.delenv("CUDA_HOME")
-    plain = nvjpeg_library_candidates()
-    assert plain[0] == SONAME and plain[-1] == "/usr/local/cuda/lib64/" + SONAME
-    assert not any("cuda-x" in p for p in plain)
-
 
 def test_load_reports_every_path_tried(tmp_path):
     missing = str(tmp_path / "libnvjpeg.so.13")

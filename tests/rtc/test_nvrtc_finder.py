@@ -3,7 +3,7 @@ the driver's CUDA major first and newer majors left out, then a CUDA toolkit; th
 usable. Fake library files in temporary folders stand in for real installs."""
 import pytest
 
-from hotloop.rtc import nvrtc_finder
+from hotloop.rtc import library_search, nvrtc_finder
 
 CU13, CU12, CU11 = (relative for relative, _ in nvrtc_finder.WHEEL_LIBRARIES)
 
@@ -25,10 +25,9 @@ def machine(tmp_path, monkeypatch):
     for alias in ("libnvrtc.so.12", "libnvrtc.so"):
         (lib64 / alias).symlink_to(real.name)
     touch(lib64 / "libnvrtc-builtins.so.12.4")  # not NVRTC itself
-    monkeypatch.setattr(nvrtc_finder.sys, "path", [str(s) for s in sites])
-    monkeypatch.setattr(nvrtc_finder.site, "getsitepackages", lambda: [str(sites[1])])
-    monkeypatch.setattr(nvrtc_finder.site, "ENABLE_USER_SITE", False)
-    monkeypatch.setattr(nvrtc_finder, "toolkit_lib_dirs", lambda: [str(lib64), str(tmp_path / "no-toolkit")])
+    monkeypatch.setattr(library_search, "site_packages_dirs", lambda: [str(s) for s in sites])
+    monkeypatch.setattr(library_search, "environment_lib_dir", lambda: None)
+    monkeypatch.setattr(library_search, "toolkit_lib_dirs", lambda: [str(lib64), str(tmp_path / "no-toolkit")])
     monkeypatch.delenv("HOTLOOP_NVRTC", raising=False)
     return {"sites": sites, "wheels": wheels, "toolkit": lib64 / "libnvrtc.so"}
 
@@ -95,9 +94,8 @@ def test_none_usable_names_every_place_looked_and_how_to_install(machine):
 
 
 def test_nothing_installed_says_how_to_install(machine, monkeypatch, tmp_path):
-    monkeypatch.setattr(nvrtc_finder.sys, "path", [str(tmp_path / "empty")])
-    monkeypatch.setattr(nvrtc_finder.site, "getsitepackages", lambda: [])
-    monkeypatch.setattr(nvrtc_finder, "toolkit_lib_dirs", lambda: [])
+    monkeypatch.setattr(library_search, "site_packages_dirs", lambda: [])
+    monkeypatch.setattr(library_search, "toolkit_lib_dirs", lambda: [])
     with pytest.raises(RuntimeError, match="pip install nvidia-cuda-nvrtc-cu12.*pip install nvidia-cuda-nvrtc`"):
         nvrtc_finder.find_nvrtc(driver_version=None)
 
@@ -115,6 +113,6 @@ def test_the_real_wheels_open_and_the_first_is_kept_for_the_process(nvrtc_wheels
 def test_toolkit_folders_from_the_environment_come_first(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("CUDA_PATH", str(tmp_path / "path"))
-    dirs = nvrtc_finder.toolkit_lib_dirs()
+    dirs = library_search.toolkit_lib_dirs()
     assert dirs[:3] == [str(tmp_path / "home" / "lib64"), str(tmp_path / "path" / "lib64"), "/usr/local/cuda/lib64"]
     assert all(d.startswith("/usr/local/cuda-") for d in dirs[3:])

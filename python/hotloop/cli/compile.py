@@ -1,6 +1,7 @@
 """`python -m hotloop compile`: fill the kernel cache ahead of time, for clusters whose nodes must not compile
 (NVRTC compiles each kernel source for each GPU architecture; the first use then only reads the cache)."""
 import argparse
+import os
 import sys
 import time
 
@@ -45,7 +46,10 @@ def main(args) -> int:
     from ..rtc import images, kernel_sources, nvrtc_finder  # hotloop.rtc needs no torch
 
     try:
-        nvrtc = nvrtc_finder.open_nvrtc(args.nvrtc) if args.nvrtc else nvrtc_finder.find_nvrtc()
+        if args.nvrtc:
+            nvrtc = nvrtc_finder.open_trusted_nvrtc(os.path.abspath(args.nvrtc))
+        else:
+            nvrtc = nvrtc_finder.find_nvrtc()
     except RuntimeError as exc:
         print(f"hotloop compile: {exc}", file=sys.stderr)
         return 1

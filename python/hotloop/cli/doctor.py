@@ -13,6 +13,7 @@ import sys
 import time
 
 from .. import _C, cuda_queues
+from . import trust_checks
 from ..memory.clock_reasons import SLOWDOWN_REASONS, reason_names
 
 # PCIe data rate per lane and direction, GB/s, after line encoding
@@ -298,6 +299,8 @@ class Doctor:
         if system is not None:
             self.gpus(system, torch)
         self.kernels(system)
+        for check in trust_checks.checks():  # the cache folder and the libraries: NOTE [ Trusted files ]
+            self.add(*check)
         self.host(system, torch)
         self.torch_settings(torch)
         return self

@@ -29,6 +29,7 @@ def collect() -> dict:
         "nvjpeg": _nvjpeg(),
         "nvrtc": rtc.nvrtc_report(),
         "kernel_cache": rtc.kernel_cache_report(),
+        "library_places": rtc.library_places(),
     }
     try:
         import torch
@@ -103,6 +104,9 @@ def main(args) -> int:
     nvrtc, cache = facts["nvrtc"], facts["kernel_cache"]
     lines.append(("NVRTC (kernels)", f"{nvrtc['path']} {nvrtc['version']}" if nvrtc["path"]
                   else f"not found: {nvrtc['error'].splitlines()[0]}"))
+    from ..rtc import report as rtc
+
+    lines += rtc.library_place_lines(facts["library_places"], {"nvrtc": nvrtc["path"], "nvjpeg": nvjpeg["path"]})
     lines.append(("kernel cache", cache["folder"] + (f" ({cache['error']})" if cache["error"] else "")))
     for d in cache["devices"]:
         compiled = [s for s, cached in d["sources"].items() if cached]

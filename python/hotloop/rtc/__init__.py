@@ -5,9 +5,12 @@ the cache ahead of time).
     loader         load_kernel_image: what C calls (registered at `import hotloop`)
     images         an image from the cache or NVRTC; compile_all, cached_sources
     nvrtc_finder   where NVRTC is, and the one this process uses
+    library_search where NVRTC and nvjpeg may be looked for: installed places only
     kernel_sources the kernels folder, the sources C launches from, their compile options
     targets        CUBIN for the GPU's own architecture, or PTX for an older one that the driver JITs
     kernel_cache   the cache's folder, keys and files
+    cache_files    the cache's files opened, read and written so that only trusted ones are read
+    file_trust     whose files are loaded: owner and mode checks (NOTE [ Trusted files ])
 
 Names load on first use: `import hotloop` imports the loader alone.
 """

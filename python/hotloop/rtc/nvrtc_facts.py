@@ -6,20 +6,20 @@ Opening NVRTC (dlopen of a library of ~100 MB and its builtins) costs millisecon
 should not pay: a cache look-up needs only the NVRTC's version (part of every key) and the
 architectures it compiles for (which decide CUBIN or PTX). Those are kept beside the kernel images in
 one small file per library path, valid while the library's size and modification time are those it
-was read with: an upgraded or replaced library is opened and asked again. Files are written whole
-(a temporary file renamed into place); one that cannot be read or parsed counts as none.
+was read with: an upgraded or replaced library is opened and asked again. Files are read and written
+as kernel images are (NOTE [ Kernel cache files ]); one that cannot be read, parsed or trusted counts
+as none.
 """
 import hashlib
 import json
 import os
-import threading
 
-from . import kernel_cache
+from . import cache_files, file_trust, kernel_cache
 
 
-def _facts_path(library_path: str):
+def _facts_name(library_path: str) -> str:
     digest = hashlib.sha256(os.fsencode(os.path.abspath(library_path))).hexdigest()[:24]
-    return kernel_cache.cache_folder() / f"nvrtc.{digest}.json"
+    return f"nvrtc.{digest}.json"
 
 
 def _stamp(library_path: str):
@@ -37,9 +37,12 @@ def remembered(library_path: str):
     stamp = _stamp(library_path)
     if stamp is None:
         return None
-    try:
-        facts = json.loads(_facts_path(library_path).read_text())
-    except (OSError, ValueError):
+    folder = os.fspath(kernel_cache.cache_folder())
+    try:  # read as kernel images are: NOTE [ Trusted files ]
+        owners = file_trust.trusted_owners()
+        with cache_files.opened_folder(folder, owners) as folder_fd:
+            facts = json.loads(cache_files.read_file(folder_fd, _facts_name(library_path), owners, folder))
+    except (OSError, ValueError, cache_files.Refused):
         return None
     if (not isinstance(facts, dict) or facts.get("path") != os.path.abspath(library_path)
             or facts.get("stamp") != stamp):
@@ -57,18 +60,14 @@ def remember(library_path: str, version, archs) -> None:
     stamp = _stamp(library_path)
     if stamp is None:
         return
-    path = _facts_path(library_path)
     record = {"path": os.path.abspath(library_path), "stamp": stamp, "version": list(version), "archs": list(archs)}
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps(record))
-        os.replace(temporary, path)
-    except OSError:
-        try:
-            temporary.unlink()
-        except OSError:
-            pass
+    folder = os.fspath(kernel_cache.cache_folder())
+    try:  # written as kernel images are: NOTE [ Kernel cache files ]
+        cache_files.make_folder(folder)
+        with cache_files.opened_folder(folder, file_trust.trusted_owners()) as folder_fd:
+            cache_files.write_file(folder_fd, _facts_name(library_path), json.dumps(record).encode())
+    except (OSError, cache_files.Refused):
+        pass
 
 
 class KnownNvrtc:

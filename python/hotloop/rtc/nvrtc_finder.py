@@ -1,5 +1,6 @@
 """Where NVRTC is, in the order hotloop tries it: $HOTLOOP_NVRTC, then NVIDIA's pip wheels in site-packages
-(torch's own dependency), then a CUDA toolkit; and the one opened for this process.
+(torch's own dependency) and torch's lib folder, then a conda environment's lib folder and a CUDA toolkit,
+installed places only (NOTE [ Library search ]); and the one opened for this process.
 
 Code compiled by an NVRTC newer than the driver may not load: a CUBIN needs a driver of at least its
 CUDA major version, PTX one of at least its minor version. So NVRTCs of a newer major than the driver's
@@ -9,13 +10,11 @@ filling the cache) the newest comes first.
 import glob
 import os
 import re
-import site
-import sys
 import threading
 import typing
 
 from .. import _C
-from . import nvrtc_facts
+from . import file_trust, library_search, nvrtc_facts
 
 # (path under site-packages, the pip package that installs it), CUDA 13 first
 WHEEL_LIBRARIES = (
@@ -23,6 +22,7 @@ WHEEL_LIBRARIES = (
     ("nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "nvidia-cuda-nvrtc-cu12"),
     ("nvidia/cuda_nvrtc/lib/libnvrtc.so.11.2", "nvidia-cuda-nvrtc-cu11"),
 )
+BUILTINS = "libnvrtc-builtins.so."  # the names NVRTC's folder loads from too (csrc/nvrtc.c): checked with it
 INSTALL_HINT = ("install NVRTC with pip: `pip install nvidia-cuda-nvrtc-cu12` for a CUDA 12 torch or driver, "
                 "`pip install nvidia-cuda-nvrtc` for CUDA 13; or point HOTLOOP_NVRTC at a libnvrtc.so")
 
@@ -53,49 +53,28 @@ def _major_of(path):
     return None
 
 
-def site_dirs():
-    """sys.path's folders and site-packages (user site too), each once, in that order."""
-    dirs = list(sys.path)
-    try:
-        dirs += site.getsitepackages()
-    except AttributeError:  # a virtualenv's old site.py lacks it
-        pass
-    if site.ENABLE_USER_SITE:
-        dirs.append(site.getusersitepackages())
-    seen, result = set(), []
-    for d in dirs:
-        d = os.path.abspath(d or os.curdir)
-        if d not in seen and os.path.isdir(d):
-            seen.add(d)
-            result.append(d)
-    return result
-
-
-def toolkit_lib_dirs():
-    dirs = [os.path.join(os.environ[v], "lib64") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    dirs.append("/usr/local/cuda/lib64")
-
-    def version(path):  # /usr/local/cuda-12.4/lib64 -> (12, 4): the newest first
-        return tuple(int(x) for x in re.findall(r"\d+", os.path.basename(os.path.dirname(path))))
-
-    dirs += sorted(glob.glob("/usr/local/cuda-*/lib64"), key=version, reverse=True)
-    return list(dict.fromkeys(dirs))
-
-
 def _wheel_candidates(looked):
     found = []
-    for folder in site_dirs():
+    for folder in library_search.site_packages_dirs():
         for relative, package in WHEEL_LIBRARIES:
             path = os.path.join(folder, relative)
             looked.append(path)
             if os.path.isfile(path):
                 found.append(NvrtcCandidate(path, f"pip {package}", _major_of(path)))
+        pattern = os.path.join(folder, "torch", "lib", "libnvrtc*.so*")  # a torch that bundles its NVRTC
+        if os.path.isdir(os.path.dirname(pattern)):
+            looked.append(pattern)
+            found += [NvrtcCandidate(path, "torch's copy", _major_of(path)) for path in sorted(glob.glob(pattern))
+                      if "builtins" not in os.path.basename(path)]
     return found
 
 
 def _toolkit_candidates(looked):
     found, seen = [], set()
-    for folder in toolkit_lib_dirs():
+    environment = library_search.environment_lib_dir()
+    folders = ([(environment, "conda environment")] if environment else []) + [
+        (folder, "CUDA toolkit") for folder in library_search.toolkit_lib_dirs()]
+    for folder, origin in folders:
         pattern = os.path.join(folder, "libnvrtc.so*")
         looked.append(pattern)
         # libnvrtc.so, .so.12 and .so.12.4.127 are one library: its shortest name once
@@ -103,7 +82,7 @@ def _toolkit_candidates(looked):
             real = os.path.realpath(path)
             if real not in seen and os.path.isfile(path):
                 seen.add(real)
-                found.append(NvrtcCandidate(path, "CUDA toolkit", _major_of(path)))
+                found.append(NvrtcCandidate(path, origin, _major_of(path)))
     return found
 
 
@@ -123,18 +102,28 @@ def _order_for_driver(candidates, driver_version):
     return sorted(usable, key=lambda c: (c.major != driver_major, newest_first(c))), skipped
 
 
-def nvrtc_search(driver_version=...) -> NvrtcSearch:
+def nvrtc_search(driver_version=..., checked: bool = True) -> NvrtcSearch:
     """Every NVRTC found, in the order it is tried, and where it was looked for. driver_version: the
-    driver's CUDA version (12080) or None for none; by default the driver's, as _C says."""
+    driver's CUDA version (12080) or None for none; by default the driver's, as _C says. checked=False
+    leaves NOTE [ Trusted files ] to the caller: find_nvrtc checks a library only as it opens it."""
     if driver_version is ...:
         driver_version = driver_cuda_version()
-    chosen = os.environ.get("HOTLOOP_NVRTC")
+    if checked:
+        chosen = library_search.chosen_path("HOTLOOP_NVRTC", BUILTINS)  # RuntimeError where others can write it
+    else:
+        chosen = os.path.abspath(os.environ["HOTLOOP_NVRTC"]) if os.environ.get("HOTLOOP_NVRTC", "").strip() else None
     if chosen:  # the user's choice, with no fallback: a mistake in it must show
         return NvrtcSearch([NvrtcCandidate(chosen, "HOTLOOP_NVRTC", _major_of(chosen))], ["HOTLOOP_NVRTC=" + chosen])
     looked = ["HOTLOOP_NVRTC (unset)"]
-    wheels, skipped_wheels = _order_for_driver(_wheel_candidates(looked), driver_version)
-    toolkits, skipped_toolkits = _order_for_driver(_toolkit_candidates(looked), driver_version)
-    return NvrtcSearch(wheels + toolkits + skipped_wheels + skipped_toolkits, looked)
+    wheels, toolkits = _wheel_candidates(looked), _toolkit_candidates(looked)
+    if checked:
+        owners, passed = file_trust.library_owners(), set()
+        wheels = [library_search.checked(c, owners, BUILTINS, passed) for c in wheels]
+        toolkits = [library_search.checked(c, owners, BUILTINS, passed) for c in toolkits]
+    untrusted = [c for c in wheels + toolkits if c.skipped]  # never tried, whatever their version
+    wheels, skipped_wheels = _order_for_driver([c for c in wheels if not c.skipped], driver_version)
+    toolkits, skipped_toolkits = _order_for_driver([c for c in toolkits if not c.skipped], driver_version)
+    return NvrtcSearch(wheels + toolkits + skipped_wheels + skipped_toolkits + untrusted, looked)
 
 
 def nvrtc_candidates(driver_version=...) -> list:
@@ -155,6 +144,17 @@ def open_nvrtc(path) -> "_C.Nvrtc":
         return _opened[path]
 
 
+def open_trusted_nvrtc(path) -> "_C.Nvrtc":
+    """open_nvrtc(path) where the library and its builtins pass NOTE [ Trusted files ]; else RuntimeError
+    saying which check failed. The check is made here, as the library is opened, so that a cached start
+    (which never opens NVRTC: NOTE [ Remembered NVRTC facts ]) does not pay for it."""
+    why = library_search.refusal(path, companions=BUILTINS)
+    if why:
+        raise RuntimeError(f"NVRTC {path} is not opened: {why}. A library someone else could have written is "
+                           "never opened (NOTE [ Trusted files ] in hotloop/rtc/file_trust.py)")
+    return open_nvrtc(path)
+
+
 def find_nvrtc(driver_version=...) -> "nvrtc_facts.KnownNvrtc":
     """The first NVRTC of the search that opens (or opened before: see NOTE [ Remembered NVRTC facts ],
     it is then opened at its first compile), found once per process. RuntimeError naming
@@ -164,7 +164,7 @@ def find_nvrtc(driver_version=...) -> "nvrtc_facts.KnownNvrtc":
         driver_version = driver_cuda_version()
     key = (os.environ.get("HOTLOOP_NVRTC"), driver_version)
     if key not in _found:
-        _found[key] = _first_that_opens(nvrtc_search(driver_version))
+        _found[key] = _first_that_opens(nvrtc_search(driver_version, checked=False))
     return _found[key]
 
 
@@ -172,12 +172,14 @@ _found = {}  # (HOTLOOP_NVRTC, driver version) -> the KnownNvrtc found for it; f
 
 
 def _first_that_opens(search):
+    """The first candidate known from its remembered facts, or that passes NOTE [ Trusted files ] and opens
+    (open_trusted_nvrtc checks each as it opens it)."""
     tried = []
     for candidate in search.candidates:
         if candidate.skipped:
             continue
         try:
-            return nvrtc_facts.known_nvrtc(candidate.path, open_nvrtc)
+            return nvrtc_facts.known_nvrtc(candidate.path, open_trusted_nvrtc)
         except RuntimeError as exc:
             if candidate.origin == "HOTLOOP_NVRTC":
                 raise RuntimeError(f"HOTLOOP_NVRTC={candidate.path} is not a usable NVRTC library: {exc}") from exc

@@ -1,8 +1,8 @@
 """What `hotloop info` and `hotloop doctor` say about run-time compilation: the NVRTC found, the driver, the
-cache folder, and which kernel sources are already compiled there for each visible GPU. Reads only:
-nothing is compiled."""
+cache folder, which kernel sources are already compiled there for each visible GPU, and where each library
+hotloop opens by path was found or why it was left out. Reads only: nothing is compiled or opened."""
 from .. import _C
-from . import images, kernel_cache, nvrtc_finder
+from . import images, kernel_cache, library_search, nvrtc_finder
 
 
 def nvrtc_report() -> dict:
@@ -11,6 +11,9 @@ def nvrtc_report() -> dict:
         nvrtc = nvrtc_finder.find_nvrtc()
     except RuntimeError as exc:
         return {"path": None, "version": None, "error": str(exc)}
+    refused = None if nvrtc.opened else library_search.refusal(nvrtc.path, companions=nvrtc_finder.BUILTINS)
+    if refused:  # known from remembered facts, unopened: its first compile would refuse it
+        return {"path": None, "version": None, "error": f"NVRTC {nvrtc.path} would not be opened: {refused}"}
     return {"path": nvrtc.path, "version": "%d.%d" % nvrtc.version, "error": None}
 
 
@@ -45,3 +48,28 @@ def kernel_cache_report() -> dict:
             entry["error"] = str(exc)
         report["devices"].append(entry)
     return report
+
+
+def library_places() -> dict:
+    """{"nvrtc": [...], "nvjpeg": [...]}: each file found, in the order tried, as {"path", "origin", "skipped"}
+    (NOTE [ Library search ]); a search that failed (a HOTLOOP_* path refused) is one place whose path is None."""
+    places = {}
+    for name, search in (("nvrtc", nvrtc_finder.nvrtc_candidates), ("nvjpeg", library_search.nvjpeg_search)):
+        try:
+            places[name] = [{"path": c.path, "origin": c.origin, "skipped": c.skipped} for c in search()]
+        except (RuntimeError, ValueError) as exc:
+            places[name] = [{"path": None, "origin": None, "skipped": str(exc)}]
+    return places
+
+
+def library_place_lines(places: dict, used: dict) -> list:
+    """(key, text) lines for `hotloop info`: where the library in use (used: {"nvrtc": path}) was found,
+    and each one left out with why."""
+    lines = []
+    for name, label in (("nvrtc", "NVRTC"), ("nvjpeg", "nvjpeg")):
+        for place in places.get(name, []):
+            if place["path"] is not None and place["path"] == used.get(name):
+                lines.append((f"{label} found as", place["origin"]))
+            elif place["skipped"]:
+                lines.append((f"{label} left out", f"{place['path'] or ''} {place['skipped']}".strip()))
+    return lines
