@@ -76,7 +76,7 @@ def test_metadata_an_index_shows():
     version = re.search(r'__version__ = "([^"]+)"', open(os.path.join(ROOT, "python/hotloop/_version.py")).read())
     for m in (meta, sdist_metadata(release_files.sdist())):
         assert m["Name"] == "hotloop" and m["Version"] == version.group(1) == hotloop.__version__
-        assert m["License-Expression"] == "MIT" and m["License-File"] == "LICENSE"
+        assert m["License"] == "MIT" and m["License-File"] == "LICENSE"
         assert m["Requires-Python"] == ">=3.10"
         assert m["Description-Content-Type"] == "text/markdown"
         assert m.get_payload().strip() == open(os.path.join(ROOT, "README.md")).read().strip()
