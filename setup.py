@@ -34,7 +34,9 @@ ARCHES = ("x86_64", "aarch64")  # the machines torch ships Linux wheels for
 # for x86_64 or aarch64 alike, with no sysroot, container or root: built with -target <arch>-linux-gnu.2.28
 # (torch's own floor), _C asks for nothing newer than GLIBC_2.28 and its wheel is tagged
 # manylinux_2_28_<arch>. It comes from PyPI as a wheel (`ziglang`); `pip wheel` and `python -m build`
-# install it into their isolated build environment from setup_requires below.
+# install it into their isolated build environment from setup_requires below. An aarch64 build on an
+# x86_64 machine compiles against this interpreter's headers, which is sound because under the limited
+# API they declare the same things on both 64-bit Linux ABIs.
 
 
 def read_version():
@@ -86,6 +88,7 @@ class BuildExt(build_ext):
             zig = [sys.executable, "-m", "ziglang", "cc", "-target", f"{arch}-linux-gnu.{glibc}"]
             # Python.h sets _POSIX_C_SOURCE/_XOPEN_SOURCE to its own values after zig's newer glibc
             # headers set theirs: the same feature set either way, so the warning is noise
+            # -s: no debug sections in the release wheel's _C
             self.compiler.set_executables(compiler=zig, compiler_so=zig + ["-fPIC", "-Wno-macro-redefined"],
                                           linker_so=zig + ["-shared", "-s"])
         super().build_extensions()
