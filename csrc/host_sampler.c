@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* NOTE [ Host sampling rate ]
@@ -40,7 +41,9 @@
    monitor opens a window on it (a few counters set under the lock) and closes it (its figures copied out).
    The thread ticks while any window is open and sleeps, costing nothing, while none is; each tick updates
    every open window's peaks and per-process records, so nested monitors, and monitors in several threads,
-   each see their own run. The rings are shared: a window's records are those inside its times. */
+   each see their own run. The rings are shared: a window's records are those inside its times. A window
+   closed before the thread's first tick in it (a run of a few milliseconds) takes the last whole tick
+   before it, and says so: waiting for a tick would cost the run a round of smaps_rollup. */
 
 /* What a window knows of one process over its run (kept or dropped samples alike). */
 typedef struct {
@@ -72,6 +75,7 @@ typedef struct {
     double opened, closed;
     totals at_open, at_close;
     uint64_t whole_ticks;
+    int before; /* the run ended before the window's first tick: its figures are the last whole tick before it */
     uint64_t peak_tree_pss, peak_main_pss, peak_tree_rss;
     uint32_t peak_processes, unreadable_max;
     double peak_t;
@@ -121,6 +125,13 @@ typedef struct hl_host_sampler {
     window *windows;
     size_t windows_n, windows_cap;
     int next_id;
+    struct { /* the last whole tick: what a window shorter than a tick reports (NOTE [ Sampler windows ]) */
+        hl_host_sample host;
+        hl_machine_memory machine;
+        int machine_ok, valid;
+        reading *readings;
+        size_t n, cap;
+    } last_whole;
 } hl_host_sampler;
 
 static int contains(const int *pids, size_t n, int pid) {
@@ -301,9 +312,9 @@ static size_t read_processes(hl_host_sampler *s, const int *given, size_t given_
 
 /* One open window takes in this tick. Under the lock. */
 static void window_tick(hl_host_sampler *s, window *w, const hl_host_sample *h, const hl_machine_memory *machine,
-                        int machine_ok, const int *given, size_t given_n, size_t n) {
+                        int machine_ok, const int *given, size_t given_n, const reading *readings, size_t n) {
     for (size_t i = 0; i < n; i++) {
-        const reading *x = &s->readings[i];
+        const reading *x = &readings[i];
         proc_record *r = record_of(w, x->stat.pid);
         if (r == NULL) {
             s->sum.errors++;
@@ -414,8 +425,17 @@ static void tick(hl_host_sampler *s, int first) {
     }
     for (size_t i = 0; i < s->windows_n; i++)
         if (s->windows[i].open)
-            window_tick(s, &s->windows[i], &h, &machine, machine_ok, given, given_n, n);
+            window_tick(s, &s->windows[i], &h, &machine, machine_ok, given, given_n, s->readings, n);
     ring_push(&s->host, &h);
+    if (whole && grow((void **)&s->last_whole.readings, &s->last_whole.cap, n ? n : 1, sizeof(reading)) == 0) {
+        if (n > 0)
+            memcpy(s->last_whole.readings, s->readings, n * sizeof(reading));
+        s->last_whole.n = n;
+        s->last_whole.host = h;
+        s->last_whole.machine = machine;
+        s->last_whole.machine_ok = machine_ok;
+        s->last_whole.valid = 1;
+    }
     pthread_mutex_unlock(&s->sampler.lock);
 }
 
@@ -427,10 +447,10 @@ static void *sampler_main(void *arg) {
         tick(s, first);
         first = 0;
         next = hl_sampler_next_tick(&s->sampler, next, s->interval_ns, &s->sum.ticks_missed);
-        if (hl_sampler_sleep_until(&s->sampler, next)) { /* a window opened after a time with none: read at once */
+        /* a window opened after a time with none: a tick at once (RSS; PSS when its round is due: NOTE [ Host
+           sampling rate ], so monitors opened one after another keep to the budget too) */
+        if (hl_sampler_sleep_until(&s->sampler, next))
             next = hl_now_ns();
-            first = 1;
-        }
     }
     return NULL;
 }
@@ -445,11 +465,53 @@ static window *window_of(hl_host_sampler *s, int id) {
     return NULL;
 }
 
+static void close_window(hl_host_sampler *s, window *w) {
+    if (!w->open)
+        return;
+    w->open = 0;
+    w->closed = hl_seconds(hl_now_ns());
+    w->at_close = s->sum;
+    if (w->whole_ticks == 0 && s->last_whole.valid) { /* NOTE [ Sampler windows ]: a run shorter than a round */
+        const hl_host_sample *h = &s->last_whole.host;
+        if (w->at_close.ticks == w->at_open.ticks) {
+            window_tick(s, w, h, &s->last_whole.machine, s->last_whole.machine_ok, s->given, s->given_n,
+                        s->last_whole.readings, s->last_whole.n);
+        } else { /* its ticks read RSS alone: the peak is the last whole sum's */
+            w->peak_tree_pss = h->tree_pss;
+            w->peak_main_pss = h->main_pss;
+            w->peak_tree_rss = h->tree_rss;
+            w->peak_processes = h->processes;
+            w->peak_t = h->t;
+        }
+        w->before = 1;
+    }
+    /* a process that exited after the last tick is gone at the end too (a stat read each: cheap) */
+    for (size_t i = 0; i < w->table_n; i++) {
+        proc_record *r = &w->table[i];
+        if (r->alive && !hl_proc_alive(r->pid)) {
+            r->alive = 0;
+            r->gone_t = w->closed;
+        }
+    }
+    hl_sampler_window_closed(&s->sampler);
+}
+
+static void free_window(hl_host_sampler *s, int id) {
+    window *w = window_of(s, id);
+    if (w == NULL)
+        return;
+    close_window(s, w);
+    free(w->table);
+    *w = s->windows[--s->windows_n];
+}
+
+/* Open a window: the thread is started on the first (in this process: a forked child starts its own). Without the
+   GIL. The window's id, or -1 with errno set. */
 /* Open a window: the thread is started on the first (in this process: a forked child starts its own). Without the
    GIL. The window's id, or -1 with errno set. */
 static int open_window(hl_host_sampler *s) {
-    int pid = (int)getpid();
-    if (!s->sampler.running) {
+    int pid = (int)getpid(), start = !s->sampler.running;
+    if (start) {
         s->main_pid = s->root ? s->root : pid; /* after a fork, the child watches its own tree */
         s->main_cmdline_n = hl_read_proc_cmdline(s->main_pid, s->main_cmdline, sizeof(s->main_cmdline));
         s->previous_n = s->descendants_n = 0;
@@ -458,12 +520,8 @@ static int open_window(hl_host_sampler *s) {
         for (size_t i = 0; i < s->windows_n; i++) /* a forked child's copies of its parent's windows */
             free(s->windows[i].table);
         s->windows_n = 0;
+        s->last_whole.valid = 0;
         pthread_mutex_unlock(&s->sampler.lock);
-        int err = hl_sampler_start(&s->sampler, sampler_main, s);
-        if (err != 0) {
-            errno = err;
-            return -1;
-        }
     }
     pthread_mutex_lock(&s->sampler.lock);
     int id = -1;
@@ -479,25 +537,28 @@ static int open_window(hl_host_sampler *s) {
         errno = ENOMEM;
     }
     pthread_mutex_unlock(&s->sampler.lock);
+    if (id < 0 || !start)
+        return id;
+    int err = hl_sampler_start(&s->sampler, sampler_main, s);
+    if (err != 0) {
+        pthread_mutex_lock(&s->sampler.lock);
+        free_window(s, id);
+        pthread_mutex_unlock(&s->sampler.lock);
+        errno = err;
+        return -1;
+    }
+    /* the process's first window waits for the thread's first (whole) tick, so that even a run shorter than a
+       tick has figures; later windows do not wait (NOTE [ Sampler windows ]) */
+    for (int waited_ms = 0; waited_ms < 2000; waited_ms++) {
+        pthread_mutex_lock(&s->sampler.lock);
+        int ticked = s->last_whole.valid;
+        pthread_mutex_unlock(&s->sampler.lock);
+        if (ticked)
+            break;
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
     return id;
-}
-
-static void close_window(hl_host_sampler *s, window *w) {
-    if (!w->open)
-        return;
-    w->open = 0;
-    w->closed = hl_seconds(hl_now_ns());
-    w->at_close = s->sum;
-    hl_sampler_window_closed(&s->sampler);
-}
-
-static void free_window(hl_host_sampler *s, int id) {
-    window *w = window_of(s, id);
-    if (w == NULL)
-        return;
-    close_window(s, w);
-    free(w->table);
-    *w = s->windows[--s->windows_n];
 }
 
 PyDoc_STRVAR(open_window_doc, "open_window() -> int\n\nOpen a window on the sampler (its thread starts with the first window "
@@ -661,7 +722,8 @@ PyDoc_STRVAR(snapshot_doc,
              "u8 rss, pss, uss, swap); processes: a dict per process seen (first, last and peak readings, least-\n"
              "squares sums of its USS in MiB over seconds since its first reading, CPU seconds between them, its\n"
              "command name, whether it was forked without an exec, whether it could not be read); and statistics\n"
-             "over every tick of the window, kept or dropped. Bytes, and time.monotonic() seconds. Works while open.");
+             "over every tick of the window, kept or dropped (before: it closed before its first tick, and its\n"
+             "figures are the last whole tick's before it). Bytes, and time.monotonic() seconds. Works while open.");
 
 static PyObject *window_snapshot(hl_host_sampler *s, int id) {
     snapshot_copy c = {0};
@@ -694,7 +756,7 @@ static PyObject *window_snapshot(hl_host_sampler *s, int id) {
     totals a = w->at_open, b = w->open ? c.now : w->at_close;
     uint64_t ticks = b.ticks - a.ticks;
     result = Py_BuildValue("{s:O, s:O, s:O, s:O, s:i, s:d, s:d, s:d, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:I, s:d,"
-                           " s:K, s:d, s:K, s:K, s:K, s:d, s:d, s:K, s:K, s:d, s:K, s:d, s:K, s:I}",
+                           " s:K, s:d, s:K, s:K, s:K, s:d, s:d, s:K, s:K, s:d, s:K, s:d, s:K, s:I, s:O}",
                            "host", host, "procs", procs, "processes", processes, "running",
                            w->open ? Py_True : Py_False, "main_pid", s->main_pid, "started", w->opened, "stopped",
                            w->closed, "interval_s", hl_seconds(s->interval_ns), "ticks", (unsigned long long)ticks,
@@ -711,7 +773,7 @@ static PyObject *window_snapshot(hl_host_sampler *s, int id) {
                            "procs_dropped", (unsigned long long)0, "pss_s", hl_seconds(b.round_ns - a.round_ns),
                            "rounds", (unsigned long long)(b.rounds - a.rounds), "pss_budget", s->pss_budget,
                            "whole_ticks", (unsigned long long)w->whole_ticks, "unreadable_max",
-                           (unsigned int)w->unreadable_max);
+                           (unsigned int)w->unreadable_max, "before", w->before ? Py_True : Py_False);
 error:
     Py_XDECREF(host);
     Py_XDECREF(procs);
@@ -863,6 +925,7 @@ static void sampler_dealloc(PyObject *self) {
     for (size_t i = 0; i < s->windows_n; i++)
         free(s->windows[i].table);
     free(s->windows);
+    free(s->last_whole.readings);
     ring_free(&s->host);
     ring_free(&s->procs);
     free(s->given);

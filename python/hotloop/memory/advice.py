@@ -100,9 +100,10 @@ def host_advice(r) -> list:
             how = "and still growing" if p.steady_growth else "then stopped"
             figures.append(f"pid {p.pid} +{format_size(p.growth_bytes)} in {p.end_s - p.start_s:.1f} s{per}, {how}")
         more = f" and {len(copied) - 4} more" if len(copied) > 4 else ""
-        workers = [p for p in r.host_processes if p.is_worker]
-        each = sum(p.growth_bytes for p in copied) / len(copied)
-        n = max(len(workers), len(copied))
+        # the mean over every worker read twice: workers that served fewer samples copied less
+        workers = [p for p in r.host_processes if p.is_worker and p.readings >= 2] or copied
+        each = sum(max(p.growth_bytes, 0) for p in workers) / len(workers)
+        n = len(workers)
         line = (f"copy-on-read in DataLoader workers: each worker copied about {format_size(each)} of the main "
                 f"process's memory ({'; '.join(figures)}{more}); {n} worker{'s' if n != 1 else ''} hold "
                 f"{format_size(each * n)} together, and num_workers=N holds N times {format_size(each)}. Each worker "

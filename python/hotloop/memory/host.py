@@ -293,6 +293,7 @@ def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None, torch_work
     r.host_peak_processes = int(snapshot["peak_processes"])
     r.host_peak_time_s = snapshot["peak_t"] - t0 if snapshot["peak_t"] else None
     r.host_unreadable = int(snapshot["unreadable_max"])
+    r.host_before_run = bool(snapshot["before"])
     r.host_total_bytes = int(snapshot["total"])
     r.host_available_min_bytes = int(snapshot["min_available"])
     r.host_swap_total_bytes = int(snapshot["swap_total"])

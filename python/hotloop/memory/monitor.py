@@ -18,6 +18,7 @@ stalls to the group's first rank, which prints one table with a row per rank and
 """
 import functools
 import logging
+import os
 import re
 import sys
 import threading
@@ -238,7 +239,10 @@ class MemoryMonitor:
         if self._running:
             raise RuntimeError("MemoryMonitor.start(): already running")
         nvml_device = self._resolve()
-        self._pool_key = (nvml_device, self.interval_ms, self.slow_interval_ms, self.pcie_interval_ms, self.capacity)
+        # the library is part of the key: HOTLOOP_NVML_LIBRARY chooses it (a fake one in tests)
+        self._pool_key = (os.environ.get("HOTLOOP_NVML_LIBRARY"), nvml_device, self.interval_ms,
+                          self.slow_interval_ms, self.pcie_interval_ms, self.capacity)
+        self.nvml_reason = None
         if self._sampler is None:
             self._sampler = _take_sampler(self._pool_key, lambda: self._open_sampler(nvml_device))
         torch = self.torch

@@ -143,8 +143,9 @@ def host_rows(r) -> list:
     if r.host_peak_time_s is None:
         rows = [("peak host memory (PSS)", "not read: the run ended before the sampler's first whole reading")]
     else:
-        rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  at {r.host_peak_time_s:.3f} s (one "
-                 f"tick's sum)  = main process {format_size(r.host_peak_main_bytes)} + {others} other process"
+        when = (f"{-r.host_peak_time_s:.3f} s before the run (it was shorter than one host tick: the last whole "
+                "reading before it)" if r.host_before_run else f"at {r.host_peak_time_s:.3f} s (one tick's sum)")
+        rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  {when}  = main process {format_size(r.host_peak_main_bytes)} + {others} other process"
                  f"{'es' if others != 1 else ''} {format_size(r.host_peak_children_bytes)}")]
     if r.host_unreadable:
         who = ", ".join(f"pid {p.pid} ({p.command})" for p in r.host_processes if p.unreadable)
@@ -179,7 +180,7 @@ def host_rows(r) -> list:
 def forecast_text(f) -> str:
     when = f"~{f['samples']:,} more samples (~{f['seconds']:.0f} s)" if f["samples"] is not None \
         else f"~{f['seconds']:.0f} s"
-    return (f"the machine runs out of memory after {when}: {f['workers']} workers growing "
+    return (f"the machine runs out of memory after {when}: {f['workers']} worker{'s' if f['workers'] != 1 else ''} growing "
             f"{f['bytes_per_s'] / MiB:.1f} MiB/s together, {format_size(f['available_bytes'])} available")
 
 
