@@ -251,7 +251,9 @@ static size_t read_processes(hl_host_sampler *s, const int *given, size_t given_
         return 0;
     int changed = first;
     for (size_t i = 0; i < want; i++) {
-        int pid = i == 0 ? s->main_pid : i <= s->descendants_n ? s->descendants[i - 1] : given[i - 1 - s->descendants_n];
+        int pid = i == 0                    ? s->main_pid
+                  : i <= s->descendants_n ? s->descendants[i - 1]
+                                          : given[i - 1 - s->descendants_n];
         if (i > s->descendants_n && (pid == s->main_pid || contains(s->descendants, s->descendants_n, pid)))
             continue;
         reading *x = &s->readings[n];
@@ -561,9 +563,9 @@ static int open_window(hl_host_sampler *s) {
     return id;
 }
 
-PyDoc_STRVAR(open_window_doc, "open_window() -> int\n\nOpen a window on the sampler (its thread starts with the first window "
-                              "in this process and\nsleeps while none is open) and return its id: close_window(id) gives "
-                              "its figures.");
+PyDoc_STRVAR(open_window_doc, "open_window() -> int\n\nOpen a window on the sampler (its thread starts with the "
+                              "first window in this process and\nsleeps while none is open) and return its id: "
+                              "close_window(id) gives its figures.");
 
 static PyObject *sampler_open_window(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_host_sampler *s = (hl_host_sampler *)self;
@@ -576,31 +578,32 @@ static PyObject *sampler_open_window(PyObject *self, PyObject *Py_UNUSED(ignored
     return PyLong_FromLong(id);
 }
 
-PyDoc_STRVAR(start_doc, "start()\n\nOpen the default window (the one snapshot() reads without an id). RuntimeError if it "
-                        "is open.");
+PyDoc_STRVAR(start_doc, "start()\n\nOpen the default window (the one snapshot() reads without an id). "
+                        "RuntimeError if it is open.");
+
+/* whether start()'s window is open (in this process: a forked child's copy has no thread) */
+static int default_open(hl_host_sampler *s) {
+    pthread_mutex_lock(&s->sampler.lock);
+    const window *w = window_of(s, s->default_window);
+    int open = w != NULL && w->open && s->sampler.running;
+    pthread_mutex_unlock(&s->sampler.lock);
+    return open;
+}
 
 static PyObject *sampler_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_host_sampler *s = (hl_host_sampler *)self;
-    if (s->default_window > 0) {
-        pthread_mutex_lock(&s->sampler.lock);
-        window *w = window_of(s, s->default_window);
-        int open = w != NULL && w->open && s->sampler.running;
-        pthread_mutex_unlock(&s->sampler.lock);
-        if (open) {
-            PyErr_SetString(PyExc_RuntimeError, "HostSampler.start(): already running; call stop() first");
-            return NULL;
-        }
-        pthread_mutex_lock(&s->sampler.lock);
-        free_window(s, s->default_window);
-        pthread_mutex_unlock(&s->sampler.lock);
+    if (default_open(s)) {
+        PyErr_SetString(PyExc_RuntimeError, "HostSampler.start(): already running; call stop() first");
+        return NULL;
     }
-    int id;
-    Py_BEGIN_ALLOW_THREADS
-    id = open_window(s);
-    Py_END_ALLOW_THREADS
-    if (id < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    s->default_window = id;
+    pthread_mutex_lock(&s->sampler.lock);
+    free_window(s, s->default_window); /* the last run's figures */
+    pthread_mutex_unlock(&s->sampler.lock);
+    PyObject *id = sampler_open_window(self, NULL);
+    if (id == NULL)
+        return NULL;
+    s->default_window = (int)PyLong_AsLong(id);
+    Py_DECREF(id);
     Py_RETURN_NONE;
 }
 
@@ -819,12 +822,7 @@ static PyObject *sampler_close_window(PyObject *self, PyObject *arg) {
 }
 
 static PyObject *get_running(PyObject *self, void *Py_UNUSED(closure)) {
-    hl_host_sampler *s = (hl_host_sampler *)self;
-    pthread_mutex_lock(&s->sampler.lock);
-    const window *w = window_of(s, s->default_window);
-    int open = w != NULL && w->open && s->sampler.running;
-    pthread_mutex_unlock(&s->sampler.lock);
-    return PyBool_FromLong(open);
+    return PyBool_FromLong(default_open((hl_host_sampler *)self));
 }
 
 static PyObject *get_interval_ms(PyObject *self, void *Py_UNUSED(closure)) {

@@ -366,7 +366,8 @@ static PyObject *monitor_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) 
     result = Py_BuildValue(
         "{s:O, s:O, s:O, s:O, s:O, s:d, s:d, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:d, s:K, s:K,"
         " s:d, s:K, s:d, s:d, s:d, s:d, s:N, s:N, s:N, s:N, s:K, s:K, s:K, s:N, s:N}",
-        "memory", memory, "slow", slow, "pcie", pcie, "error", error, "running", m->sampler.running ? Py_True : Py_False,
+        "memory", memory, "slow", slow, "pcie", pcie, "error", error, "running",
+        m->sampler.running ? Py_True : Py_False,
         "started", s->started, "stopped", s->stopped, "ticks", (unsigned long long)s->ticks, "ticks_missed",
         (unsigned long long)s->ticks_missed, "memory_samples", (unsigned long long)s->memory_samples,
         "slow_samples", (unsigned long long)s->slow_samples, "pcie_samples", (unsigned long long)s->pcie_samples,

@@ -39,8 +39,9 @@ LOW_AVAILABLE_BYTES = 256 << 20
 class ProcessMemory:
     """One process of the tree over the run, and what it is (`role`): this one ("main"); a DataLoader worker,
     hotloop's ("worker": a fork of main or of hotloop's launcher) or torch's ("torch worker": a
-    multiprocessing child running torch's worker loop, or named so by torch); hotloop's launcher ("launcher": a fork of main that
-    forks workers); or another child ("child", its command name in `command`)."""
+    multiprocessing child running torch's worker loop, or named so by torch); hotloop's launcher
+    ("launcher": a fork of main that forks workers); or another child ("child", its command name in
+    `command`)."""
     pid: int
     ppid: int
     role: str

@@ -133,7 +133,8 @@ class MemoryMonitor:
     memory samples kept (the oldest are dropped; peaks still see every sample). host_interval_ms: the
     host sampler's period (hotloop._C.HostSampler: /proc/PID/smaps_rollup of this process and every
     descendant, such as DataLoader workers, and the machine's available memory and swap; see
-    NOTE [ Host sampling rate ] in csrc/host_sampler.c for why it is slower than the GPU's);
+    NOTE [ Host sampling rate ] in csrc/host_sampler.c for why it is slower than the GPU's; one per process
+    and settings, on which each monitor opens a window: NOTE [ Sampler windows ]);
     host_pss_budget: the share of one core the costly PSS readings (smaps_rollup) may take.
     Without a GPU the report holds the host's figures, the GPU's fields None.
 

@@ -143,9 +143,10 @@ def host_rows(r) -> list:
     if r.host_peak_time_s is None:
         rows = [("peak host memory (PSS)", "not read: the run ended before the sampler's first whole reading")]
     else:
-        when = (f"{-r.host_peak_time_s:.3f} s before the run (it was shorter than one host tick: the last whole "
-                "reading before it)" if r.host_before_run else f"at {r.host_peak_time_s:.3f} s (one tick's sum)")
-        rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  {when}  = main process {format_size(r.host_peak_main_bytes)} + {others} other process"
+        when = (f"{-r.host_peak_time_s:.3f} s before the run (shorter than one whole round of readings: the last "
+                "round before it)" if r.host_before_run else f"at {r.host_peak_time_s:.3f} s (one tick's sum)")
+        rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  {when}  = main process "
+                 f"{format_size(r.host_peak_main_bytes)} + {others} other process"
                  f"{'es' if others != 1 else ''} {format_size(r.host_peak_children_bytes)}")]
     if r.host_unreadable:
         who = ", ".join(f"pid {p.pid} ({p.command})" for p in r.host_processes if p.unreadable)
@@ -180,7 +181,8 @@ def host_rows(r) -> list:
 def forecast_text(f) -> str:
     when = f"~{f['samples']:,} more samples (~{f['seconds']:.0f} s)" if f["samples"] is not None \
         else f"~{f['seconds']:.0f} s"
-    return (f"the machine runs out of memory after {when}: {f['workers']} worker{'s' if f['workers'] != 1 else ''} growing "
+    workers = f"{f['workers']} worker{'s' if f['workers'] != 1 else ''}"
+    return (f"the machine runs out of memory after {when}: {workers} growing "
             f"{f['bytes_per_s'] / MiB:.1f} MiB/s together, {format_size(f['available_bytes'])} available")
 
 
@@ -206,7 +208,8 @@ def format_processes(r) -> list:
             continue
         growth = f"{'+' if p.growth_bytes >= 0 else ''}{format_size(p.growth_bytes)}"
         if p.role == "main" and p.growth_bytes < 0 and workers:
-            growth += f": pages shared with {workers} forked process{'es' if workers != 1 else ''} after the fork, not freed"
+            growth += (f": pages shared with {workers} forked process{'es' if workers != 1 else ''} after the fork, "
+                       "not freed")
         if p.growth_mib_per_1k_samples is not None:
             growth += f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
         if p.steady_growth:
@@ -214,7 +217,8 @@ def format_processes(r) -> list:
         end = ", alive at the end"
         if p.exited:
             end = ", exited" + (" while available memory was near zero (OOM killer?)" if p.low_memory_exit else "")
-        lines.append(f"    {role:<{width}} pid {p.pid:<7} {format_size(p.first_uss):>10} -> {format_size(p.last_uss):>10}"
+        lines.append(f"    {role:<{width}} pid {p.pid:<7} {format_size(p.first_uss):>10} -> "
+                     f"{format_size(p.last_uss):>10}"
                      f"  ({growth}; {p.start_s:.2f}-{p.end_s:.2f} s{end})")
     if len(shown) > 17:
         lines.append(f"    ... and {len(shown) - 17} more")
