@@ -30,8 +30,9 @@
    reading from before a fork and its workers' from after it counts every page main shared twice), and
    the peak is taken only over whole rounds.
    The list of processes (every descendant of this one: torch's DataLoader workers are its children,
-   hotloop's are children of its launcher) comes from a scan of /proc, which reads one file per process
-   of the machine: scans are spaced by their own cost over the same budget (and at least
+   hotloop's are children of its launcher) comes from the kernel's children files (a few small reads a
+   tick, so a new worker is read from its first tick); where the kernel has none, from a scan of /proc,
+   which reads one file per process of the machine: scans are spaced by their own cost over the same budget (and at least
    scan_interval_ms apart), so a quiet machine is scanned every tick or two and finds short-lived
    workers, while one of thousands of processes is scanned seldom; a worker that vanishes triggers a
    scan at the next tick, so restarted workers are found at once. */
@@ -116,6 +117,7 @@ typedef struct hl_host_sampler {
     double pss_budget; /* the share of one core smaps_rollup rounds may take */
     char main_cmdline[512];
     long main_cmdline_n;
+    int children_listed; /* the kernel lists children: list_descendants() every tick, no scans of /proc */
 
     /* guarded by sampler.lock */
     int *given;
@@ -155,7 +157,19 @@ static int grow(void **array, size_t *cap, size_t need, size_t item) {
     return 0;
 }
 
-/* Every descendant of main_pid in a fresh scan of /proc; the thread's own arrays. */
+/* Every descendant of main_pid, from the children files, breadth first: cheap enough for every tick, so a worker
+   is read from its first tick on (what it copies from then on is counted). The thread's own arrays. */
+static int list_descendants(hl_host_sampler *s) {
+    s->descendants_n = 0;
+    if (hl_append_children(s->main_pid, &s->descendants, &s->descendants_n, &s->descendants_cap) < 0)
+        return -1;
+    for (size_t i = 0; i < s->descendants_n; i++)
+        if (hl_append_children(s->descendants[i], &s->descendants, &s->descendants_n, &s->descendants_cap) < 0)
+            return -1;
+    return 0;
+}
+
+/* Every descendant of main_pid in a fresh scan of /proc, where the kernel lists no children. */
 static int scan_descendants(hl_host_sampler *s) {
     long n = hl_scan_processes(&s->scan, &s->scan_cap);
     if (n < 0)
@@ -359,7 +373,10 @@ static void window_tick(hl_host_sampler *s, window *w, const hl_host_sample *h, 
 static void tick(hl_host_sampler *s, int first) {
     int64_t t0 = hl_now_ns();
     int64_t scan_ns = 0;
-    if (s->tree && (t0 >= s->next_scan || s->rescan || first)) {
+    int listed = 1;
+    if (s->tree && s->children_listed) {
+        listed = list_descendants(s) == 0;
+    } else if (s->tree && (t0 >= s->next_scan || s->rescan || first)) {
         if (scan_descendants(s) == 0) {
             s->rescan = 0;
             scan_ns = hl_now_ns() - t0;
@@ -403,7 +420,7 @@ static void tick(hl_host_sampler *s, int first) {
     s->sum.scans += scan_ns > 0;
     s->sum.round_ns += round_ns;
     s->sum.rounds += whole;
-    if (!ok || !machine_ok)
+    if (!ok || !machine_ok || !listed)
         s->sum.errors++;
     for (size_t i = 0; i < n; i++) {
         const reading *x = &s->readings[i];
@@ -679,7 +696,7 @@ static char *copy_between(const sample_ring *r, double t0, double t1, size_t *n)
 }
 
 /* 0, 1 when there is no such window, -1 when memory runs out */
-static int take_copy(hl_host_sampler *s, int id, snapshot_copy *c) {
+static int take_copy(hl_host_sampler *s, int id, double since, snapshot_copy *c) {
     pthread_mutex_lock(&s->sampler.lock);
     const window *w = window_of(s, id);
     if (w == NULL) {
@@ -688,9 +705,9 @@ static int take_copy(hl_host_sampler *s, int id, snapshot_copy *c) {
     }
     c->w = *w;
     c->now = s->sum;
-    double t1 = w->open ? 1e300 : w->closed;
-    c->host = copy_between(&s->host, w->opened, t1, &c->host_n);
-    c->procs = copy_between(&s->procs, w->opened, t1, &c->procs_n);
+    double t0 = since > w->opened ? since : w->opened, t1 = w->open ? 1e300 : w->closed;
+    c->host = copy_between(&s->host, t0, t1, &c->host_n);
+    c->procs = copy_between(&s->procs, t0, t1, &c->procs_n);
     c->table_n = w->table_n;
     c->table = malloc(c->table_n * sizeof(proc_record) + 1);
     if (c->table != NULL && c->table_n > 0)
@@ -717,9 +734,10 @@ static PyObject *process_dict(const proc_record *r, double tick_s) {
 }
 
 PyDoc_STRVAR(snapshot_doc,
-             "snapshot(window=None) -> dict or None\n\n"
+             "snapshot(window=None, since=0.0) -> dict or None\n\n"
              "One window's figures (window: an id from open_window(); None: the default window of start()/stop()),\n"
-             "None when there is no such window. host: bytes of packed per-tick records inside the window (f8 t,\n"
+             "None when there is no such window. host: bytes of packed per-tick records inside the window and from\n"
+             "`since` (time.monotonic() seconds) on (f8 t,\n"
              "u8 tree_pss, tree_rss, tree_uss, tree_swap, main_pss, main_rss, main_locked, available, swap_used,\n"
              "u4 processes, u2 unreadable, u2 whole); procs: one record per process per tick (f8 t, i4 pid, i4 ppid,\n"
              "u8 rss, pss, uss, swap); processes: a dict per process seen (first, last and peak readings, least-\n"
@@ -728,12 +746,12 @@ PyDoc_STRVAR(snapshot_doc,
              "over every tick of the window, kept or dropped (before: it closed before its first tick, and its\n"
              "figures are the last whole tick's before it). Bytes, and time.monotonic() seconds. Works while open.");
 
-static PyObject *window_snapshot(hl_host_sampler *s, int id) {
+static PyObject *window_snapshot(hl_host_sampler *s, int id, double since) {
     snapshot_copy c = {0};
     PyObject *result = NULL, *host = NULL, *procs = NULL, *processes = NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = take_copy(s, id, &c);
+    rc = take_copy(s, id, since, &c);
     Py_END_ALLOW_THREADS
     if (rc == 1)
         Py_RETURN_NONE;
@@ -788,14 +806,15 @@ error:
 }
 
 static PyObject *sampler_snapshot(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"window", NULL};
+    static char *keywords[] = {"window", "since", NULL};
     PyObject *id = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:snapshot", keywords, &id))
+    double since = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|Od:snapshot", keywords, &id, &since))
         return NULL;
     hl_host_sampler *s = (hl_host_sampler *)self;
     if (id != Py_None && !PyLong_Check(id))
         return PyErr_Format(PyExc_TypeError, "snapshot(): expected a window id from open_window(), got %R", id);
-    return window_snapshot(s, id == Py_None ? s->default_window : (int)PyLong_AsLong(id));
+    return window_snapshot(s, id == Py_None ? s->default_window : (int)PyLong_AsLong(id), since);
 }
 
 PyDoc_STRVAR(close_window_doc, "close_window(id) -> dict or None\n\nClose the window `id` and return its snapshot() "
@@ -814,7 +833,7 @@ static PyObject *sampler_close_window(PyObject *self, PyObject *arg) {
     if (w != NULL)
         close_window(s, w);
     pthread_mutex_unlock(&s->sampler.lock);
-    PyObject *snapshot = window_snapshot(s, (int)id);
+    PyObject *snapshot = window_snapshot(s, (int)id, 0.0);
     pthread_mutex_lock(&s->sampler.lock);
     free_window(s, (int)id);
     pthread_mutex_unlock(&s->sampler.lock);
@@ -908,6 +927,7 @@ static PyObject *sampler_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         return PyErr_NoMemory();
     }
     s->sampler.idles = 1; /* NOTE [ Sampler windows ] */
+    s->children_listed = hl_children_listed();
     s->ready = 1;
     return (PyObject *)s;
 }

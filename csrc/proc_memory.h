@@ -40,6 +40,13 @@ int hl_proc_alive(int pid);
 /* /proc/PID/cmdline into `buf` (NUL-separated arguments, truncated to `size`); its length, or -1 */
 long hl_read_proc_cmdline(int pid, char *buf, size_t size);
 
+/* Whether the kernel lists each thread's children (/proc/PID/task/TID/children, CONFIG_PROC_CHILDREN). */
+int hl_children_listed(void);
+/* Append the children of `pid` (every thread's) to `*pids` (grown with realloc, freed by the caller): a handful of
+   small reads, where a scan of /proc reads a file per process of the machine. 0, or -1 when memory runs out; a
+   process that is gone has none. */
+int hl_append_children(int pid, int **pids, size_t *n, size_t *capacity);
+
 /* Every process readable in /proc now: fills `*stats` (grown with realloc; the caller
    frees it with free) and returns how many, or -1 when /proc cannot be listed or memory
    runs out. Safe without the GIL. */

@@ -50,7 +50,8 @@ def test_list_dataset_gets_copy_on_read_advice_with_the_figures_proc_gives(no_gp
     each = _size(re.search(r"each worker copied about ([\d.]+ [KMG]iB)", advice).group(1))
     assert abs(each - copied) <= 0.2 * copied, (each, copied, advice)
     together = _size(re.search(r"2 workers hold ([\d.]+ [KMG]iB) together", advice).group(1))
-    assert together == pytest.approx(2 * each, rel=0.01)
+    held = sum(last for _, last, _ in own.values())  # their own last readings of their USS
+    assert abs(together - held) <= 0.2 * held, (together, held, advice)
     assert "numpy arrays or torch tensors, Arrow, or a memory-mapped file" in advice and "#13246" in advice
     workers = [p for p in r.host_processes if p.pid in own]
     assert len(workers) == 2 and all(p.is_worker for p in workers) and any(p.copied for p in workers)

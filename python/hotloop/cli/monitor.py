@@ -57,7 +57,8 @@ def _host_columns(host, pid):
     """the host columns from the host sampler's newest tick"""
     if host is None:
         return ["", "", "", ""]
-    ticks = host_records(host.snapshot()["host"])
+    # the newest ticks, not the whole run's
+    ticks = host_records(host.snapshot(since=time.monotonic() - 2e-3 * host.interval_ms)["host"])
     if not len(ticks):
         return ["", "", "", ""]
     h = ticks[-1]

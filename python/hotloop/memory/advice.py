@@ -96,21 +96,23 @@ def host_advice(r) -> list:
         figures = []
         for p in copied[:4]:
             per = (f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
-                   if p.growth_mib_per_1k_samples is not None else "")
+                   if p.growth_mib_per_1k_samples is not None and p.steady_growth else "")
             how = "and still growing" if p.steady_growth else "then stopped"
             figures.append(f"pid {p.pid} +{format_size(p.growth_bytes)} in {p.end_s - p.start_s:.1f} s{per}, {how}")
         more = f" and {len(copied) - 4} more" if len(copied) > 4 else ""
-        # the mean over every worker read twice: workers that served fewer samples copied less
+        # over every worker read twice: workers that served fewer samples copied less
         workers = [p for p in r.host_processes if p.is_worker and p.readings >= 2] or copied
         each = sum(max(p.growth_bytes, 0) for p in workers) / len(workers)
+        held = sum(p.last_uss for p in workers) / len(workers)  # what a fork of main has of its own
         n = len(workers)
         line = (f"copy-on-read in DataLoader workers: each worker copied about {format_size(each)} of the main "
-                f"process's memory ({'; '.join(figures)}{more}); {n} worker{'s' if n != 1 else ''} hold "
-                f"{format_size(each * n)} together, and num_workers=N holds N times {format_size(each)}. Each worker "
-                "inherits the dataset's Python objects at fork, and every read of one writes its reference count, so "
-                "the pages holding them are copied into each worker as __getitem__ touches them (PyTorch issue "
-                "#13246). Keep the data in numpy arrays or torch tensors, Arrow, or a memory-mapped file (np.memmap) "
-                "instead of lists or dicts of Python objects, or use fewer workers")
+                f"process's memory while watched and holds {format_size(held)} of its own ({'; '.join(figures)}"
+                f"{more}); {n} worker{'s' if n != 1 else ''} hold {format_size(held * n)} together, and "
+                f"num_workers=N holds about N times {format_size(held)}. Each worker inherits the dataset's Python "
+                "objects at fork, and every read of one writes its reference count, so the pages holding them are "
+                "copied into each worker as __getitem__ touches them (PyTorch issue #13246). Keep the data in numpy "
+                "arrays or torch tensors, Arrow, or a memory-mapped file (np.memmap) instead of lists or dicts of "
+                "Python objects, or use fewer workers")
         if r.host_forecast is not None:
             line += "; at this rate " + forecast_text(r.host_forecast)
         advice.append(line)

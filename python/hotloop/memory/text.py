@@ -151,7 +151,7 @@ def host_rows(r) -> list:
     if r.host_unreadable:
         who = ", ".join(f"pid {p.pid} ({p.command})" for p in r.host_processes if p.unreadable)
         rows.append(("  not counted", f"{r.host_unreadable} process{'es' if r.host_unreadable != 1 else ''} of the "
-                     f"tree could not be read (another user's){': ' + who if who else ''}"))
+                     f"tree could not be read at one tick or more (permissions, or a race){': ' + who if who else ''}"))
     swap = (f"; swap used at most {format_size(r.host_swap_used_max_bytes)} of {format_size(r.host_swap_total_bytes)}"
             if r.host_swap_total_bytes else "; no swap")
     rows.append(("  machine", f"{format_size(r.host_total_bytes)} total, {format_size(r.host_available_min_bytes)}"
@@ -204,13 +204,13 @@ def format_processes(r) -> list:
     for p, role in zip(shown[:17], roles):
         if p.unreadable and p.readings == 0:
             lines.append(f"    {role:<{width}} pid {p.pid:<7} unreadable (another user's, or a hardened /proc): not "
-                         "counted")
+                         "counted, not 0 bytes")
             continue
         growth = f"{'+' if p.growth_bytes >= 0 else ''}{format_size(p.growth_bytes)}"
         if p.role == "main" and p.growth_bytes < 0 and workers:
             growth += (f": pages shared with {workers} forked process{'es' if workers != 1 else ''} after the fork, "
                        "not freed")
-        if p.growth_mib_per_1k_samples is not None:
+        if p.growth_mib_per_1k_samples is not None and (p.steady_growth or not p.copied):
             growth += f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
         if p.steady_growth:
             growth += ", steady"
