@@ -59,6 +59,7 @@ _pool_lock = threading.Lock()
 # torch keeps one peak per device, which a monitor resets when it starts. A monitor that starts while others run
 # on the device first folds the peak so far into theirs, so each still reports the largest it saw.
 _open_monitors = []
+_device_infos = {}  # (pool key, NVML index) -> nvml_device_info() of that device
 
 
 def _take_sampler(key, make):
@@ -303,6 +304,15 @@ class MemoryMonitor:
             self._release_sampler()
         return self._report
 
+    def _device_info(self):
+        """NVML's facts about the device (name, power limit), read once per sampler: a dozen NVML calls are not
+        what a monitor's end should cost each time."""
+        key = (self._pool_key, self._sampler.device)
+        info = _device_infos.get(key)
+        if info is None:
+            info = _device_infos[key] = _C.nvml_device_info(self._sampler.device)
+        return info
+
     def _fold_torch_peaks(self):
         """Keep torch's peaks so far before another monitor resets them (NOTE [ Nested torch peaks ])."""
         torch, dev = self.torch, self.torch_device
@@ -485,7 +495,7 @@ class MemoryMonitor:
             r.device_total = int(self._total)
             if r.device_name is None:
                 try:
-                    r.device_name = _C.nvml_device_info(self._sampler.device).get("name")
+                    r.device_name = self._device_info().get("name")
                 except (_C.NvmlError, ValueError):
                     pass
             if r.torch_cuda:
@@ -512,7 +522,7 @@ class MemoryMonitor:
             r.sample_rate_hz = (r.samples - 1) / span if r.samples > 1 and span > 0 else None
             r.nvml_errors = s["error"]
             try:
-                limit = _C.nvml_device_info(self._sampler.device).get("power_limit_mw")
+                limit = self._device_info().get("power_limit_mw")
                 r.power_limit_w = None if limit is None else limit / 1e3
             except (_C.NvmlError, ValueError):
                 pass
