@@ -374,10 +374,9 @@ static void tick(hl_host_sampler *s, int first) {
     int64_t t0 = hl_now_ns();
     int64_t scan_ns = 0;
     int listed = 1;
-    if (s->tree && s->children_listed) {
-        listed = list_descendants(s) == 0;
-    } else if (s->tree && (t0 >= s->next_scan || s->rescan || first)) {
-        if (scan_descendants(s) == 0) {
+    if (s->tree && (t0 >= s->next_scan || s->rescan || first)) {
+        listed = (s->children_listed ? list_descendants(s) : scan_descendants(s)) == 0;
+        if (listed) {
             s->rescan = 0;
             scan_ns = hl_now_ns() - t0;
             int64_t gap = (int64_t)((double)scan_ns / s->pss_budget); /* NOTE [ Host sampling rate ] */
