@@ -30,12 +30,12 @@
    reading from before a fork and its workers' from after it counts every page main shared twice), and
    the peak is taken only over whole rounds.
    The list of processes (every descendant of this one: torch's DataLoader workers are its children,
-   hotloop's are children of its launcher) comes from the kernel's children files (a few small reads a
-   tick, so a new worker is read from its first tick); where the kernel has none, from a scan of /proc,
-   which reads one file per process of the machine: scans are spaced by their own cost over the same budget (and at least
-   scan_interval_ms apart), so a quiet machine is scanned every tick or two and finds short-lived
-   workers, while one of thousands of processes is scanned seldom; a worker that vanishes triggers a
-   scan at the next tick, so restarted workers are found at once. */
+   hotloop's are children of its launcher) comes from the kernel's children files (a few small reads, so
+   a new worker is read from its first tick or so); where the kernel has none, from a scan of /proc, which
+   reads one file per process of the machine. Either is spaced by its own cost over the same budget (and
+   at least scan_interval_ms apart), so a quiet machine is listed every tick or two and finds short-lived
+   workers, while a scan of thousands of processes comes seldom; a worker that vanishes triggers one at
+   the next tick, so restarted workers are found at once. */
 
 /* NOTE [ Sampler windows ]
    Entering a monitor must cost next to nothing, so the thread is started once per process and kept: a
