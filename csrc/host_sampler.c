@@ -281,7 +281,7 @@ static size_t read_processes(hl_host_sampler *s, const int *given, size_t given_
         }
         x->memory.rss = rss;
         const reading *before = previous_of(s, pid);
-        changed |= before == NULL;
+        changed |= before == NULL || before->unreadable != x->unreadable; /* its PSS is not in the cache */
         x->forked = before != NULL ? before->forked : pid != s->main_pid && is_forked(s, pid);
         n++;
     }
