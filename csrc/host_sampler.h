@@ -14,7 +14,9 @@ typedef struct {
     uint64_t main_pss, main_rss, main_locked;         /* this process alone */
     uint64_t available, swap_used;                    /* the machine: MemAvailable, SwapTotal - SwapFree */
     uint32_t processes;                               /* how many were read this tick */
-    uint32_t unused;                                  /* explicit padding: the record is 88 bytes */
+    uint16_t unreadable;                              /* how many were there and could not be read */
+    uint16_t whole;                                   /* 1: every process's PSS read at this tick (a peak may be
+                                                         one); 0: RSS read, PSS carried from an earlier tick */
 } hl_host_sample;
 
 /* One process in one tick. */

@@ -3,10 +3,10 @@
 #include "monitor.h"
 #include "nvml.h"
 #include "sample_ring.h"
+#include "sampler_thread.h"
 
 #include <errno.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +14,7 @@
 #include <time.h>
 
 /* ---------------------------------------------------------------------------------------------
-   The Monitor object. `lock` guards the rings and statistics; the sampler holds it only to push. */
+   The Monitor object. `sampler.lock` guards the rings and statistics; the sampler holds it only to push. */
 
 typedef struct hl_monitor {
     PyObject_HEAD
@@ -25,11 +25,8 @@ typedef struct hl_monitor {
     int64_t interval_ns, slow_interval_ns, pcie_interval_ns;
     size_t capacity;
 
-    pthread_mutex_t lock;
-    pthread_t thread, pcie_thread;
-    int running, pcie_running;
-    atomic_int stop_requested;
-    struct hl_monitor *prev, *next; /* every live monitor, for the fork handlers */
+    hl_sampler_thread sampler, pcie_thread; /* sampler.lock guards what follows; pcie_thread's lock only its stopping */
+    int ready;                       /* both initialised (dealloc tears down only what was set up) */
 
     sample_ring memory, slow, pcie;
     /* over every sample, kept or dropped */
@@ -49,60 +46,7 @@ typedef struct hl_monitor {
 
 enum { NO_UTIL = 1, NO_POWER = 2, NO_TEMP = 4, NO_SM_CLOCK = 8, NO_MEM_CLOCK = 16, NO_REASONS = 32, NO_JPEG = 64 };
 
-static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static hl_monitor *registry;
-static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-/* fork: hold every lock across the fork so the child's copies are consistent; the child has
-   none of the parent's threads, so its monitors are simply stopped there */
-static void before_fork(void) {
-    pthread_mutex_lock(&registry_lock);
-    for (hl_monitor *m = registry; m != NULL; m = m->next)
-        pthread_mutex_lock(&m->lock);
-}
-
-static void after_fork_parent(void) {
-    for (hl_monitor *m = registry; m != NULL; m = m->next)
-        pthread_mutex_unlock(&m->lock);
-    pthread_mutex_unlock(&registry_lock);
-}
-
-static void after_fork_child(void) {
-    for (hl_monitor *m = registry; m != NULL; m = m->next) {
-        pthread_mutex_init(&m->lock, NULL);
-        m->running = m->pcie_running = 0;
-        atomic_store(&m->stop_requested, 1);
-    }
-    pthread_mutex_init(&registry_lock, NULL);
-}
-
-static void install_fork_handlers(void) { pthread_atfork(before_fork, after_fork_parent, after_fork_child); }
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static double seconds(int64_t ns) { return (double)ns * 1e-9; }
-
-/* Sleep until the absolute `deadline`, waking at least every 10 ms to see whether stop() asked. */
-static void sleep_until(hl_monitor *m, int64_t deadline) {
-    const int64_t slice = 10000000;
-    for (;;) {
-        if (atomic_load_explicit(&m->stop_requested, memory_order_relaxed))
-            return;
-        int64_t now = now_ns();
-        if (now >= deadline)
-            return;
-        int64_t until = deadline - now > slice ? now + slice : deadline;
-        struct timespec ts = {.tv_sec = until / 1000000000, .tv_nsec = until % 1000000000};
-        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
-        }
-    }
-}
-
-/* called with m->lock held */
+/* called with m->sampler.lock held */
 static void note_error(hl_monitor *m, nvmlReturn_t rc, const char *call) {
     if (m->errors++ == 0) {
         m->first_error = rc;
@@ -130,8 +74,8 @@ static nvmlReturn_t read_memory(hl_monitor *m, hl_memory_sample *s) {
 static void sample_memory(hl_monitor *m) {
     hl_memory_sample s = {0};
     nvmlReturn_t rc = read_memory(m, &s);
-    s.t = seconds(now_ns());
-    pthread_mutex_lock(&m->lock);
+    s.t = hl_seconds(hl_now_ns());
+    pthread_mutex_lock(&m->sampler.lock);
     m->ticks++;
     if (rc != NVML_SUCCESS) {
         note_error(m, rc, m->memory_v2 ? "nvmlDeviceGetMemoryInfo_v2" : "nvmlDeviceGetMemoryInfo");
@@ -153,7 +97,7 @@ static void sample_memory(hl_monitor *m) {
         m->memory_samples++;
         ring_push(&m->memory, &s);
     }
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->sampler.lock);
 }
 
 /* one slow reading; `bit` marks the reading unsupported after NOT_SUPPORTED so it is not asked again */
@@ -200,9 +144,9 @@ static void sample_slow(hl_monitor *m) {
     rc = (skip & NO_JPEG) || !n->jpg_utilization ? NVML_ERROR_FUNCTION_NOT_FOUND
                                                  : n->jpg_utilization(m->device, &v, &period_us);
     s.util_jpeg = slow_reading(rc, v, NO_JPEG, "nvmlDeviceGetJpgUtilization", &unsupported, &err, &err_call);
-    s.t = seconds(now_ns());
+    s.t = hl_seconds(hl_now_ns());
 
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->sampler.lock);
     m->unsupported |= unsupported;
     if (err != NVML_SUCCESS)
         note_error(m, err, err_call);
@@ -224,7 +168,7 @@ static void sample_slow(hl_monitor *m) {
     m->reasons_seen |= s.reasons;
     m->slow_samples++;
     ring_push(&m->slow, &s);
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->sampler.lock);
 }
 
 static void *sampler_main(void *arg) {
@@ -232,28 +176,19 @@ static void *sampler_main(void *arg) {
     /* Linux lets a sleeping thread wake up to 50 us late by default: too coarse below 1 ms */
     if (m->interval_ns < 1000000)
         prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
-    /* start() took the first readings itself */
-    int64_t next = now_ns() + m->interval_ns, next_slow = now_ns() + m->slow_interval_ns;
-    sleep_until(m, next);
-    while (!atomic_load(&m->stop_requested)) {
+    /* the first readings at once, here rather than in start(): entering a monitor does not wait on NVML */
+    int64_t next = hl_now_ns(), next_slow = next;
+    while (!hl_sampler_stopping(&m->sampler)) {
         sample_memory(m);
-        if (now_ns() >= next_slow) {
+        if (hl_now_ns() >= next_slow) {
             sample_slow(m);
             next_slow += m->slow_interval_ns;
         }
-        /* absolute deadlines keep the rate; ticks that could not be kept are skipped and counted */
-        next += m->interval_ns;
-        int64_t now = now_ns();
-        if (next < now) {
-            int64_t missed = (now - next) / m->interval_ns + 1;
-            next += missed * m->interval_ns;
-            pthread_mutex_lock(&m->lock);
-            m->ticks_missed += (uint64_t)missed;
-            pthread_mutex_unlock(&m->lock);
-        }
+        next = hl_sampler_next_tick(&m->sampler, next, m->interval_ns, &m->ticks_missed);
+        int64_t now = hl_now_ns();
         if (next_slow < now - m->slow_interval_ns)
             next_slow = now;
-        sleep_until(m, next);
+        hl_sampler_sleep_until(&m->sampler, next);
     }
     return NULL;
 }
@@ -261,14 +196,14 @@ static void *sampler_main(void *arg) {
 /* PCIe throughput blocks ~20 ms per counter inside NVML: its own thread keeps the memory tick on time */
 static void *pcie_main(void *arg) {
     hl_monitor *m = arg;
-    int64_t next = now_ns();
-    while (!atomic_load(&m->stop_requested)) {
+    int64_t next = hl_now_ns();
+    while (!hl_sampler_stopping(&m->pcie_thread)) {
         unsigned int rx = 0, tx = 0;
         nvmlReturn_t rc = m->nvml->pcie_throughput(m->device, NVML_PCIE_UTIL_RX_BYTES, &rx);
         if (rc == NVML_SUCCESS)
             rc = m->nvml->pcie_throughput(m->device, NVML_PCIE_UTIL_TX_BYTES, &tx);
-        hl_pcie_sample s = {.t = seconds(now_ns()), .rx_kb_per_s = rx, .tx_kb_per_s = tx};
-        pthread_mutex_lock(&m->lock);
+        hl_pcie_sample s = {.t = hl_seconds(hl_now_ns()), .rx_kb_per_s = rx, .tx_kb_per_s = tx};
+        pthread_mutex_lock(&m->sampler.lock);
         if (rc != NVML_SUCCESS) {
             note_error(m, rc, "nvmlDeviceGetPcieThroughput");
         } else {
@@ -277,14 +212,14 @@ static void *pcie_main(void *arg) {
             m->pcie_samples++;
             ring_push(&m->pcie, &s);
         }
-        pthread_mutex_unlock(&m->lock);
+        pthread_mutex_unlock(&m->sampler.lock);
         if (rc == NVML_ERROR_NOT_SUPPORTED || rc == NVML_ERROR_FUNCTION_NOT_FOUND)
             break;
         next += m->pcie_interval_ns;
-        int64_t now = now_ns();
+        int64_t now = hl_now_ns();
         if (next < now)
             next = now;
-        sleep_until(m, next);
+        hl_sampler_sleep_until(&m->pcie_thread, next);
     }
     return NULL;
 }
@@ -312,15 +247,11 @@ static void reset_statistics(hl_monitor *m) {
     m->stopped = 0.0;
 }
 
-/* Join both threads. Called without the GIL; `lock` is not held (the sampler takes it). */
+/* Join both threads. Called without the GIL and without the lock (the sampler takes it). */
 static void join_threads(hl_monitor *m) {
-    atomic_store(&m->stop_requested, 1);
-    if (m->running)
-        pthread_join(m->thread, NULL);
-    if (m->pcie_running)
-        pthread_join(m->pcie_thread, NULL);
-    m->running = m->pcie_running = 0;
-    m->stopped = seconds(now_ns());
+    hl_sampler_stop(&m->sampler);
+    hl_sampler_stop(&m->pcie_thread);
+    m->stopped = hl_seconds(hl_now_ns());
 }
 
 PyDoc_STRVAR(start_doc, "start()\n\nClear the previous run and start sampling (one C thread; a second one for\n"
@@ -329,25 +260,19 @@ PyDoc_STRVAR(start_doc, "start()\n\nClear the previous run and start sampling (o
 static PyObject *monitor_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_monitor *m = (hl_monitor *)self;
     int err = 0, pcie_err = 0;
-    if (m->running) {
+    if (m->sampler.running) {
         PyErr_SetString(PyExc_RuntimeError, "Monitor.start(): already running; call stop() first");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->sampler.lock);
     reset_statistics(m);
     m->unsupported = 0;
-    pthread_mutex_unlock(&m->lock);
-    atomic_store(&m->stop_requested, 0);
-    m->started = seconds(now_ns());
-    /* a first reading now, and a last one in stop(): a run shorter than a tick still has both */
-    sample_memory(m);
-    sample_slow(m);
-    err = pthread_create(&m->thread, NULL, sampler_main, m);
-    m->running = err == 0;
+    m->started = hl_seconds(hl_now_ns());
+    pthread_mutex_unlock(&m->sampler.lock);
+    err = hl_sampler_start(&m->sampler, sampler_main, m);
     if (err == 0 && m->pcie_interval_ns > 0 && m->nvml->pcie_throughput != NULL) {
-        pcie_err = pthread_create(&m->pcie_thread, NULL, pcie_main, m);
-        m->pcie_running = pcie_err == 0;
+        pcie_err = hl_sampler_start(&m->pcie_thread, pcie_main, m);
         if (pcie_err != 0)
             join_threads(m);
     }
@@ -359,11 +284,12 @@ static PyObject *monitor_start(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(stop_doc, "stop()\n\nStop sampling and join the sampler thread(s). Does nothing when not running.");
+PyDoc_STRVAR(stop_doc, "stop()\n\nStop sampling and join the sampler thread(s), then take a last memory reading.\n"
+                       "Does nothing when not running.");
 
 static PyObject *monitor_stop(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_monitor *m = (hl_monitor *)self;
-    if (m->running || m->pcie_running) {
+    if (m->sampler.running || m->pcie_thread.running) {
         Py_BEGIN_ALLOW_THREADS
         join_threads(m);
         sample_memory(m);
@@ -380,7 +306,7 @@ typedef struct {
 } snapshot_copy;
 
 static int take_copy(hl_monitor *m, snapshot_copy *c) {
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->sampler.lock);
     c->stats = *m;
     c->memory_n = m->memory.count;
     c->slow_n = m->slow.count;
@@ -394,7 +320,7 @@ static int take_copy(hl_monitor *m, snapshot_copy *c) {
         ring_copy(&m->slow, c->slow);
         ring_copy(&m->pcie, c->pcie);
     }
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->sampler.lock);
     return ok ? 0 : -1;
 }
 
@@ -440,7 +366,8 @@ static PyObject *monitor_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) 
     result = Py_BuildValue(
         "{s:O, s:O, s:O, s:O, s:O, s:d, s:d, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:d, s:K, s:K,"
         " s:d, s:K, s:d, s:d, s:d, s:d, s:N, s:N, s:N, s:N, s:K, s:K, s:K, s:N, s:N}",
-        "memory", memory, "slow", slow, "pcie", pcie, "error", error, "running", m->running ? Py_True : Py_False,
+        "memory", memory, "slow", slow, "pcie", pcie, "error", error, "running",
+        m->sampler.running ? Py_True : Py_False,
         "started", s->started, "stopped", s->stopped, "ticks", (unsigned long long)s->ticks, "ticks_missed",
         (unsigned long long)s->ticks_missed, "memory_samples", (unsigned long long)s->memory_samples,
         "slow_samples", (unsigned long long)s->slow_samples, "pcie_samples", (unsigned long long)s->pcie_samples,
@@ -451,7 +378,7 @@ static PyObject *monitor_snapshot(PyObject *self, PyObject *Py_UNUSED(ignored)) 
         "last_used", (unsigned long long)s->last_used, "last_t", s->last_t, "util_mean",
         s->util_count ? (double)s->util_sum / (double)s->util_count : -1.0, "power_mean_w",
         s->power_count ? (double)s->power_sum / (double)s->power_count / 1000.0 : -1.0, "interval_s",
-        seconds(m->interval_ns), "power_max_mw", unsigned_or_none(s->power_count ? s->power_max : HL_UNSUPPORTED),
+        hl_seconds(m->interval_ns), "power_max_mw", unsigned_or_none(s->power_count ? s->power_max : HL_UNSUPPORTED),
         "temperature_max_c", unsigned_or_none(s->temperature_max ? s->temperature_max : HL_UNSUPPORTED),
         "sm_clock_min_mhz", unsigned_or_none(s->sm_clock_min), "sm_clock_max_mhz",
         unsigned_or_none(s->sm_clock_max ? s->sm_clock_max : HL_UNSUPPORTED), "reasons_seen",
@@ -477,11 +404,11 @@ static PyObject *monitor_check(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     const char *call;
     uint64_t errors;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&m->lock);
+    pthread_mutex_lock(&m->sampler.lock);
     code = m->first_error;
     call = m->first_error_call;
     errors = m->errors;
-    pthread_mutex_unlock(&m->lock);
+    pthread_mutex_unlock(&m->sampler.lock);
     Py_END_ALLOW_THREADS
     if (errors == 0)
         Py_RETURN_NONE;
@@ -510,7 +437,7 @@ static PyObject *monitor_read_memory(PyObject *self, PyObject *Py_UNUSED(ignored
 }
 
 static PyObject *get_running(PyObject *self, void *Py_UNUSED(closure)) {
-    return PyBool_FromLong(((hl_monitor *)self)->running);
+    return PyBool_FromLong(((hl_monitor *)self)->sampler.running);
 }
 
 static PyObject *get_device(PyObject *self, void *Py_UNUSED(closure)) {
@@ -603,8 +530,6 @@ static PyObject *monitor_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
     m->slow_interval_ns = (int64_t)(slow_ms * 1e6);
     m->pcie_interval_ns = (int64_t)(pcie_ms * 1e6);
     m->capacity = (size_t)capacity;
-    pthread_mutex_init(&m->lock, NULL);
-    atomic_init(&m->stop_requested, 0);
     /* the slow and PCIe rings hold as many seconds as the memory ring, at their slower rates */
     size_t slow_capacity = (size_t)((double)capacity * interval_ms / slow_ms) + 16;
     size_t pcie_capacity = pcie_ms > 0 ? (size_t)((double)capacity * interval_ms / pcie_ms) + 16 : 1;
@@ -620,34 +545,27 @@ static PyObject *monitor_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         m->memory_v2 = n->memory_v2(handle, &mem) == NVML_SUCCESS || n->memory_v1 == NULL;
     }
     reset_statistics(m);
-    pthread_once(&atfork_once, install_fork_handlers);
-    pthread_mutex_lock(&registry_lock);
-    m->next = registry;
-    if (registry != NULL)
-        registry->prev = m;
-    registry = m;
-    pthread_mutex_unlock(&registry_lock);
+    if (hl_sampler_init(&m->sampler) < 0) {
+        Py_DECREF(m);
+        return PyErr_NoMemory();
+    }
+    if (hl_sampler_init(&m->pcie_thread) < 0) {
+        hl_sampler_destroy(&m->sampler);
+        Py_DECREF(m);
+        return PyErr_NoMemory();
+    }
+    m->ready = 1;
     return (PyObject *)m;
 }
 
 static void monitor_dealloc(PyObject *self) {
     hl_monitor *m = (hl_monitor *)self;
     PyTypeObject *type = Py_TYPE(self);
-    if (m->running || m->pcie_running) {
+    if (m->ready) {
         Py_BEGIN_ALLOW_THREADS
-        join_threads(m);
+        hl_sampler_destroy(&m->sampler);
+        hl_sampler_destroy(&m->pcie_thread);
         Py_END_ALLOW_THREADS
-    }
-    if (m->capacity > 0) { /* registered (construction got that far) */
-        pthread_mutex_lock(&registry_lock);
-        if (m->prev)
-            m->prev->next = m->next;
-        else if (registry == m)
-            registry = m->next;
-        if (m->next)
-            m->next->prev = m->prev;
-        pthread_mutex_unlock(&registry_lock);
-        pthread_mutex_destroy(&m->lock);
     }
     ring_free(&m->memory);
     ring_free(&m->slow);

@@ -167,7 +167,69 @@ int hl_read_proc_stat(int pid, hl_proc_stat *out) {
     out->pid = pid;
     out->ppid = ppid;
     out->cpu_ticks = utime + stime;
+    const char *open_paren = strchr(buf, '(');
+    size_t len = open_paren != NULL && p > open_paren ? (size_t)(p - open_paren - 1) : 0;
+    len = len < sizeof(out->comm) - 1 ? len : sizeof(out->comm) - 1;
+    memcpy(out->comm, open_paren != NULL ? open_paren + 1 : "", len);
+    out->comm[len] = '\0';
     return 0;
+}
+
+int hl_proc_alive(int pid) {
+    hl_proc_stat s;
+    if (hl_read_proc_stat(pid, &s) == 0)
+        return 1;
+    /* stat unreadable although the process is there (a hardened /proc): alive as long as it can be signalled */
+    char path[64], buf[8];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    return read_small_file(path, buf, sizeof(buf)) < 0 && errno == EACCES;
+}
+
+long hl_read_proc_cmdline(int pid, char *buf, size_t size) {
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/cmdline", pid);
+    return read_small_file(path, buf, size);
+}
+
+int hl_children_listed(void) {
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)getpid(), (int)getpid());
+    return access(path, R_OK) == 0;
+}
+
+int hl_append_children(int pid, int **pids, size_t *n, size_t *capacity) {
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/task", pid);
+    DIR *dir = opendir(path);
+    if (dir == NULL)
+        return 0; /* gone */
+    int rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(dir)) != NULL) {
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        snprintf(path, sizeof(path), "/proc/%d/task/%.16s/children", pid, e->d_name);
+        if (read_small_file(path, buf, sizeof(buf)) < 0)
+            continue; /* the thread ended meanwhile */
+        for (char *p = buf, *end; *p; p = end) {
+            long child = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            if ((*n == *capacity)) {
+                size_t grown = *capacity ? *capacity * 2 : 64;
+                int *more = realloc(*pids, grown * sizeof(int));
+                if (more == NULL) {
+                    rc = -1;
+                    break;
+                }
+                *pids = more;
+                *capacity = grown;
+            }
+            (*pids)[(*n)++] = (int)child;
+        }
+    }
+    closedir(dir);
+    return rc;
 }
 
 long hl_scan_processes(hl_proc_stat **stats, size_t *capacity) {

@@ -52,4 +52,28 @@ static inline void ring_copy(const sample_ring *r, char *out) {
     memcpy(out + first * r->item, r->data, (r->count - first) * r->item);
 }
 
+/* The logical index (0: the oldest kept) of the first item whose leading double (every sampler record opens
+   with its time) is at least `t`; `count` when none is. The items are in time order. */
+static inline size_t ring_index_at(const sample_ring *r, double t) {
+    size_t start = (r->head + r->capacity - r->count) % r->capacity, lo = 0, hi = r->count;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        double tm;
+        memcpy(&tm, r->data + ((start + mid) % r->capacity) * r->item, sizeof(tm));
+        if (tm < t)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* `n` kept items from logical index `from` on, into `out` */
+static inline void ring_copy_range(const sample_ring *r, char *out, size_t from, size_t n) {
+    size_t start = (r->head + r->capacity - r->count + from) % r->capacity;
+    size_t first = r->capacity - start < n ? r->capacity - start : n;
+    memcpy(out, r->data + start * r->item, first * r->item);
+    memcpy(out + first * r->item, r->data, (n - first) * r->item);
+}
+
 #endif

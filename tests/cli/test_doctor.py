@@ -84,8 +84,15 @@ def test_monitor_cli_writes_rows_and_a_summary(fake_nvml_library, tmp_path):
 
 
 def test_monitor_cli_without_nvml(tmp_path):
-    p = run_cli("monitor", "--duration", "0.1", env={"HOTLOOP_NVML_LIBRARY": str(tmp_path / "missing.so")})
-    assert p.returncode == 1 and "no NVML" in p.stderr and "Traceback" not in p.stderr
+    """No NVML: the host alone is logged (the machine's available memory), the GPU's columns empty; --device
+    asks for a GPU that cannot be read, which is an error."""
+    p = run_cli("monitor", "--duration", "0.35", env={"HOTLOOP_NVML_LIBRARY": str(tmp_path / "missing.so")})
+    assert p.returncode == 0 and "no GPU to watch" in p.stderr and "Traceback" not in p.stderr
+    rows = [line.split() for line in p.stdout.splitlines()[1:] if line[:1].isdigit()]
+    assert rows and all(len(row) == 2 and float(row[1]) > 0 for row in rows)
+    p = run_cli("monitor", "--duration", "0.1", "--device", "0",
+                env={"HOTLOOP_NVML_LIBRARY": str(tmp_path / "missing.so")})
+    assert p.returncode == 2 and "--device given, but no GPU can be read" in p.stderr
 
 
 def started_monitor(env, sigint):

@@ -102,7 +102,7 @@ def test_sampler_figures_match_proc_read_here():
         assert child.stdout.readline().strip() == b"1"  # its 48 MiB are touched
         s.start()
         time.sleep(0.3)
-        s.stop()  # its last reading is a whole one, taken now: read /proc here right after it
+        s.stop()  # its last reading is a whole one (pss_budget=1: every tick is), a tick ago: read /proc here now
         # (PSS of shared library pages moves with every other process on the machine that maps them)
         mine, theirs = smaps_rollup(), smaps_rollup(child.pid)
         snap = s.snapshot()
@@ -144,10 +144,12 @@ def test_tick_sums_add_up():
     assert len(tl.host) == snap["ticks"] >= 3
     for tick in tl.host:
         mine = tl.procs[tl.procs["t"] == tick["t"]]
-        assert len(mine) == tick["processes"]
+        assert len(mine) == tick["processes"] and tick["unreadable"] == 0
         assert int(mine["pss"].sum()) == tick["tree_pss"] and int(mine["rss"].sum()) == tick["tree_rss"]
         assert int(mine["pss"][mine["pid"] == os.getpid()].sum()) == tick["main_pss"]
-    assert snap["peak_tree_pss"] == tl.host_tree_pss.max()
+    whole = tl.host["whole"] == 1
+    assert whole[0] and snap["whole_ticks"] == whole.sum()  # the first tick of a window reads every process
+    assert snap["peak_tree_pss"] == tl.host_tree_pss[whole].max()
     assert snap["peak_processes"] >= 2 and child.pid in set(tl.procs["pid"].tolist())
 
 
@@ -155,7 +157,7 @@ def test_list_dataset_grows_every_worker_and_the_advice_fires():
     """A dataset of Python floats read in __getitem__: each worker's USS grows steadily, as the workers
     themselves read it from /proc, and the advice names copy-on-read and its fixes with the figures."""
     r, text, rows = run_loader("list", torch.utils.data.DataLoader)
-    workers = [p for p in r.host_processes if p.role == "worker"]
+    workers = [p for p in r.host_processes if p.role == "torch worker"]
     reported = worker_readings(rows)
     assert {w.pid for w in workers} >= set(reported)
     for pid, (first, last, served) in reported.items():
@@ -166,7 +168,7 @@ def test_list_dataset_grows_every_worker_and_the_advice_fires():
         assert abs(w.growth_bytes - (last - first)) <= 0.25 * (last - first), (w, first, last)
         assert w.growth_bytes_per_s > 0 and w.steadiness >= 0.8
     advice = "\n".join(r.advice)
-    assert "copy-on-read" in advice and "numpy arrays or tensors" in advice and "memory-mapped" in advice
+    assert "copy-on-read" in advice and "numpy arrays or torch tensors" in advice and "memory-mapped" in advice
     assert "fewer workers" in advice and "#13246" in advice
     assert all(f"pid {pid} +" in advice for pid in reported)
     assert "steady" in text and "copy-on-read" in text
@@ -192,7 +194,7 @@ def test_growth_per_thousand_samples_from_a_hotloop_dataloader():
 
 def test_numpy_dataset_shows_no_growth_and_no_advice():
     r, text, rows = run_loader("array", torch.utils.data.DataLoader)
-    workers = [p for p in r.host_processes if p.role == "worker"]
+    workers = [p for p in r.host_processes if p.role == "torch worker"]
     assert len(workers) >= 2
     for pid, (first, last, served) in worker_readings(rows).items():
         # the workers' own reads: nothing of the data copied (the list's workers copy ~30 MiB each; the
@@ -305,7 +307,8 @@ def test_low_memory_exit_read_from_the_sampler_snapshot():
         return dict(pid=pid, ppid=1, alive=alive, given=False, first_t=1.0, last_t=2.0, gone_t=None if alive else 2.1,
                     first_pss=MiB, last_pss=2 * MiB, peak_pss=2 * MiB, first_uss=MiB, last_uss=2 * MiB, first_rss=MiB,
                     last_rss=2 * MiB, peak_rss=2 * MiB, samples=4, sum_t=2.0, sum_tt=1.5, sum_p=6.0, sum_tp=3.5,
-                    sum_pp=10.0, cpu_s=0.5, available_last=available)
+                    sum_pp=10.0, cpu_s=0.5, available_last=available, forked=pid != 1, comm="python",
+                    unreadable=False)
     snap = {"main_pid": 1, "total": 64 << 30, "running": False,
             "processes": [record(1, True, 1 << 30), record(2, False, 100 * MiB), record(3, False, 8 << 30)]}
     got = {p.pid: p for p in processes_of(snap, 0.0, None)}
@@ -450,13 +453,15 @@ def test_samples_are_shared_out_by_cpu_time():
         return dict(pid=pid, ppid=ppid, alive=True, given=False, first_t=1.0, last_t=3.0, gone_t=None,
                     first_pss=MiB, last_pss=MiB, peak_pss=MiB, first_uss=8 * MiB, last_uss=8 * MiB + growth,
                     first_rss=MiB, last_rss=MiB, peak_rss=MiB, samples=6, sum_t=6.0, sum_tt=8.0, sum_p=6.0,
-                    sum_tp=6.0, sum_pp=6.0, cpu_s=cpu, available_last=1 << 30)
+                    sum_tp=6.0, sum_pp=6.0, cpu_s=cpu, available_last=1 << 30, forked=pid != 1, comm="python",
+                    unreadable=False)
     cpu = np.random.uniform(0.5, 3.0, size=2)
     growth = np.random.randint(10, 90, size=2) * MiB
     snap = {"main_pid": 1, "total": 64 << 30, "processes": [
         record(1, 0, 5.0, 0), record(2, 1, float(cpu[0]), int(growth[0])), record(3, 1, float(cpu[1]), int(growth[1])),
         record(4, 1, 0.0, 0)]}
-    got = {p.pid: p for p in processes_of(snap, 0.0, 1000)}
+    got = {p.pid: p for p in processes_of(snap, 0.0, 1000, hotloop_fed=True)}  # forks of main: hotloop's workers
+    assert got[2].role == got[3].role == "worker"
     assert got[1].samples is None and got[4].samples is None  # the main process; the idle child
     for pid, i in ((2, 0), (3, 1)):
         share = 1000 * cpu[i] / cpu.sum()

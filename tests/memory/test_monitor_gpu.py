@@ -150,3 +150,39 @@ def test_json_has_the_same_keys_with_the_gpu_as_without():
     p = subprocess.run([sys.executable, "-c", JSON_KEYS_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1]) == sorted(d)
+
+
+class _Strings(torch.utils.data.Dataset):
+    """The issue's dataset: a list of Python strings (copy-on-read), each sample a small image-like tensor."""
+
+    def __init__(self, n):
+        self.items = [str(i) * 8 for i in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return torch.full((3, 32, 32), float(len(self.items[i])))
+
+
+@pytest.mark.parametrize("loader", [hotloop.DataLoader, torch.utils.data.DataLoader])
+def test_report_on_a_dataloader_with_workers_feeding_a_cuda_model(loader):
+    """Workers feed a CUDA model: the report has the GPU's peaks and the host's tree, each worker alive at the
+    end named a worker, and the list dataset's copy-on-read advice."""
+    settle()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.LazyLinear(10)).cuda()
+    dl = loader(_Strings(400_000), batch_size=1024, num_workers=2, shuffle=True, persistent_workers=True)
+    with hotloop.MemoryMonitor(report=None, host_pss_budget=0.5) as mon:
+        for _ in range(2):
+            for x in dl:
+                model(x.cuda(non_blocking=True)).sum().backward()
+        torch.cuda.synchronize()
+    r = mon.report()
+    print(r)
+    assert r.nvml and r.torch_cuda and r.peak_allocated > 0 and r.peak_device_used >= r.peak_reserved
+    workers = [p for p in r.host_processes if p.is_worker]
+    assert len(workers) == 2 and not any(p.exited for p in workers)
+    assert r.host_peak_bytes == r.host_peak_main_bytes + r.host_peak_children_bytes
+    assert any("copy-on-read" in a and "2 workers hold" in a for a in r.advice), r.advice
+    del dl

@@ -2,6 +2,7 @@
 in one process (CUDA events on a GPU, perf_counter on the CPU; warm-up, median), hotloop ÷ torch.
 Benchmarks are never tests: nothing here asserts on speed."""
 import dataclasses
+import math
 import statistics
 import time
 
@@ -123,8 +124,11 @@ class Context:
 
 def format_table(rows) -> str:
     header = ("component", "figure", "hotloop", "torch", "unit", "hotloop÷torch", "better by", "note")
-    body = [(r.component, r.figure, f"{r.hotloop:.4g}", f"{r.torch:.4g}", r.unit, f"{r.ratio:.3f}",
-             f"{r.speedup:.2f}x", r.note) for r in rows]
+    def number(value, form):  # a row that does not apply here (n/a on a CPU) has no figure
+        return format(value, form) if math.isfinite(value) else "-"
+
+    body = [(r.component, r.figure, number(r.hotloop, ".4g"), number(r.torch, ".4g"), r.unit, number(r.ratio, ".3f"),
+             number(r.speedup, ".2f") + ("x" if math.isfinite(r.speedup) else ""), r.note) for r in rows]
     widths = [max(len(str(line[i])) for line in [header] + body) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header] + body]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -5,7 +5,9 @@ hotloop's C sampler at 1 kHz, with torch's `_record_memory_history`, and with a 
 NVML every 1 ms (pynvml, else ctypes), the configurations alternated block by block in one process.
 Then the sample rate the C sampler achieves when 1 kHz and 10 kHz are asked, against a Python thread.
 Beside them, on any machine: what the host sampler (hotloop._C.HostSampler) costs while it watches this
-process and two children, against a Python thread reading the same /proc files at the same rate.
+process and two children, against a Python thread reading the same /proc files at the same rate; and what
+entering and leaving a monitor costs (NOTE [ Sampler windows ] in csrc/host_sampler.c), against the peak
+bookkeeping a hand-written decorator does. A row that needs a GPU says so on a CPU, with no figure.
 """
 import ctypes
 import os
@@ -163,11 +165,56 @@ def _sample_rate(device, interval_ms, seconds):
     return r.sample_rate_hz or float("nan"), r
 
 
+def _quartiles(values):
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], q[1], q[2]
+
+
+def enter_leave_row(ctx, calls=20):
+    """Entering and leaving a default MemoryMonitor around an empty block (report=None), median of `calls`,
+    against what a hand-written peak decorator does: torch's peak reset and read on a GPU, /proc/self/smaps_rollup
+    read at both ends on a CPU (psutil's memory_full_info() reads the same file)."""
+    torch = ctx.torch
+
+    def ours():
+        with MemoryMonitor(device=ctx.device if ctx.is_cuda else None):
+            pass
+
+    def theirs():
+        if ctx.is_cuda:
+            torch.cuda.synchronize(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            torch.cuda.max_memory_allocated(ctx.device)
+        else:
+            for _ in range(2):
+                with open("/proc/self/smaps_rollup") as f:
+                    f.read()
+
+    ours()  # the samplers are made once per process: not the figure
+    times = {"ours": [], "theirs": []}
+    for k in range(calls):  # alternated, the order flipped each call
+        for key, fn in ((("ours", ours), ("theirs", theirs)) if k % 2 == 0 else (("theirs", theirs), ("ours", ours))):
+            t0 = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    q1, med, q3 = _quartiles(times["ours"])
+    what = "torch peak reset + read" if ctx.is_cuda else "smaps_rollup read at enter and leave"
+    return Row("monitor", "enter + leave a default memory monitor (empty block)", med,
+               statistics.median(times["theirs"]), "ms", f"median of {calls}, IQR {q1:.2f}-{q3:.2f} ms; torch column: "
+               f"{what}, what a hand-written decorator does")
+
+
 def rows(ctx):
     yield from host_rows(0.5 if ctx.quick else 2.0)
+    yield enter_leave_row(ctx)
+    if not ctx.is_cuda:  # the steady cost is measured on a training step, on the GPU
+        yield Row("monitor", "ResNet-50 AMP step: steady overhead of the default monitor", float("nan"), float("nan"),
+                  "ms", "n/a on CPU: measured on a CUDA device (bench components --device cuda)")
     reason = _C.nvml_unavailable_reason()
     if reason is not None:
-        print(f"  monitor: skipped, no NVML ({reason})", flush=True)
+        print(f"  monitor: sample-rate rows skipped, no NVML ({reason})", flush=True)
+        if ctx.is_cuda:
+            yield from _overhead_rows(ctx)
         return
     torch = ctx.torch
     seconds = 0.3 if ctx.quick else 1.0
@@ -190,10 +237,15 @@ def rows(ctx):
                   f"hotloop {100 * rate / hz:.1f} % of asked, {r.ticks_missed} ticks missed; torch column: "
                   f"Python thread ({getattr(poller, 'how', '-')})")
 
-    if not ctx.is_cuda:
-        print("  monitor: step-time overhead skipped (needs a CUDA device)", flush=True)
-        return
+    if ctx.is_cuda:
+        yield from _overhead_rows(ctx)
 
+
+def _overhead_rows(ctx):
+    """The step time of a ResNet-50 AMP step with no monitor, the default monitor, torch's memory history and a
+    Python NVML thread, alternated block by block, the order flipped each round; the overhead as the median and
+    interquartile range of each round's paired ratio."""
+    torch = ctx.torch
     model, name = _model(torch, ctx.device, ctx.quick)
     batch = 32 if ctx.quick else 128
     x = torch.randn(batch, 3, 224, 224, device=ctx.device).to(memory_format=torch.channels_last)
@@ -209,14 +261,18 @@ def rows(ctx):
         opt.zero_grad(set_to_none=True)
 
     steps = 3 if ctx.quick else 10
-    rounds = 2 if ctx.quick else 30  # alternations: the overhead sought (< 0.5 %) is within the step-to-step spread
+    rounds = 4 if ctx.quick else 30  # alternations: the overhead sought (< 0.5 %) is within the step-to-step spread
 
     def block():
         for _ in range(steps):
             step()
 
-    hotloop_monitor = MemoryMonitor(interval_ms=1.0, device=ctx.device)
-    poller = PythonNvmlPoller(ctx.device.index or 0, 0.001)
+    hotloop_monitor = MemoryMonitor(device=ctx.device)  # the default monitor, as @hotloop.memory_monitor makes it
+    try:
+        poller = PythonNvmlPoller(ctx.device.index or 0, 0.001)
+    except Exception as e:  # no NVML for Python: that comparison is left out
+        print(f"  monitor: Python NVML poller unavailable ({e})", flush=True)
+        poller = None
 
     def record_history(on):
         if on:
@@ -228,8 +284,9 @@ def rows(ctx):
         "none": (lambda: None, lambda: None),
         "hotloop": (hotloop_monitor.start, hotloop_monitor.stop),
         "history": (lambda: record_history(True), lambda: record_history(False)),
-        "python": (poller.start, poller.stop),
     }
+    if poller is not None:
+        configs["python"] = (poller.start, poller.stop)
     for _ in range(3):
         step()
     ctx.sync()
@@ -244,14 +301,17 @@ def rows(ctx):
             off()
             times[key].append(ms)
             if key == "hotloop":
-                rates.append(hotloop_monitor.report().sample_rate_hz or float("nan"))
+                rates.append(hotloop_monitor.last_report.sample_rate_hz or float("nan"))
     med = {k: statistics.median(v) for k, v in times.items()}
     label = f"{name} AMP step, batch {batch}"
-    overhead = 100 * (med["hotloop"] / med["none"] - 1)
-    yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs no monitor", med["hotloop"], med["none"], "ms",
-              f"overhead {overhead:+.2f} %; sampler held {statistics.median(rates):.0f} Hz during training")
+    paired = [100 * (a / b - 1) for a, b in zip(times["hotloop"], times["none"])]
+    q1, overhead, q3 = _quartiles(paired)
+    yield Row("monitor", f"{label}: steady overhead of the default monitor (1 kHz)", med["hotloop"], med["none"],
+              "ms", f"overhead {overhead:+.2f} % (median of {rounds} alternations, order flipped each round; IQR "
+              f"{q1:+.2f} to {q3:+.2f} %); sampler held {statistics.median(rates):.0f} Hz during training")
     yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs torch _record_memory_history", med["hotloop"],
               med["history"], "ms", f"history overhead {100 * (med['history'] / med['none'] - 1):+.1f} %")
-    yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs Python NVML thread (1 ms)", med["hotloop"],
-              med["python"], "ms", f"Python thread ({poller.how}) overhead "
-              f"{100 * (med['python'] / med['none'] - 1):+.1f} %")
+    if poller is not None:
+        yield Row("monitor", f"{label}: 1 kHz hotloop monitor vs Python NVML thread (1 ms)", med["hotloop"],
+                  med["python"], "ms", f"Python thread ({poller.how}) overhead "
+                  f"{100 * (med['python'] / med['none'] - 1):+.1f} %")

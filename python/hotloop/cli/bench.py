@@ -4,6 +4,7 @@ train, loop and inference measure whole models (hotloop/bench/train.py, loop.py,
 a DDP and an FSDP2 step in one process per rank (hotloop/bench/distributed.py); report writes the docs'
 performance page and the README's table from components' JSON files (hotloop/bench/report.py)."""
 import importlib
+import math
 import os
 import sys
 import time
@@ -134,8 +135,9 @@ def _components(args, device):
         for row in importlib.import_module(COMPONENTS[name]).rows(ctx):
             rows.append(row)
             # the elapsed time says which rows a run's time goes to (a limit on it cuts the last ones)
-            print(f"  [{time.perf_counter() - started:.0f} s] {row.component}: {row.figure}: hotloop "
-                  f"{row.hotloop:.4g} {row.unit}, torch {row.torch:.4g} {row.unit}", flush=True)
+            figures = (f"hotloop {row.hotloop:.4g} {row.unit}, torch {row.torch:.4g} {row.unit}"
+                       if math.isfinite(row.hotloop) else row.note)  # a row that does not apply here has no figure
+            print(f"  [{time.perf_counter() - started:.0f} s] {row.component}: {row.figure}: {figures}", flush=True)
     print()
     print(format_table(rows))
     if args.json:

@@ -161,8 +161,12 @@ class Doctor:
         nvrtc, cache = rtc.nvrtc_report(), rtc.kernel_cache_report()
         self.facts["nvrtc"], self.facts["kernel_cache"] = nvrtc, cache
         if nvrtc["path"] is None:
+            cpu_torch = "torch" in self.facts and not self.facts.get("torch_cuda")
+            advice = (nvrtc["error"].splitlines()[-1] if system or not cpu_torch else
+                      "torch here is a CPU build: hotloop's GPU kernels are not used and need no NVRTC; install a CUDA "
+                      "build of torch (pytorch.org) to use a GPU")
             self.add("kernels (NVRTC)", "FAIL" if system else "SKIP", "no NVRTC found" + ("" if system else ", no GPU"),
-                     nvrtc["error"].splitlines()[-1])
+                     advice)
             return
         value = (f"NVRTC {nvrtc['version']} ({nvrtc['path']}), driver CUDA {_cuda_text(_C.cuda_driver_version())}, "
                  f"cache {cache['folder']}")

@@ -48,6 +48,16 @@ def collect() -> dict:
     return facts
 
 
+def _one_line(message) -> str:
+    """nvjpeg_load's message (its first line ends "tried:", a line per path follows) as one line that keeps the
+    paths and why each failed."""
+    first, *tried = message.splitlines()
+    tried = [line.strip() for line in tried if line.strip()]
+    if not tried:
+        return first.removesuffix("; tried:").removesuffix(" tried:")
+    return f"{first} " + "; ".join(tried)
+
+
 def _nvjpeg() -> dict:
     """Which nvjpeg gpu_decode would open (path, version), or why none loads."""
     try:
@@ -57,7 +67,7 @@ def _nvjpeg() -> dict:
     try:
         path, version = _C.nvjpeg_load(nvjpeg_library_candidates())
     except RuntimeError as exc:
-        return {"path": None, "version": None, "error": str(exc).splitlines()[0]}
+        return {"path": None, "version": None, "error": _one_line(str(exc))}
     return {"path": path, "version": ".".join(map(str, version)), "error": None}
 
 

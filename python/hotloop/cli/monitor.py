@@ -57,7 +57,8 @@ def _host_columns(host, pid):
     """the host columns from the host sampler's newest tick"""
     if host is None:
         return ["", "", "", ""]
-    ticks = host_records(host.snapshot()["host"])
+    # the newest ticks, not the whole run's
+    ticks = host_records(host.snapshot(since=time.monotonic() - 2e-3 * host.interval_ms)["host"])
     if not len(ticks):
         return ["", "", "", ""]
     h = ticks[-1]
@@ -116,16 +117,36 @@ class _StopOnSignal:
 _STOP_CHECK_S = 0.05
 
 
-def main(args) -> int:
+def _pid_alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _gpus(args):
+    """The NVML devices to log: [] (the host alone, said on stderr) where NVML or a GPU is missing."""
     reason = _C.nvml_unavailable_reason()
+    if reason is None and _C.nvml_system()["device_count"] == 0:
+        reason = "NVML sees no GPU on this machine"
     if reason is not None:
-        print(f"hotloop monitor: no NVML, so nothing to watch ({reason})", file=sys.stderr)
-        return 1
-    count = _C.nvml_system()["device_count"]
-    if count == 0:
-        print("hotloop monitor: NVML sees no GPU on this machine", file=sys.stderr)
-        return 1
-    devices = args.device if args.device else list(range(count))
+        if args.device:
+            print(f"hotloop monitor: --device given, but no GPU can be read ({reason})", file=sys.stderr)
+            return None
+        print(f"hotloop monitor: no GPU to watch ({reason}): logging the host alone, the GPU columns empty",
+              file=sys.stderr)
+        return []
+    return args.device if args.device else list(range(_C.nvml_system()["device_count"]))
+
+
+def main(args) -> int:
+    devices = _gpus(args)
+    if devices is None:
+        return 2
+    if args.pid is not None and not _pid_alive(args.pid):
+        print(f"hotloop monitor: --pid {args.pid}: no such process; logging the machine's memory alone",
+              file=sys.stderr)
     interval = args.interval_ms
     monitors = []
     for d in devices:
@@ -155,6 +176,7 @@ def main(args) -> int:
     t_start, wall_start = time.monotonic(), time.time()
     lines = 0
     status = 0
+    pid_alive = args.pid is not None and _pid_alive(args.pid)
     stop = _StopOnSignal().install()
     try:
         for m in monitors:
@@ -180,8 +202,15 @@ def main(args) -> int:
             if lines % 20 == 0:
                 print(header, flush=True)
             hosted = _host_columns(host, args.pid)
-            for d, m in zip(devices, monitors):
-                row = _row(now, d, Timeline(m.snapshot())) + hosted
+            if args.pid is not None and pid_alive and not _pid_alive(args.pid):
+                pid_alive = False
+                print(f"hotloop monitor: --pid {args.pid} exited; logging the machine's memory alone", file=sys.stderr)
+            rows = [_row(now, d, Timeline(m.snapshot())) for d, m in zip(devices, monitors)]
+            if not monitors:  # no GPU: the host's row, the GPU columns empty
+                rows = [[time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"]
+                        + [""] * 13]
+            for row in rows:
+                row = row + hosted
                 print(line.format(*row[:12], row[13], row[14], row[16], row[12]), flush=True)  # the reasons last
                 if writer:
                     writer.writerow(row)

@@ -87,22 +87,32 @@ def compute_advice(r) -> list:
 
 
 def host_advice(r) -> list:
-    """Workers that grow steadily (NOTE [ Copy-on-read in DataLoader workers ] in memory/host.py), with
-    the figures and the forecast; workers gone while the machine's memory was near zero."""
+    """Workers whose private memory grew by a sizeable amount, steadily or to a plateau: copy-on-read (NOTE
+    [ Copy-on-read in DataLoader workers ] in memory/host.py), with what each copied, what the workers hold
+    together and, where the growth is steady, the forecast; workers gone while the machine's memory was near zero."""
     advice = []
-    steady = [p for p in r.host_processes if p.steady_growth]
-    if steady:
+    copied = [p for p in r.host_processes if p.copied or p.steady_growth]
+    if copied:
         figures = []
-        for p in steady[:4]:
+        for p in copied[:4]:
             per = (f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
-                   if p.growth_mib_per_1k_samples is not None else "")
-            figures.append(f"pid {p.pid} +{format_size(p.growth_bytes)} in {p.end_s - p.start_s:.1f} s{per}")
-        more = f" and {len(steady) - 4} more" if len(steady) > 4 else ""
-        line = (f"DataLoader workers grew steadily ({'; '.join(figures)}{more}): copy-on-read. Each worker inherits "
-                "the dataset's Python objects at fork, and every read of one writes its reference count, so the "
-                "pages holding them are copied into each worker one by one (PyTorch issue #13246). Hold the data "
-                "as numpy arrays or tensors instead of lists or dicts of Python objects, or in a memory-mapped "
-                "file (np.memmap), or use fewer workers")
+                   if p.growth_mib_per_1k_samples is not None and p.steady_growth else "")
+            how = "and still growing" if p.steady_growth else "then stopped"
+            figures.append(f"pid {p.pid} +{format_size(p.growth_bytes)} in {p.end_s - p.start_s:.1f} s{per}, {how}")
+        more = f" and {len(copied) - 4} more" if len(copied) > 4 else ""
+        # over every worker read twice: workers that served fewer samples copied less
+        workers = [p for p in r.host_processes if p.is_worker and p.readings >= 2] or copied
+        each = sum(max(p.growth_bytes, 0) for p in workers) / len(workers)
+        held = sum(p.last_uss for p in workers) / len(workers)  # what a fork of main has of its own
+        n = len(workers)
+        line = (f"copy-on-read in DataLoader workers: each worker copied about {format_size(each)} of the main "
+                f"process's memory while watched and holds {format_size(held)} of its own ({'; '.join(figures)}"
+                f"{more}); {n} worker{'s' if n != 1 else ''} hold {format_size(held * n)} together, and "
+                f"num_workers=N holds about N times {format_size(held)}. Each worker inherits the dataset's Python "
+                "objects at fork, and every read of one writes its reference count, so the pages holding them are "
+                "copied into each worker as __getitem__ touches them (PyTorch issue #13246). Keep the data in numpy "
+                "arrays or torch tensors, Arrow, or a memory-mapped file (np.memmap) instead of lists or dicts of "
+                "Python objects, or use fewer workers")
         if r.host_forecast is not None:
             line += "; at this rate " + forecast_text(r.host_forecast)
         advice.append(line)

@@ -9,13 +9,16 @@ So a dataset that holds its samples as Python objects (a list of paths, a dict o
 floats) is copied into every worker page by page as __getitem__ touches it, and each worker's memory
 grows steadily with the samples it has served, until the machine runs out (PyTorch issue #13246).
 numpy arrays and tensors hold their data in one buffer with one reference count: reading them writes
-nothing, so they stay shared. The finding fires on steady growth of a worker's USS (the pages it
-alone holds: a copied page is one). The report's totals use PSS (each process's share of every page
+nothing, so they stay shared. The finding fires when a worker's USS (the pages it alone holds: a copied
+page is one) grows by a sizeable amount, whether steadily (it has not touched every page yet, or it leaks:
+the forecast says when the machine runs out) or up to a plateau (it has copied all of it: num_workers
+workers hold num_workers copies). The report's totals use PSS (each process's share of every page
 it maps), whose figures add up across processes to the tree's real use; a worker's PSS is a poor
 measure of its growth, since it also moves whenever another process starts or stops sharing a page.
 """
 import dataclasses
 import logging
+import threading
 
 from .. import _C
 
@@ -25,14 +28,20 @@ MiB = float(1 << 20)
 STEADY_MIN_BYTES = 16 << 20  # a worker must grow at least this much, first reading to last, to be flagged
 STEADY_MIN_R2 = 0.8          # and grow steadily: the straight line through its PSS explains this share of it
 STEADY_MIN_SAMPLES = 5       # host ticks in the worker's life
+COPY_MIN_BYTES = 16 << 20    # a worker's USS growth from which copy-on-read is named (steady or to a plateau)
+COPY_MIN_SHARE = 0.05        # and at least this share of main's own memory (USS) at its first reading: what
+                             # a fork could have copied
 LOW_AVAILABLE_SHARE = 0.03   # available memory below this share of the total (or LOW_AVAILABLE_BYTES): "near zero"
 LOW_AVAILABLE_BYTES = 256 << 20
 
 
 @dataclasses.dataclass
 class ProcessMemory:
-    """One process of the tree over the run: this one ("main"), a DataLoader worker ("worker": a leaf
-    of the tree) or a process that started workers ("launcher": hotloop's, or a forkserver)."""
+    """One process of the tree over the run, and what it is (`role`): this one ("main"); a DataLoader worker,
+    hotloop's ("worker": a fork of main or of hotloop's launcher) or torch's ("torch worker": a
+    multiprocessing child running torch's worker loop, or named so by torch); hotloop's launcher
+    ("launcher": a fork of main that forks workers); or another child ("child", its command name in
+    `command`)."""
     pid: int
     ppid: int
     role: str
@@ -56,6 +65,14 @@ class ProcessMemory:
     low_memory_exit: bool = False  # vanished while available memory was near zero, or growing steadily while the
                                    # kernel's OOM killer struck: the OOM killer's likely victim
     steady_growth: bool = False
+    command: str = ""            # its command name (/proc/PID/comm)
+    unreadable: bool = False     # there, but its memory could not be read (another user's): its figures are not 0,
+                                 # they are unknown
+    copied: bool = False         # a worker whose USS grew by COPY_MIN_BYTES and COPY_MIN_SHARE: copy-on-read
+
+    @property
+    def is_worker(self):
+        return self.role in ("worker", "torch worker")
 
 
 def oom_kills():
@@ -88,14 +105,43 @@ def death_by_oom(exitcode, kills_before) -> str:
             "worker's growth); hold it in numpy arrays or tensors, or a memory-mapped file, or use fewer workers")
 
 
+_shared = {}  # (interval_ms, capacity, pss_budget) -> a HostSampler: NOTE [ Sampler windows ] in csrc/host_sampler.c
+_shared_lock = threading.Lock()
+
+
+def shared_sampler(interval_ms, capacity, pss_budget):
+    """The process's HostSampler for these settings, made on first use and kept: a monitor opens a window on it."""
+    key = (float(interval_ms), int(capacity), float(pss_budget))
+    with _shared_lock:
+        sampler = _shared.get(key)
+        if sampler is None:
+            sampler = _shared[key] = _C.HostSampler(interval_ms, interval_ms, capacity, True, pss_budget)
+        return sampler
+
+
+def torch_worker_pids():
+    """The pids of this process's multiprocessing children that run torch's DataLoader worker loop."""
+    import multiprocessing
+
+    pids = set()
+    for child in multiprocessing.active_children():
+        target = getattr(child, "_target", None)
+        if getattr(target, "__module__", "").startswith("torch.utils.data") and child.pid:
+            pids.add(child.pid)
+    return pids
+
+
 class HostWatch:
-    """The C host sampler for one MemoryMonitor; `reason` says why there is none."""
+    """One MemoryMonitor's window on the shared host sampler; `reason` says why there is none."""
 
     def __init__(self, interval_ms, capacity, pss_budget):
         self.reason = None
         self.sampler = None
+        self.window = None
+        self.closed = None
+        self.torch_workers = set()
         try:
-            self.sampler = _C.HostSampler(interval_ms, interval_ms, capacity, True, pss_budget)
+            self.sampler = shared_sampler(interval_ms, capacity, pss_budget)
         except (OSError, ValueError) as e:
             self.reason = str(e)
 
@@ -104,19 +150,25 @@ class HostWatch:
         if self.sampler is None:
             return
         try:
-            self.sampler.start()
+            self.window = self.sampler.open_window()
         except OSError as e:  # no /proc (not Linux): the report says so
             self.reason = f"/proc cannot be read: {e}"
             self.sampler = None
+        self.torch_workers |= torch_worker_pids()
 
     def stop(self):
-        if self.sampler is not None:
-            self.sampler.stop()
+        if self.window is not None:
+            self.torch_workers |= torch_worker_pids()
+            self.closed = self.sampler.close_window(self.window)
+            self.window = None
         now, before = oom_kills(), getattr(self, "oom_kills_at_start", None)
         self.oom_kills = None if now is None or before is None else now - before
 
     def snapshot(self):
-        return None if self.sampler is None else self.sampler.snapshot()
+        if self.window is not None:
+            self.torch_workers |= torch_worker_pids()
+            return self.sampler.snapshot(window=self.window)
+        return self.closed
 
 
 def _line(p):
@@ -134,18 +186,46 @@ def _line(p):
     return slope, r2
 
 
-def processes_of(snapshot, t0, loader_samples):
+def _roles(seen, main_pid, torch_workers, hotloop_fed):
+    """{pid: (role, command)} from what each process is (ProcessMemory's roles): torch's workers by the pids
+    multiprocessing knows; hotloop's launcher as a fork of main that forks; its workers as forks of main or of the
+    launcher, when hotloop's DataLoader fed the run or a launcher was seen."""
+    forks_of = {}
+    for p in seen:
+        if p["forked"]:
+            forks_of.setdefault(p["ppid"], []).append(p["pid"])
+    launchers = {p["pid"] for p in seen if p["forked"] and p["ppid"] == main_pid and p["pid"] not in torch_workers
+                 and p["pid"] in forks_of}
+    roles = {}
+    for p in seen:
+        pid, command = p["pid"], p["comm"]
+        if pid == main_pid:
+            role = "main"
+        elif pid in torch_workers or command == "pt_data_worker":  # the name torch's workers give themselves
+            role = "torch worker"
+        elif pid in launchers:
+            role = "launcher"
+        elif p["forked"] and (p["ppid"] in launchers or (p["ppid"] == main_pid and (hotloop_fed or launchers))):
+            role = "worker"
+        else:
+            role = "child"
+        roles[pid] = (role, command)
+    return roles
+
+
+def processes_of(snapshot, t0, loader_samples, torch_workers=(), hotloop_fed=False):
     """The ProcessMemory of every process the sampler saw, main first. loader_samples: how many samples
     the loop consumed (None where unknown), shared out among the workers by their CPU time: a process
-    of the tree that serves no samples (a leftover worker of another loader, a subprocess) uses none."""
+    of the tree that serves no samples (a leftover worker of another loader, a subprocess) uses none.
+    torch_workers: pids of torch's DataLoader workers; hotloop_fed: hotloop's DataLoader fed the run."""
     seen = snapshot["processes"]
     main_pid = snapshot["main_pid"]
-    parents = {p["ppid"] for p in seen}
     total = snapshot["total"] or 0
     low = max(LOW_AVAILABLE_SHARE * total, LOW_AVAILABLE_BYTES)
+    roles = _roles(seen, main_pid, set(torch_workers), hotloop_fed)
     out = []
     for p in seen:
-        role = "main" if p["pid"] == main_pid else "launcher" if p["pid"] in parents else "worker"
+        role, command = roles[p["pid"]]
         slope, r2 = _line(p)
         exited = not p["alive"]
         out.append(ProcessMemory(
@@ -154,8 +234,9 @@ def processes_of(snapshot, t0, loader_samples):
             last_uss=p["last_uss"], growth_bytes=p["last_uss"] - p["first_uss"], growth_bytes_per_s=slope,
             steadiness=r2, readings=p["samples"], cpu_s=p["cpu_s"], exited=exited,
             available_at_exit=p["available_last"] if exited else None,
-            low_memory_exit=exited and p["available_last"] < low))
-    workers = [w for w in out if w.role == "worker"]
+            low_memory_exit=exited and p["available_last"] < low, command=command, unreadable=p["unreadable"]))
+    main = next((p for p in out if p.role == "main"), None)
+    workers = [w for w in out if w.is_worker]
     cpu = sum(w.cpu_s for w in workers)
     for w in workers:
         if loader_samples and cpu > 0 and w.cpu_s > 0:
@@ -163,6 +244,8 @@ def processes_of(snapshot, t0, loader_samples):
             w.growth_mib_per_1k_samples = w.growth_bytes / w.samples * 1000 / MiB
         w.steady_growth = (w.readings >= STEADY_MIN_SAMPLES and w.growth_bytes >= STEADY_MIN_BYTES
                            and w.growth_bytes_per_s > 0 and (w.steadiness or 0) >= STEADY_MIN_R2)
+        w.copied = (w.readings >= 2 and w.growth_bytes >= COPY_MIN_BYTES
+                    and (main is None or w.growth_bytes >= COPY_MIN_SHARE * main.first_uss))
     out.sort(key=lambda x: (x.role != "main", x.start_s, x.pid))
     return out
 
@@ -193,8 +276,8 @@ def torch_pinned_peak(torch):
     return None if value is None else int(value)
 
 
-def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None):
-    """Set the host fields of the report `r` (a MemoryReport) from the sampler's snapshot."""
+def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None, torch_workers=(), hotloop_fed=False):
+    """Set the host fields of the report `r` (a MemoryReport) from the sampler's snapshot (a window's)."""
     import numpy as np
 
     from .timeline import host_records
@@ -209,7 +292,9 @@ def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None):
     r.host_peak_main_bytes = int(snapshot["peak_main_pss"])
     r.host_peak_children_bytes = r.host_peak_bytes - r.host_peak_main_bytes
     r.host_peak_processes = int(snapshot["peak_processes"])
-    r.host_peak_time_s = snapshot["peak_t"] - t0
+    r.host_peak_time_s = snapshot["peak_t"] - t0 if snapshot["peak_t"] else None
+    r.host_unreadable = int(snapshot["unreadable_max"])
+    r.host_before_run = bool(snapshot["before"])
     r.host_total_bytes = int(snapshot["total"])
     r.host_available_min_bytes = int(snapshot["min_available"])
     r.host_swap_total_bytes = int(snapshot["swap_total"])
@@ -222,11 +307,11 @@ def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None):
     r.pinned_torch_peak_bytes = torch_pinned_peak(torch)
     samples_per_s = loader_samples / r.duration_s if loader_samples and r.duration_s > 0 else None
     r.loader_samples = loader_samples or None
-    r.host_processes = processes_of(snapshot, t0, loader_samples)
+    r.host_processes = processes_of(snapshot, t0, loader_samples, torch_workers, hotloop_fed)
     r.host_oom_kills = oom_kill_count
     if oom_kill_count:  # the OOM killer struck: the workers that vanished growing steadily are its likely victims
         for p in r.host_processes:
-            if p.exited and p.role == "worker" and p.steady_growth:
+            if p.exited and p.is_worker and p.steady_growth:
                 p.low_memory_exit = True
     main = [p for p in r.host_processes if p.role == "main"]
     r.cpu_main_s = main[0].cpu_s if main else None

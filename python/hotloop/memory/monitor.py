@@ -18,8 +18,10 @@ stalls to the group's first rank, which prints one table with a row per rank and
 """
 import functools
 import logging
+import os
 import re
 import sys
+import threading
 import time
 
 from .. import _C, input_wait
@@ -47,6 +49,30 @@ def _torch():
 
 
 _no_gpu_said = False
+
+# NVML samplers, kept per process and settings: made once (opening NVML and finding the device is the slow part),
+# started and stopped by each monitor; a monitor nested in another, or in another thread, takes one of its own.
+_nvml_pool = {}
+_pool_lock = threading.Lock()
+
+# NOTE [ Nested torch peaks ]
+# torch keeps one peak per device, which a monitor resets when it starts. A monitor that starts while others run
+# on the device first folds the peak so far into theirs, so each still reports the largest it saw.
+_open_monitors = []
+_device_infos = {}  # (pool key, NVML index) -> nvml_device_info() of that device
+
+
+def _take_sampler(key, make):
+    with _pool_lock:
+        idle = _nvml_pool.setdefault(key, [])
+        if idle:
+            return idle.pop()
+    return make()
+
+
+def _give_back_sampler(key, sampler):
+    with _pool_lock:
+        _nvml_pool.setdefault(key, []).append(sampler)
 
 
 def _say_no_gpu(nvml_reason, host_reason):
@@ -108,7 +134,8 @@ class MemoryMonitor:
     memory samples kept (the oldest are dropped; peaks still see every sample). host_interval_ms: the
     host sampler's period (hotloop._C.HostSampler: /proc/PID/smaps_rollup of this process and every
     descendant, such as DataLoader workers, and the machine's available memory and swap; see
-    NOTE [ Host sampling rate ] in csrc/host_sampler.c for why it is slower than the GPU's);
+    NOTE [ Host sampling rate ] in csrc/host_sampler.c for why it is slower than the GPU's; one per process
+    and settings, on which each monitor opens a window: NOTE [ Sampler windows ]);
     host_pss_budget: the share of one core the costly PSS readings (smaps_rollup) may take.
     Without a GPU the report holds the host's figures, the GPU's fields None.
 
@@ -214,13 +241,23 @@ class MemoryMonitor:
         if self._running:
             raise RuntimeError("MemoryMonitor.start(): already running")
         nvml_device = self._resolve()
+        # the library is part of the key: HOTLOOP_NVML_LIBRARY chooses it (a fake one in tests)
+        self._pool_key = (os.environ.get("HOTLOOP_NVML_LIBRARY"), nvml_device, self.interval_ms,
+                          self.slow_interval_ms, self.pcie_interval_ms, self.capacity)
+        self.nvml_reason = None
         if self._sampler is None:
-            self._sampler = self._open_sampler(nvml_device)
+            self._sampler = _take_sampler(self._pool_key, lambda: self._open_sampler(nvml_device))
         torch = self.torch
         self._torch_start = None
+        self._torch_peaks = {"allocated": 0, "reserved": 0}
         if self.torch_device is not None:
             torch.cuda.synchronize(self.torch_device)  # creates the context, so the baseline includes it
-            torch.cuda.reset_peak_memory_stats(self.torch_device)
+            with _pool_lock:  # NOTE [ Nested torch peaks ]
+                for other in _open_monitors:
+                    if other.torch_device == self.torch_device:
+                        other._fold_torch_peaks()
+                torch.cuda.reset_peak_memory_stats(self.torch_device)
+                _open_monitors.append(self)
             stats = torch.cuda.memory_stats(self.torch_device)
             self._torch_start = {"reserved": torch.cuda.memory_reserved(self.torch_device),
                                  "retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
@@ -256,12 +293,42 @@ class MemoryMonitor:
         if self._sampler is not None:
             self._sampler.stop()
         self._t1 = time.monotonic()
-        self._host.stop()  # its last reading (a whole PSS round) is not the run's time
+        self._host.stop()
         self._running = False
+        self._leave_open_monitors()
         if self._hooks is not None:
             self._hooks.remove()
-        self._report = self._build_report()
+        try:
+            self._report = self._build_report()
+        finally:
+            self._release_sampler()
         return self._report
+
+    def _device_info(self):
+        """NVML's facts about the device (name, power limit), read once per sampler: a dozen NVML calls are not
+        what a monitor's end should cost each time."""
+        key = (self._pool_key, self._sampler.device)
+        info = _device_infos.get(key)
+        if info is None:
+            info = _device_infos[key] = _C.nvml_device_info(self._sampler.device)
+        return info
+
+    def _fold_torch_peaks(self):
+        """Keep torch's peaks so far before another monitor resets them (NOTE [ Nested torch peaks ])."""
+        torch, dev = self.torch, self.torch_device
+        self._torch_peaks["allocated"] = max(self._torch_peaks["allocated"], int(torch.cuda.max_memory_allocated(dev)))
+        self._torch_peaks["reserved"] = max(self._torch_peaks["reserved"], int(torch.cuda.max_memory_reserved(dev)))
+
+    def _leave_open_monitors(self):
+        with _pool_lock:
+            if self in _open_monitors:
+                _open_monitors.remove(self)
+
+    def _release_sampler(self):
+        """The NVML sampler back to the pool, for the next monitor with the same settings."""
+        if self._sampler is not None:
+            _give_back_sampler(self._pool_key, self._sampler)
+            self._sampler = None
 
     def report(self, all_ranks=False, process_group=None) -> MemoryReport:
         """The report: the final one after stop(), else one of the run so far.
@@ -301,6 +368,8 @@ class MemoryMonitor:
 
     @property
     def timeline(self) -> Timeline:
+        if not self._running and self._report is not None:
+            return self._report.timeline  # the samplers went back to the pool with the report made
         nvml = None if self._sampler is None else self._sampler.snapshot()
         host = None if self._host is None else self._host.snapshot()
         return Timeline(nvml, getattr(self, "_t0", 0.0), host=host)
@@ -352,6 +421,8 @@ class MemoryMonitor:
         if self._hooks is not None:
             self._hooks.remove()
         self._running = False
+        self._leave_open_monitors()
+        self._release_sampler()
 
     def note_oom(self, exc):
         """Record what memory looked like when `exc` (torch.OutOfMemoryError) was raised."""
@@ -399,20 +470,21 @@ class MemoryMonitor:
             dev = self.torch_device
             r.device_name = torch.cuda.get_device_name(dev)
             stats = torch.cuda.memory_stats(dev)
-            r.peak_allocated = int(torch.cuda.max_memory_allocated(dev))
-            r.peak_reserved = int(torch.cuda.max_memory_reserved(dev))
+            r.peak_allocated = max(int(torch.cuda.max_memory_allocated(dev)), self._torch_peaks["allocated"])
+            r.peak_reserved = max(int(torch.cuda.max_memory_reserved(dev)), self._torch_peaks["reserved"])
             r.fragmentation_at_peak = r.peak_reserved - r.peak_allocated
             r.inactive_split_peak = int(stats.get("inactive_split_bytes.all.peak", 0))
             r.alloc_retries = int(stats.get("num_alloc_retries", 0) - self._torch_start["retries"])
             r.ooms = int(stats.get("num_ooms", 0) - self._torch_start["ooms"])
         host = self._host.snapshot()
-        r.timeline = Timeline(self._sampler.snapshot() if r.nvml else None, self._t0, host=host)
         loader_end = input_wait.snapshot()
         if host is not None:
             fill_host(r, host, self._t0, loader_end["samples"] - self._loader_start["samples"], torch,
-                      getattr(self._host, "oom_kills", None))
+                      getattr(self._host, "oom_kills", None), self._host.torch_workers,
+                      loader_end["batches"] > self._loader_start["batches"])
         else:
             r.host_unavailable_reason = self._host.reason
+        r.timeline = Timeline(None, self._t0, host=host)
         if r.nvml:
             s = self._sampler.snapshot()
             r.timeline = Timeline(s, self._t0, host=host)
@@ -423,7 +495,7 @@ class MemoryMonitor:
             r.device_total = int(self._total)
             if r.device_name is None:
                 try:
-                    r.device_name = _C.nvml_device_info(self._sampler.device).get("name")
+                    r.device_name = self._device_info().get("name")
                 except (_C.NvmlError, ValueError):
                     pass
             if r.torch_cuda:
@@ -450,7 +522,7 @@ class MemoryMonitor:
             r.sample_rate_hz = (r.samples - 1) / span if r.samples > 1 and span > 0 else None
             r.nvml_errors = s["error"]
             try:
-                limit = _C.nvml_device_info(self._sampler.device).get("power_limit_mw")
+                limit = self._device_info().get("power_limit_mw")
                 r.power_limit_w = None if limit is None else limit / 1e3
             except (_C.NvmlError, ValueError):
                 pass
@@ -473,3 +545,4 @@ class MemoryMonitor:
         host = getattr(self, "_host", None)
         if host is not None and self._running:
             host.stop()
+            self._leave_open_monitors()

@@ -72,6 +72,9 @@ class MemoryReport:
     host_peak_main_bytes: int = None      # this process's part of it
     host_peak_children_bytes: int = None  # its descendants' part (DataLoader workers, launchers)
     host_peak_processes: int = None
+    host_before_run: bool = False         # the run was shorter than a whole round of PSS readings: the peak is
+                                          # the last round's before it
+    host_unreadable: int = None           # processes of the tree there but unreadable (another user's), most at once
     host_locked_max_bytes: int = None     # page-locked (mlock) in this process, the most seen
     pinned_torch_peak_bytes: int = None   # torch's caching host (pinned) allocator, where torch reports it
     host_total_bytes: int = None

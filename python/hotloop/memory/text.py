@@ -70,7 +70,8 @@ def format_report(r) -> str:
         rows.append(("clock-event reasons seen", ", ".join(r.throttle_reasons) or "none"))
         rate = "-" if r.sample_rate_hz is None else f"{r.sample_rate_hz:.0f} Hz"
         rows.append(("memory samples", f"{r.samples} at {rate} (asked {1e3 / r.interval_ms:.0f} Hz; "
-                     f"{r.samples_dropped} dropped from the ring, {r.ticks_missed} ticks missed)"))
+                     f"{r.samples_dropped} dropped from the ring, {r.ticks_missed} tick"
+                     f"{'s' if r.ticks_missed != 1 else ''} missed)"))
         if r.nvml_errors:
             e = r.nvml_errors
             rows.append(("NVML errors", f"{e['count']}, first: {e['call']}: {e['text']} ({e['code']})"))
@@ -139,9 +140,18 @@ def host_rows(r) -> list:
     if not r.host:
         return [("host memory", f"not read: {r.host_unavailable_reason}")] if r.host_unavailable_reason else []
     others = r.host_peak_processes - 1 if r.host_peak_processes else 0
-    rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  at {r.host_peak_time_s:.3f} s"
-             f"  = main process {format_size(r.host_peak_main_bytes)} + {others} other process"
-             f"{'es' if others != 1 else ''} {format_size(r.host_peak_children_bytes)}")]
+    if r.host_peak_time_s is None:
+        rows = [("peak host memory (PSS)", "not read: the run ended before the sampler's first whole reading")]
+    else:
+        when = (f"{-r.host_peak_time_s:.3f} s before the run (shorter than one whole round of readings: the last "
+                "round before it)" if r.host_before_run else f"at {r.host_peak_time_s:.3f} s (one tick's sum)")
+        rows = [("peak host memory (PSS)", f"{format_size(r.host_peak_bytes)}  {when}  = main process "
+                 f"{format_size(r.host_peak_main_bytes)} + {others} other process"
+                 f"{'es' if others != 1 else ''} {format_size(r.host_peak_children_bytes)}")]
+    if r.host_unreadable:
+        who = ", ".join(f"pid {p.pid} ({p.command})" for p in r.host_processes if p.unreadable)
+        rows.append(("  not counted", f"{r.host_unreadable} process{'es' if r.host_unreadable != 1 else ''} of the "
+                     f"tree could not be read at one tick or more (permissions, or a race){': ' + who if who else ''}"))
     swap = (f"; swap used at most {format_size(r.host_swap_used_max_bytes)} of {format_size(r.host_swap_total_bytes)}"
             if r.host_swap_total_bytes else "; no swap")
     rows.append(("  machine", f"{format_size(r.host_total_bytes)} total, {format_size(r.host_available_min_bytes)}"
@@ -157,8 +167,10 @@ def host_rows(r) -> list:
         rows.append(("CPU time", f"main process {r.cpu_main_s:.2f} s, other processes {r.cpu_children_s:.2f} s"
                      f" (over {r.duration_s:.2f} s)"))
     rate = "-" if r.host_sample_rate_hz is None else f"{r.host_sample_rate_hz:.0f} Hz"
+    missed = r.host_ticks_missed
     rows.append(("host samples", f"{r.host_samples} at {rate} (asked {1e3 / r.host_interval_ms:.0f} Hz; "
-                 f"{r.host_ticks_missed} ticks missed; the sampler read /proc for {r.host_sampler_s:.3f} s)"))
+                 f"{missed} tick{'s' if missed != 1 else ''} missed; the sampler read /proc for "
+                 f"{r.host_sampler_s:.3f} s)"))
     if r.host_forecast is not None:
         rows.append(("  at this rate", forecast_text(r.host_forecast)))
     if r.host_oom_kills:
@@ -169,27 +181,44 @@ def host_rows(r) -> list:
 def forecast_text(f) -> str:
     when = f"~{f['samples']:,} more samples (~{f['seconds']:.0f} s)" if f["samples"] is not None \
         else f"~{f['seconds']:.0f} s"
-    return (f"the machine runs out of memory after {when}: {f['workers']} workers growing "
+    workers = f"{f['workers']} worker{'s' if f['workers'] != 1 else ''}"
+    return (f"the machine runs out of memory after {when}: {workers} growing "
             f"{f['bytes_per_s'] / MiB:.1f} MiB/s together, {format_size(f['available_bytes'])} available")
 
 
+def _role_text(p):
+    return {"main": "main", "worker": "worker", "torch worker": "worker (torch)", "launcher": "launcher"}.get(
+        p.role, f"child ({p.command or '?'})")
+
+
 def format_processes(r) -> list:
-    """A line per process of the tree: its USS (what it alone holds) at its first and last reading, and
-    its growth."""
-    shown = [p for p in r.host_processes if p.role == "main" or p.readings > 0]
+    """A line per process of the tree: what it is, its USS (what it alone holds) at its first and last reading,
+    and its growth; main's drop at a fork said as sharing, not as memory freed."""
+    shown = [p for p in r.host_processes if p.role == "main" or p.readings > 0 or p.unreadable]
     if len(shown) < 2:
         return []
+    workers = sum(1 for p in shown if p.is_worker or p.role == "launcher")
     lines = ["  processes (USS: what each holds alone, first reading -> last):"]
-    for p in shown[:17]:
+    roles = [_role_text(p) for p in shown[:17]]
+    width = max(len(x) for x in roles)
+    for p, role in zip(shown[:17], roles):
+        if p.unreadable and p.readings == 0:
+            lines.append(f"    {role:<{width}} pid {p.pid:<7} unreadable (another user's, or a hardened /proc): not "
+                         "counted, not 0 bytes")
+            continue
         growth = f"{'+' if p.growth_bytes >= 0 else ''}{format_size(p.growth_bytes)}"
-        if p.growth_mib_per_1k_samples is not None:
+        if p.role == "main" and p.growth_bytes < 0 and workers:
+            growth += (f": pages shared with {workers} forked process{'es' if workers != 1 else ''} after the fork, "
+                       "not freed")
+        if p.growth_mib_per_1k_samples is not None and (p.steady_growth or not p.copied):
             growth += f", {p.growth_mib_per_1k_samples:.1f} MiB per 1,000 samples"
         if p.steady_growth:
             growth += ", steady"
-        end = ""
+        end = ", alive at the end"
         if p.exited:
-            end = ", gone" + (" while available memory was near zero (OOM killer?)" if p.low_memory_exit else "")
-        lines.append(f"    {p.role:<8} pid {p.pid:<7} {format_size(p.first_uss):>10} -> {format_size(p.last_uss):>10}"
+            end = ", exited" + (" while available memory was near zero (OOM killer?)" if p.low_memory_exit else "")
+        lines.append(f"    {role:<{width}} pid {p.pid:<7} {format_size(p.first_uss):>10} -> "
+                     f"{format_size(p.last_uss):>10}"
                      f"  ({growth}; {p.start_s:.2f}-{p.end_s:.2f} s{end})")
     if len(shown) > 17:
         lines.append(f"    ... and {len(shown) - 17} more")

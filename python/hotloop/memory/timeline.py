@@ -19,7 +19,7 @@ def _host_dtypes():
 
     host = np.dtype([("t", "<f8"), ("tree_pss", "<u8"), ("tree_rss", "<u8"), ("tree_uss", "<u8"), ("tree_swap", "<u8"),
                      ("main_pss", "<u8"), ("main_rss", "<u8"), ("main_locked", "<u8"), ("available", "<u8"),
-                     ("swap_used", "<u8"), ("processes", "<u4"), ("unused", "<u4")])
+                     ("swap_used", "<u8"), ("processes", "<u4"), ("unreadable", "<u2"), ("whole", "<u2")])
     procs = np.dtype([("t", "<f8"), ("pid", "<i4"), ("ppid", "<i4"), ("rss", "<u8"), ("pss", "<u8"), ("uss", "<u8"),
                       ("swap", "<u8")])
     assert (host.itemsize, procs.itemsize) == (_C.HOST_SAMPLE_BYTES, _C.HOST_PROC_SAMPLE_BYTES)
