@@ -75,7 +75,8 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         hl_device_guard guard;
         hl_device_enter(&guard, table.device, &status);
-        hl_table_upload(&table, scratch.data, hl_stream(stream), &status);
+        hl_table_upload(scratch.data, table.entries, (size_t)table.count * sizeof(hl_table_entry), hl_stream(stream),
+                        &status);
         HL_CUDA(&status, hl_launch_non_finite_check((const hl_table_entry *)scratch.data, table.count,
                                                     table.total_chunks, (float *)found.data, table.device,
                                                     hl_stream(stream)));

@@ -319,7 +319,7 @@ static PyObject *image_resize(PyObject *module, PyObject *const *args, Py_ssize_
                          "%lld bytes at %p", count * HL_IMAGE_ENTRY_BYTES, (long long)table_dev.numel, table_dev.data);
             goto error;
         }
-        const void *upload = entries; /* pageable: the driver stages it before it returns */
+        const void *upload = entries; /* pageable (NOTE [ Table uploads ]) */
         if (table_host_obj != Py_None) {
             if (hl_tensor_from_object(table_host_obj, "table_host", HL_DTYPE_BIT(HL_UINT8), -1, 1, &table_host) < 0)
                 goto error;
@@ -339,18 +339,17 @@ static PyObject *image_resize(PyObject *module, PyObject *const *args, Py_ssize_
         Py_BEGIN_ALLOW_THREADS
         hl_device_guard guard;
         hl_device_enter(&guard, out.device, &status);
-        /* from page-locked memory (table_host) a DMA queued on the stream; from pageable memory the
-           driver stages the bytes first and may wait for the stream to do so, and the loader's stream
-           waits for the batch's decode: the host would wait for the decode too. table_host avoids
-           that wait */
-        HL_CUDA(&status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)table_dev.data, upload,
-                                                 (size_t)count * sizeof(hl_image_entry), s));
+        /* the loader's stream waits for the batch's decode: from pageable memory the host might wait
+           for the decode too, which page-locked table_host avoids (NOTE [ Table uploads ]) */
+        hl_table_upload(table_dev.data, upload, (size_t)count * sizeof(hl_image_entry), s, &status);
         HL_CUDA(&status, hl_launch_image_resize((const hl_image_entry *)table_dev.data, count, out.data, out.dtype, h, w,
                                                 channels_last, params, out.device, s));
         hl_device_leave(&guard, &status);
         Py_END_ALLOW_THREADS
         if (hl_cuda_raise_if(module, &status) < 0)
             goto error;
+#else
+        (void)upload; /* not reached: hl_cuda_require refused above */
 #endif
     }
     result = Py_NewRef(Py_None);
