@@ -3,8 +3,20 @@
    VEC_FN (the width's target attributes) and the lane operations: V_LOAD(dtype, base, i), V_STORE(dtype,
    base, i, x), V_SET1, V_ADD, V_SUB, V_MUL, V_DIV, V_FMADD(a, b, c) = a * b + c rounded once, V_SQRT,
    V_NEG (the sign bit flipped) and V_MAX_LT(old, next) = old < next ? next : old. Each inclusion makes
-   adam_vector<LANES> and sgd_vector<LANES>, so the widths cannot drift apart: every lane does the
+   adam_vector<LANES> and sgd_vector<LANES> (and the inline helpers they use), so the widths cannot drift apart: every lane does the
    scalar code's operations in its order (NOTE [ The C reference's vector path ]). No include guard. */
+
+/* the gradient's lanes at element i as both updates take them: divided by grad_scale (`vscale`, as
+   `scale_op` says), then negated when maximizing */
+VEC_INLINE VEC WITH_LANES(gradient_lanes)(const int gd, uint64_t grad, int64_t i, VEC vscale, int scale_op,
+                                          int maximize) {
+    VEC g = V_LOAD(gd, grad, i);
+    if (scale_op == SCALE_DIV)
+        g = V_DIV(g, vscale);
+    else if (scale_op == SCALE_MUL)
+        g = V_MUL(g, vscale);
+    return maximize ? V_NEG(g) : g;
+}
 
 /* hl_adam_element on elements [begin, begin + LANES * k) of one tensor, k as large as fits before
    `end`; returns where it stopped. `pd` and `gd` are constants where it is inlined (FOR_DTYPE_PAIR), so
@@ -23,13 +35,7 @@ VEC_INLINE int64_t WITH_LANES(adam_lanes)(const int pd, const int gd, const hl_a
     const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
     int64_t i = begin;
     for (; i + LANES <= end; i += LANES) {
-        VEC g = V_LOAD(gd, e->grad, i);
-        if (scale_op == SCALE_DIV)
-            g = V_DIV(g, vscale);
-        else if (scale_op == SCALE_MUL)
-            g = V_MUL(g, vscale);
-        if (s->maximize)
-            g = V_NEG(g);
+        VEC g = WITH_LANES(gradient_lanes)(gd, e->grad, i, vscale, scale_op, s->maximize);
         VEC p = V_LOAD(pd, e->param, i);
         if (decay) {
             if (s->decoupled)
@@ -72,13 +78,7 @@ VEC_INLINE int64_t WITH_LANES(sgd_lanes)(const int pd, const int gd, const hl_sg
     const int has_buf = e->momentum_buffer != 0;
     int64_t i = begin;
     for (; i + LANES <= end; i += LANES) {
-        VEC g = V_LOAD(gd, e->grad, i);
-        if (scale_op == SCALE_DIV)
-            g = V_DIV(g, vscale);
-        else if (scale_op == SCALE_MUL)
-            g = V_MUL(g, vscale);
-        if (h->maximize)
-            g = V_NEG(g);
+        VEC g = WITH_LANES(gradient_lanes)(gd, e->grad, i, vscale, scale_op, h->maximize);
         const VEC p = V_LOAD(pd, e->param, i);
         if (wd_f != 0.0f)
             g = V_FMADD(wd, p, g);

@@ -23,7 +23,8 @@ def test_nothing_given_names_a_missing_argument(name):
         getattr(_C, name)()
 
 
-def update_call(scale, tracker, state, found, **changes):
+def update_call(tensors, **changes):
+    scale, tracker, state, found = tensors
     kwargs = dict(device=-1, scale=scale.data_ptr(), growth_tracker=tracker.data_ptr(), state=state.data_ptr(),
                   found=(found.data_ptr(),), growth_factor=2.0, backoff_factor=0.5, growth_interval=1,
                   hysteresis=1, min_scale=0.0, max_scale=math.inf, adjust=True, stream=0)
@@ -40,7 +41,7 @@ def scale_state():
 def test_a_call_by_name_in_any_order_runs():
     scale, tracker, state, start = scale_state()
     found = torch.zeros(())
-    update_call(scale, tracker, state, found)
+    update_call((scale, tracker, state, found))
     assert scale.item() == start * 2.0  # one clean step with interval 1: grown
     found.fill_(1.0)
     kwargs = dict(stream=0, adjust=True, max_scale=math.inf, min_scale=0.0, hysteresis=1, growth_interval=1,
@@ -52,15 +53,15 @@ def test_a_call_by_name_in_any_order_runs():
 
 def test_unknown_name_and_wrong_type_raise_before_any_work():
     scale, tracker, state, start = scale_state()
-    found = torch.zeros(())
+    tensors = (scale, tracker, state, torch.zeros(()))
     with pytest.raises(TypeError, match="unexpected keyword argument 'growth'"):
-        update_call(scale, tracker, state, found, growth=2.0)
+        update_call(tensors, growth=2.0)
     with pytest.raises(TypeError, match="amp_update: growth_interval: expected an int"):
-        update_call(scale, tracker, state, found, growth_interval="1")
+        update_call(tensors, growth_interval="1")
     with pytest.raises(TypeError, match="amp_update: backoff_factor: expected a number"):
-        update_call(scale, tracker, state, found, backoff_factor=None)
+        update_call(tensors, backoff_factor=None)
     with pytest.raises(OverflowError, match="amp_update: scale"):
-        update_call(scale, tracker, state, found, scale=-1)
+        update_call(tensors, scale=-1)
     with pytest.raises(OverflowError, match="amp_update: device"):
-        update_call(scale, tracker, state, found, device=2 ** 40)
+        update_call(tensors, device=2 ** 40)
     assert scale.item() == start and tracker.item() == 0  # nothing ran
