@@ -290,10 +290,16 @@ typedef struct {
     int vector;         /* cpu_vector_level() */
 } step_work;
 
-/* the vector paths' way with w's grad_scale (NOTE [ Dividing by a power of two ]) */
-static void choose_scale_op(step_work *w) {
-    w->scale_op = !w->has_scale ? SCALE_NONE : exact_reciprocal(w->scale) ? SCALE_MUL : SCALE_DIV;
-    w->vector_scale = w->scale_op == SCALE_MUL ? 1.0f / w->scale : w->scale;
+/* One step's work over `table`: this call's lr (the lr tensor's, else the hyperparameters' `hyper_lr`),
+   its grad_scale, and the vector paths' way with it (NOTE [ Dividing by a power of two ]). */
+static step_work step_work_for(const void *table, int64_t count, const void *hyper, double hyper_lr,
+                               const float *lr_ptr, const float *grad_scale) {
+    step_work w = {.table = table, .count = count, .hyper = hyper,
+                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper_lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
+                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
+    w.scale_op = !w.has_scale ? SCALE_NONE : exact_reciprocal(w.scale) ? SCALE_MUL : SCALE_DIV;
+    w.vector_scale = w.scale_op == SCALE_MUL ? 1.0f / w.scale : w.scale;
+    return w;
 }
 
 static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
@@ -343,10 +349,7 @@ void hl_cpu_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks
                  const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.table = table, .count = count, .hyper = hyper,
-                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
-                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    choose_scale_op(&w);
+    step_work w = step_work_for(table, count, hyper, hyper->lr, lr_ptr, grad_scale);
     hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, adam_chunks, &w);
     /* after every thread has read its tensors' step counts */
     for (int64_t t = 0; t < count; t++) {
@@ -359,9 +362,6 @@ void hl_cpu_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, 
                 const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.table = table, .count = count, .hyper = hyper,
-                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
-                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    choose_scale_op(&w);
+    step_work w = step_work_for(table, count, hyper, hyper->lr, lr_ptr, grad_scale);
     hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, sgd_chunks, &w);
 }
