@@ -15,7 +15,9 @@ VEC_INLINE VEC WITH_LANES(gradient_lanes)(const int gd, uint64_t grad, int64_t i
         g = V_DIV(g, vscale);
     else if (scale_op == SCALE_MUL)
         g = V_MUL(g, vscale);
-    return maximize ? V_NEG(g) : g;
+    if (maximize)
+        g = V_NEG(g);
+    return g;
 }
 
 /* hl_adam_element on elements [begin, begin + LANES * k) of one tensor, k as large as fits before
