@@ -94,6 +94,10 @@ static int find(const hl_arg *spec, int n, PyObject *name, int hint) {
 
 int hl_parse_keywords(const char *function, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                       hl_arg *spec, int n) {
+    if (n > 64) { /* `seen` below has a bit per argument */
+        PyErr_Format(PyExc_SystemError, "%s: %d keyword arguments declared, at most 64 are parsed", function, n);
+        return -1;
+    }
     if (nargs != 0) {
         PyErr_Format(PyExc_TypeError, "%s takes keyword arguments only (got %zd positional)", function, nargs);
         return -1;
