@@ -3,8 +3,9 @@
    VEC_FN (the width's target attributes) and the lane operations: V_LOAD(dtype, base, i), V_STORE(dtype,
    base, i, x), V_SET1, V_ADD, V_SUB, V_MUL, V_DIV, V_FMADD(a, b, c) = a * b + c rounded once, V_SQRT,
    V_NEG (the sign bit flipped) and V_MAX_LT(old, next) = old < next ? next : old. Each inclusion makes
-   adam_vector<LANES> and sgd_vector<LANES> (and the inline helpers they use), so the widths cannot drift apart: every lane does the
-   scalar code's operations in its order (NOTE [ The C reference's vector path ]). No include guard. */
+   adam_vector<LANES> and sgd_vector<LANES> (and the inline helpers they use), so the widths cannot
+   drift apart: every lane does the scalar code's operations in its order (NOTE [ The C reference's
+   vector path ]). No include guard. */
 
 /* the gradient's lanes at element i as both updates take them: divided by grad_scale (`vscale`, as
    `scale_op` says), then negated when maximizing */

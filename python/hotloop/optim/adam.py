@@ -151,7 +151,8 @@ class Adam(FusedOptimizer, torch.optim.Adam):
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         h = hyper
-        _C.optim_adam(table=table, count=count, total_chunks=chunks, device=-1 if device.type == "cpu" else device.index,
+        index = -1 if device.type == "cpu" else device.index
+        _C.optim_adam(table=table, count=count, total_chunks=chunks, device=index,
                       lr=h.lr, lr_tensor=h.lr_tensor, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                       weight_decay=h.weight_decay, decoupled=h.decoupled, maximize=h.maximize, grad_scale=scale,
                       found_inf=found, stream=param_table.stream_of(device), threads=param_table.threads_of(device))

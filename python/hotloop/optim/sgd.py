@@ -112,7 +112,8 @@ class SGD(FusedOptimizer, torch.optim.SGD):
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         # made: _make_state's first_step, None when the step reused a checked plan (the buffers existed)
         h = hyper
-        _C.optim_sgd(table=table, count=count, total_chunks=chunks, device=-1 if device.type == "cpu" else device.index,
+        index = -1 if device.type == "cpu" else device.index
+        _C.optim_sgd(table=table, count=count, total_chunks=chunks, device=index,
                      lr=h.lr, lr_tensor=h.lr_tensor, momentum=h.momentum, dampening=h.dampening,
                      weight_decay=h.weight_decay, nesterov=h.nesterov, maximize=h.maximize, first_step=bool(made),
                      grad_scale=scale, found_inf=found, stream=param_table.stream_of(device),
