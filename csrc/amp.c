@@ -5,6 +5,7 @@
 
 #include "cuda.h"
 #include "half_convert.h"
+#include "keyword_args.h"
 #include "tensor.h"
 #include "amp_math.h"
 #include "amp_cpu.h"
@@ -74,7 +75,8 @@ static PyObject *non_finite_check(PyObject *module, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         hl_device_guard guard;
         hl_device_enter(&guard, table.device, &status);
-        hl_table_upload(&table, scratch.data, hl_stream(stream), &status);
+        hl_table_upload(scratch.data, table.entries, (size_t)table.count * sizeof(hl_table_entry), hl_stream(stream),
+                        &status);
         HL_CUDA(&status, hl_launch_non_finite_check((const hl_table_entry *)scratch.data, table.count,
                                                     table.total_chunks, (float *)found.data, table.device,
                                                     hl_stream(stream)));
@@ -296,22 +298,40 @@ error:
 static void *as_ptr(unsigned long long address) { return (void *)(uintptr_t)address; }
 
 PyDoc_STRVAR(amp_check_doc,
-             "amp_check(device, table, count, total_chunks, partials, scale, write, mode, p, max_norm, aux,\n"
-             "          param_index, report, step, extra, n_extra, blocks, stream)\n\n"
+             "amp_check(*, device, table, count, total_chunks, partials, scale=0, write=False, mode, p, max_norm,\n"
+             "          aux, param_index=0, report=0, step=0, extra=0, n_extra=0, blocks=0, stream)\n\n"
              "The GradScaler's check pass and epilogue over a table from amp_table_pack (addresses as ints;\n"
              "0 for absent optional ones: scale, param_index, report, extra). partials: 2 * total_chunks float32;\n"
              "aux: AMP_AUX_LEN float32; extra: n_extra * AMP_EXTRA_LEN float32 partials folded in after the\n"
              "table's (count 0 and table 0: the epilogue alone, on them). device -1 runs the C reference, on\n"
-             "up to `blocks` threads (0: one per CPU; the result is the same for any count).\n"
-             "Internal to hotloop.amp.");
+             "up to `blocks` threads (0: one per CPU; the result is the same for any count). Keywords only\n"
+             "(NOTE [ Keyword-only seams ]). Internal to hotloop.amp.");
 
-static PyObject *amp_check(PyObject *module, PyObject *args) {
-    check_args a;
-    unsigned long long table, partials, scale, aux, param_index, report, extra, stream;
-    long long count, total_chunks, step;
-    if (!PyArg_ParseTuple(args, "iKLLKKiiffKKKLKiiK:amp_check", &a.device, &table, &count, &total_chunks, &partials,
-                          &scale, &a.write, &a.mode, &a.p, &a.max_norm, &aux, &param_index, &report, &step, &extra,
-                          &a.n_extra, &a.blocks, &stream))
+static PyObject *amp_check(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    check_args a = {0};
+    unsigned long long table = 0, partials = 0, scale = 0, aux = 0, param_index = 0, report = 0, extra = 0, stream = 0;
+    long long count = 0, total_chunks = 0, step = 0;
+    hl_arg spec[] = {
+        {"device", HL_ARG_INT, &a.device, 0},
+        {"table", HL_ARG_ADDRESS, &table, 0},
+        {"count", HL_ARG_INT64, &count, 0},
+        {"total_chunks", HL_ARG_INT64, &total_chunks, 0},
+        {"partials", HL_ARG_ADDRESS, &partials, 0},
+        {"scale", HL_ARG_ADDRESS, &scale, 1},
+        {"write", HL_ARG_BOOL, &a.write, 1},
+        {"mode", HL_ARG_INT, &a.mode, 0},
+        {"p", HL_ARG_FLOAT, &a.p, 0},
+        {"max_norm", HL_ARG_FLOAT, &a.max_norm, 0},
+        {"aux", HL_ARG_ADDRESS, &aux, 0},
+        {"param_index", HL_ARG_ADDRESS, &param_index, 1},
+        {"report", HL_ARG_ADDRESS, &report, 1},
+        {"step", HL_ARG_INT64, &step, 1},
+        {"extra", HL_ARG_ADDRESS, &extra, 1},
+        {"n_extra", HL_ARG_INT, &a.n_extra, 1},
+        {"blocks", HL_ARG_INT, &a.blocks, 1},
+        {"stream", HL_ARG_ADDRESS, &stream, 0},
+    };
+    if (hl_parse_keywords("amp_check", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     if (a.mode < HL_NORM_NONE || a.mode > HL_NORM_P || (a.write && a.mode != HL_NORM_NONE)) {
         PyErr_Format(PyExc_ValueError, "amp_check: bad mode %d (write=%d)", a.mode, a.write);
@@ -337,18 +357,27 @@ static PyObject *amp_check(PyObject *module, PyObject *args) {
 }
 
 PyDoc_STRVAR(amp_apply_doc,
-             "amp_apply(device, table, count, total_chunks, aux, unscale, clip, stream, threads=0)\n\n"
+             "amp_apply(*, device, table, count, total_chunks, aux, unscale, clip, stream, threads=0)\n\n"
              "Multiply every gradient of the table by aux's inverse scale and/or clip coefficient, in place,\n"
              "unless aux says the step is skipped. The C reference runs on up to `threads` threads (0: one\n"
-             "per CPU). Internal to hotloop.amp.");
+             "per CPU). Keywords only (NOTE [ Keyword-only seams ]). Internal to hotloop.amp.");
 
-static PyObject *amp_apply(PyObject *module, PyObject *args) {
-    apply_args a;
-    unsigned long long table, aux, stream;
-    long long count, total_chunks;
-    a.threads = 0;
-    if (!PyArg_ParseTuple(args, "iKLLKiiK|i:amp_apply", &a.device, &table, &count, &total_chunks, &aux, &a.unscale,
-                          &a.clip, &stream, &a.threads))
+static PyObject *amp_apply(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    apply_args a = {0};
+    unsigned long long table = 0, aux = 0, stream = 0;
+    long long count = 0, total_chunks = 0;
+    hl_arg spec[] = {
+        {"device", HL_ARG_INT, &a.device, 0},
+        {"table", HL_ARG_ADDRESS, &table, 0},
+        {"count", HL_ARG_INT64, &count, 0},
+        {"total_chunks", HL_ARG_INT64, &total_chunks, 0},
+        {"aux", HL_ARG_ADDRESS, &aux, 0},
+        {"unscale", HL_ARG_BOOL, &a.unscale, 0},
+        {"clip", HL_ARG_BOOL, &a.clip, 0},
+        {"stream", HL_ARG_ADDRESS, &stream, 0},
+        {"threads", HL_ARG_INT, &a.threads, 1},
+    };
+    if (hl_parse_keywords("amp_apply", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     if (count < 1 || table == 0 || aux == 0) {
         PyErr_SetString(PyExc_ValueError, "amp_apply: a required address or count is missing");
@@ -362,21 +391,34 @@ static PyObject *amp_apply(PyObject *module, PyObject *args) {
 }
 
 PyDoc_STRVAR(amp_update_doc,
-             "amp_update(device, scale, growth_tracker, state, found, growth_factor, backoff_factor,\n"
+             "amp_update(*, device, scale, growth_tracker, state, found, growth_factor, backoff_factor,\n"
              "           growth_interval, hysteresis, min_scale, max_scale, adjust, stream)\n\n"
              "The scale update on the device (one thread): `found` is a tuple of up to AMP_MAX_FOUND addresses\n"
-             "of float32 found_inf values. adjust=0 only counts a skipped step. Internal to hotloop.amp.");
+             "of float32 found_inf values. adjust=False only counts a skipped step. Keywords only (NOTE\n"
+             "[ Keyword-only seams ]). Internal to hotloop.amp.");
 
-static PyObject *amp_update(PyObject *module, PyObject *args) {
+static PyObject *amp_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     update_args a;
-    int device;
-    unsigned long long scale, tracker, state, stream;
-    PyObject *found_obj;
-    long long interval, hysteresis;
+    unsigned long long scale = 0, tracker = 0, state = 0, stream = 0;
+    PyObject *found_obj = NULL;
+    long long interval = 0, hysteresis = 0;
     memset(&a, 0, sizeof(a));
-    if (!PyArg_ParseTuple(args, "iKKKOddLLffiK:amp_update", &device, &scale, &tracker, &state, &found_obj,
-                          &a.growth_factor, &a.backoff_factor, &interval, &hysteresis, &a.min_scale, &a.max_scale,
-                          &a.adjust, &stream))
+    hl_arg spec[] = {
+        {"device", HL_ARG_INT, &a.device, 0},
+        {"scale", HL_ARG_ADDRESS, &scale, 0},
+        {"growth_tracker", HL_ARG_ADDRESS, &tracker, 0},
+        {"state", HL_ARG_ADDRESS, &state, 0},
+        {"found", HL_ARG_OBJECT, &found_obj, 0},
+        {"growth_factor", HL_ARG_DOUBLE, &a.growth_factor, 0},
+        {"backoff_factor", HL_ARG_DOUBLE, &a.backoff_factor, 0},
+        {"growth_interval", HL_ARG_INT64, &interval, 0},
+        {"hysteresis", HL_ARG_INT64, &hysteresis, 0},
+        {"min_scale", HL_ARG_FLOAT, &a.min_scale, 0},
+        {"max_scale", HL_ARG_FLOAT, &a.max_scale, 0},
+        {"adjust", HL_ARG_BOOL, &a.adjust, 0},
+        {"stream", HL_ARG_ADDRESS, &stream, 0},
+    };
+    if (hl_parse_keywords("amp_update", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     if (!PyTuple_Check(found_obj) || PyTuple_Size(found_obj) > HL_MAX_FOUND) {
         PyErr_Format(PyExc_ValueError, "amp_update: found: expected a tuple of at most %d addresses", HL_MAX_FOUND);
@@ -397,16 +439,15 @@ static PyObject *amp_update(PyObject *module, PyObject *args) {
     a.state = as_ptr(state);
     a.growth_interval = interval;
     a.hysteresis = hysteresis;
-    a.device = device;
-    return run_pass(module, device, stream, cpu_update, CUDA_PASS(cuda_update), &a);
+    return run_pass(module, a.device, stream, cpu_update, CUDA_PASS(cuda_update), &a);
 }
 
 static PyMethodDef amp_methods[] = {
     {"non_finite_check", non_finite_check, METH_VARARGS, non_finite_check_doc},
     {"amp_table_pack", amp_table_pack, METH_VARARGS, amp_table_pack_doc},
-    {"amp_check", amp_check, METH_VARARGS, amp_check_doc},
-    {"amp_apply", amp_apply, METH_VARARGS, amp_apply_doc},
-    {"amp_update", amp_update, METH_VARARGS, amp_update_doc},
+    {"amp_check", HL_FASTCALL_KEYWORDS(amp_check), METH_FASTCALL | METH_KEYWORDS, amp_check_doc},
+    {"amp_apply", HL_FASTCALL_KEYWORDS(amp_apply), METH_FASTCALL | METH_KEYWORDS, amp_apply_doc},
+    {"amp_update", HL_FASTCALL_KEYWORDS(amp_update), METH_FASTCALL | METH_KEYWORDS, amp_update_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -72,11 +72,8 @@ int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx) {
     return hl_cuda_raise_if(module, &status);
 }
 
-void hl_table_upload(const hl_table *table, void *device_dst, CUstream stream, hl_cuda_status *status) {
-    /* from pageable memory the driver stages the bytes before it returns, without waiting for
-       the device, so the host entries can go right after */
-    HL_CUDA(status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)device_dst, table->entries,
-                                            (size_t)table->count * sizeof(hl_table_entry), stream));
+void hl_table_upload(void *device_dst, const void *src, size_t nbytes, CUstream stream, hl_cuda_status *status) {
+    HL_CUDA(status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)device_dst, src, nbytes, stream));
 }
 
 static PyObject *why_unavailable(void) {

@@ -28,9 +28,23 @@ void hl_device_leave(hl_device_guard *guard, hl_cuda_status *status);
 typedef CUresult (*hl_launch_fn)(void *ctx);
 int hl_cuda_run(PyObject *module, int device, hl_launch_fn launch, void *ctx);
 
-/* Copy the table's entries to `device_dst` (at least count * sizeof(hl_table_entry) bytes of
-   device memory) on `stream`. The host entries may be freed as soon as this returns. */
-void hl_table_upload(const hl_table *table, void *device_dst, CUstream stream, hl_cuda_status *status);
+/* NOTE [ Table uploads ]
+   A kernel walks a table of entries (tensors, images, parameters) that the host wrote; it reaches the
+   device in one copy on the stream whose kernel reads it, so that stream order alone makes the kernel
+   see it, and a graph never captures one (a captured copy would replay from host memory long gone).
+   From page-locked memory the copy is a DMA queued on the stream: the host goes on at once, and the
+   source must stay unchanged until the stream has passed the copy. From pageable memory the driver
+   copies the bytes out before it returns, so the source may go right after, but it may first wait for
+   the stream's earlier work: fine for a table written once and reused, not for one written per batch
+   on a stream that waits for other work (the images' decode). In C every table goes up through
+   hl_table_upload; the tables Python keeps (the GradScaler's gradients, an optimizer's step) go up
+   through tensor_table.upload, torch's non-blocking copy from page-locked memory, since torch's host
+   allocator then keeps that buffer from being handed out again until the copy has run. */
+
+/* Copy `nbytes` of a table from host memory `src` to `device_dst` on `stream` (NOTE [ Table
+   uploads ]): pageable `src` may be freed when this returns; page-locked `src` must stay unchanged
+   until `stream` passed the copy. Safe without the GIL. */
+void hl_table_upload(void *device_dst, const void *src, size_t nbytes, CUstream stream, hl_cuda_status *status);
 #endif
 
 #endif

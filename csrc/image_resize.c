@@ -5,6 +5,7 @@
 
 #include "cuda.h"
 #include "half_convert.h"
+#include "keyword_args.h"
 #include "tensor.h"
 #include "image_resize.h"
 #include "image_resize_math.h"
@@ -230,7 +231,8 @@ static int read_params(PyObject *mean, PyObject *std, double scale, int dtype, h
 }
 
 PyDoc_STRVAR(image_resize_doc,
-             "image_resize(table, count, table_dev, out, channels_last, mean, std, scale, stream, table_host=None)\n\n"
+             "image_resize(*, table, count, table_dev, out, channels_last, mean, std, scale, stream,\n"
+             "             table_host=None)\n\n"
              "Crop, resize (antialiased bilinear, Pillow's arithmetic: horizontal pass, rounded to uint8,\n"
              "then vertical), window, flip and normalise `count` uint8 images into `out`. table: bytes,\n"
              "at least count * IMAGE_ENTRY_BYTES, one packed hl_image_entry per image (pack_entries).\n"
@@ -242,20 +244,33 @@ PyDoc_STRVAR(image_resize_doc,
              "None, or page-locked uint8 host memory of as many bytes that the table is copied through (and\n"
              "that must then stay unchanged until `stream` passed the copy): from pageable memory the\n"
              "driver may wait for the stream before it copies. CPU `out`: the C reference, GIL released\n"
-             "(table_dev and table_host unused; the entries hold host pointers).");
+             "(table_dev and table_host unused; the entries hold host pointers). Keywords only (NOTE\n"
+             "[ Keyword-only seams ]).");
 
-static PyObject *image_resize(PyObject *module, PyObject *args) {
-    PyObject *table_obj, *table_dev_obj, *out_obj, *mean_obj, *std_obj, *table_host_obj = Py_None, *result = NULL;
-    long long count;
-    int channels_last;
-    double scale;
+static PyObject *image_resize(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *table_obj = NULL, *table_dev_obj = NULL, *out_obj = NULL, *mean_obj = NULL, *std_obj = NULL;
+    PyObject *table_host_obj = Py_None, *result = NULL;
+    long long count = 0;
+    int channels_last = 0;
+    double scale = 0.0;
     unsigned long long stream = 0;
     hl_tensor out = {0}, table_dev = {0}, table_host = {0};
     hl_image_entry *entries = NULL;
     hl_image_resize_params params;
     memset(&params, 0, sizeof(params));
-    if (!PyArg_ParseTuple(args, "OLOOpOOdK|O:image_resize", &table_obj, &count, &table_dev_obj, &out_obj,
-                          &channels_last, &mean_obj, &std_obj, &scale, &stream, &table_host_obj))
+    hl_arg spec[] = {
+        {"table", HL_ARG_OBJECT, &table_obj, 0},
+        {"count", HL_ARG_INT64, &count, 0},
+        {"table_dev", HL_ARG_OBJECT, &table_dev_obj, 0},
+        {"out", HL_ARG_OBJECT, &out_obj, 0},
+        {"channels_last", HL_ARG_BOOL, &channels_last, 0},
+        {"mean", HL_ARG_OBJECT, &mean_obj, 0},
+        {"std", HL_ARG_OBJECT, &std_obj, 0},
+        {"scale", HL_ARG_DOUBLE, &scale, 0},
+        {"stream", HL_ARG_ADDRESS, &stream, 0},
+        {"table_host", HL_ARG_OBJECT, &table_host_obj, 1},
+    };
+    if (hl_parse_keywords("image_resize", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     if (hl_tensor_from_object(out_obj, "out", OUT_DTYPES, HL_ANY_DEVICE, 1, &out) < 0)
         goto error;
@@ -304,7 +319,7 @@ static PyObject *image_resize(PyObject *module, PyObject *args) {
                          "%lld bytes at %p", count * HL_IMAGE_ENTRY_BYTES, (long long)table_dev.numel, table_dev.data);
             goto error;
         }
-        const void *upload = entries; /* pageable: the driver stages it before it returns */
+        const void *upload = entries; /* pageable (NOTE [ Table uploads ]) */
         if (table_host_obj != Py_None) {
             if (hl_tensor_from_object(table_host_obj, "table_host", HL_DTYPE_BIT(HL_UINT8), -1, 1, &table_host) < 0)
                 goto error;
@@ -324,18 +339,17 @@ static PyObject *image_resize(PyObject *module, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         hl_device_guard guard;
         hl_device_enter(&guard, out.device, &status);
-        /* from page-locked memory (table_host) a DMA queued on the stream; from pageable memory the
-           driver stages the bytes first and may wait for the stream to do so, and the loader's stream
-           waits for the batch's decode: the host would wait for the decode too. table_host avoids
-           that wait */
-        HL_CUDA(&status, hl_cu.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)table_dev.data, upload,
-                                                 (size_t)count * sizeof(hl_image_entry), s));
+        /* the loader's stream waits for the batch's decode: from pageable memory the host might wait
+           for the decode too, which page-locked table_host avoids (NOTE [ Table uploads ]) */
+        hl_table_upload(table_dev.data, upload, (size_t)count * sizeof(hl_image_entry), s, &status);
         HL_CUDA(&status, hl_launch_image_resize((const hl_image_entry *)table_dev.data, count, out.data, out.dtype, h, w,
                                                 channels_last, params, out.device, s));
         hl_device_leave(&guard, &status);
         Py_END_ALLOW_THREADS
         if (hl_cuda_raise_if(module, &status) < 0)
             goto error;
+#else
+        (void)upload; /* not reached: hl_cuda_require refused above */
 #endif
     }
     result = Py_NewRef(Py_None);
@@ -348,7 +362,7 @@ error:
 }
 
 static PyMethodDef image_resize_methods[] = {
-    {"image_resize", image_resize, METH_VARARGS, image_resize_doc},
+    {"image_resize", HL_FASTCALL_KEYWORDS(image_resize), METH_FASTCALL | METH_KEYWORDS, image_resize_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -64,7 +64,8 @@ static int exec_module(PyObject *module) {
     if (hl_tensor_exec(module) < 0 || hl_cuda_exec(module) < 0 || hl_amp_exec(module) < 0 || hl_optim_exec(module) < 0 ||
         hl_group_key_exec(module) < 0 || hl_ring_exec(module) < 0 || hl_normalize_exec(module) < 0)
         return -1;
-    if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0 || hl_nvrtc_exec(module) < 0)
+    if (hl_jpeg_header_exec(module) < 0 || hl_nvjpeg_exec(module) < 0 || hl_jpeg_decoder_exec(module) < 0 ||
+        hl_nvrtc_exec(module) < 0)
         return -1;
     if (hl_nvml_exec(module) < 0 || hl_monitor_exec(module) < 0 || hl_host_sampler_exec(module) < 0)
         return -1;

@@ -14,7 +14,7 @@ typedef struct {
     PyObject *host_sampler_type; /* set by host_sampler.c */
     PyObject *nvjpeg_error;       /* hotloop.NvjpegError, a RuntimeError */
     PyObject *jpeg_info_type;     /* set by jpeg_header.c: what jpeg_header() returns */
-    PyObject *jpeg_decoder_type;  /* set by nvjpeg.c */
+    PyObject *jpeg_decoder_type;  /* set by jpeg_decoder.c */
     PyObject *kernel_loader;      /* set_kernel_loader(fn): what kernels.c asks for a kernel image */
 } hl_state;
 
@@ -55,7 +55,7 @@ int hl_raise_nvml(PyObject *module, int code, const char *text, const char *call
                   int line);
 
 /* Build and raise hotloop.NvjpegError: `code` is nvjpeg's status, `name` its NVJPEG_STATUS_* name,
-   `detail` more text (may be empty). Only nvjpeg.c calls it. */
+   `detail` more text (may be empty). Only jpeg_decoder.c calls it. */
 int hl_raise_nvjpeg(PyObject *module, int code, const char *name, const char *detail, const char *call,
                     const char *file, int line);
 
@@ -84,7 +84,8 @@ int hl_ring_exec(PyObject *module); /* the loader's ring and its CUDA copies */
 int hl_normalize_exec(PyObject *module);
 int hl_image_resize_exec(PyObject *module);
 int hl_jpeg_header_exec(PyObject *module); /* JPEG headers read in C */
-int hl_nvjpeg_exec(PyObject *module);      /* nvjpeg by dlopen: JpegDecoder */
+int hl_nvjpeg_exec(PyObject *module);      /* nvjpeg by dlopen: the library table */
+int hl_jpeg_decoder_exec(PyObject *module); /* JpegDecoder, on nvjpeg's batched engine */
 int hl_kernels_exec(PyObject *module);     /* kernels compiled at run time: loader, sources, launches */
 int hl_nvrtc_exec(PyObject *module);       /* NVRTC by dlopen: Nvrtc */
 

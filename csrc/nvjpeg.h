@@ -1,4 +1,4 @@
-/* nvjpeg for hotloop: the part of nvjpeg's C API it uses (no nvjpeg.h needed to build) and what nvjpeg.c offers. */
+/* nvjpeg for hotloop: the part of nvjpeg's C API it uses (no nvjpeg.h needed to build) and the library table nvjpeg.c offers. */
 #ifndef HOTLOOP_NVJPEG_H
 #define HOTLOOP_NVJPEG_H
 
@@ -33,7 +33,7 @@ enum { /* nvjpegBackend_t */
 };
 
 /* nvjpegOutputFormat_t: R, G, B interleaved in channel[0], the only format asked for (NOTE [ RGB out of
-   nvjpeg ] in nvjpeg.c) */
+   nvjpeg ] in nvjpeg_engine.c) */
 enum { NVJPEG_OUTPUT_RGBI = 5 };
 enum { NVJPEG_CSS_444 = 0 }; /* nvjpegChromaSubsampling_t: the layout that holds any other */
 enum { NVJPEG_FLAGS_DEFAULT = 0, NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION = 1 << 5 };
@@ -146,5 +146,10 @@ typedef struct {
 
 /* "NVJPEG_STATUS_BAD_JPEG"; "NVJPEG_STATUS_<n>" for a number nvjpeg.h does not name */
 const char *hl_nvjpeg_status_name(nvjpegStatus_t status);
+
+/* The first of `paths` (a sequence of str or os.PathLike) that opens, kept open for the life of the
+   process, with the GIL released while libraries load; NULL with a RuntimeError, naming `caller`, that
+   lists each path tried and why it failed. */
+const hl_nvjpeg *hl_nvjpeg_from_paths(PyObject *paths, const char *caller);
 
 #endif

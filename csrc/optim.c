@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "cuda.h"
+#include "keyword_args.h"
 #include "optim_cpu.h"
 #include "optim_math.h"
 #include "tensor.h"
@@ -122,7 +123,7 @@ static void *host_entries(const hl_tensor *table, size_t nbytes) {
 }
 
 PyDoc_STRVAR(optim_adam_table_doc,
-             "optim_adam_table(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, dst)\n"
+             "optim_adam_table(*, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, steps, dst)\n"
              "    -> (count, total_chunks, device)\n\n"
              "Check packed tensor tables, one entry per parameter (params float32, float16 or bfloat16;\n"
              "exp_avgs, exp_avg_sqs, max_exp_avg_sqs (None without amsgrad) of their parameter's dtype; grads\n"
@@ -130,17 +131,26 @@ PyDoc_STRVAR(optim_adam_table_doc,
              "steps taken so far), all on one device, and write the Adam kernel's entries into\n"
              "`dst`, a host uint8 tensor of at least OPTIM_ADAM_ENTRY_BYTES per parameter (pinned when the\n"
              "caller copies it to a GPU). The entries hold addresses: they are valid while those tensors are.\n"
-             "`device` is the tensors' CUDA device, -1 for the CPU. Internal to hotloop.optim.");
+             "`device` is the tensors' CUDA device, -1 for the CPU. Keywords only (NOTE [ Keyword-only\n"
+             "seams ]). Internal to hotloop.optim.");
 
-static PyObject *optim_adam_table(PyObject *module, PyObject *args) {
+static PyObject *optim_adam_table(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)module;
-    PyObject *params_obj, *grads_obj, *m_obj, *v_obj, *vmax_obj, *steps_obj, *dst_obj;
+    PyObject *params_obj = NULL, *grads_obj = NULL, *m_obj = NULL, *v_obj = NULL, *vmax_obj = Py_None;
+    PyObject *steps_obj = NULL, *dst_obj = NULL;
     hl_table params = {0}, grads = {0}, m = {0}, v = {0}, vmax = {0}, steps = {0};
     hl_tensor dst = {0};
     PyObject *result = NULL;
-
-    if (!PyArg_ParseTuple(args, "OOOOOOO:optim_adam_table", &params_obj, &grads_obj, &m_obj, &v_obj, &vmax_obj,
-                          &steps_obj, &dst_obj))
+    hl_arg spec[] = {
+        {"params", HL_ARG_OBJECT, &params_obj, 0},
+        {"grads", HL_ARG_OBJECT, &grads_obj, 0},
+        {"exp_avgs", HL_ARG_OBJECT, &m_obj, 0},
+        {"exp_avg_sqs", HL_ARG_OBJECT, &v_obj, 0},
+        {"max_exp_avg_sqs", HL_ARG_OBJECT, &vmax_obj, 1},
+        {"steps", HL_ARG_OBJECT, &steps_obj, 0},
+        {"dst", HL_ARG_OBJECT, &dst_obj, 0},
+    };
+    if (hl_parse_keywords("optim_adam_table", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     const int amsgrad = vmax_obj != Py_None;
     if (hl_table_parse(params_obj, "params", HL_FLOATING_MASK, &params) < 0)
@@ -255,26 +265,32 @@ static int run_step(PyObject *module, int is_adam, const hl_tensor *table, int64
 #endif
 }
 
+/* what optim_adam and optim_sgd take besides their hyperparameters (borrowed objects) */
+typedef struct {
+    PyObject *table, *lr, *scale, *found;
+    long long count, total_chunks;
+    int device, threads;
+    unsigned long long stream;
+} step_args;
+
 /* optim_adam's and optim_sgd's common part: the table and scalars checked, then run_step */
-static PyObject *step_call(PyObject *module, int is_adam, PyObject *table_obj, long long count, long long total_chunks,
-                           int device, const void *hyper, PyObject *lr_obj, PyObject *scale_obj, PyObject *found_obj,
-                           unsigned long long stream, int threads) {
+static PyObject *step_call(PyObject *module, int is_adam, const step_args *c, const void *hyper) {
     hl_tensor table = {0};
     step_scalars s = {0};
     PyObject *result = NULL;
-    if (count < 0 || total_chunks < 0) {
+    if (c->count < 0 || c->total_chunks < 0) {
         PyErr_SetString(PyExc_ValueError, "count and total_chunks: expected >= 0");
         return NULL;
     }
-    if (threads < 1) {
-        PyErr_Format(PyExc_ValueError, "threads: expected >= 1, got %d", threads);
+    if (c->threads < 1) {
+        PyErr_Format(PyExc_ValueError, "threads: expected >= 1, got %d", c->threads);
         return NULL;
     }
     const int64_t entry_bytes = is_adam ? (int64_t)sizeof(hl_adam_entry) : (int64_t)sizeof(hl_sgd_entry);
-    if (take_table(table_obj, device, count * entry_bytes, &table) < 0 ||
-        take_step_scalars(lr_obj, scale_obj, found_obj, device, &s) < 0)
+    if (take_table(c->table, c->device, c->count * entry_bytes, &table) < 0 ||
+        take_step_scalars(c->lr, c->scale, c->found, c->device, &s) < 0)
         goto error;
-    if (run_step(module, is_adam, &table, count, total_chunks, hyper, &s, device, stream, threads) < 0)
+    if (run_step(module, is_adam, &table, c->count, c->total_chunks, hyper, &s, c->device, c->stream, c->threads) < 0)
         goto error;
     result = Py_NewRef(Py_None);
 error:
@@ -284,7 +300,7 @@ error:
 }
 
 PyDoc_STRVAR(optim_adam_doc,
-             "optim_adam(table, count, total_chunks, device, lr, lr_tensor, beta1, beta2, eps, weight_decay,\n"
+             "optim_adam(*, table, count, total_chunks, device, lr, lr_tensor, beta1, beta2, eps, weight_decay,\n"
              "           decoupled, maximize, grad_scale, found_inf, stream, threads=1)\n\n"
              "One Adam (decoupled=False) or AdamW (decoupled=True) step over the `count` entries that\n"
              "optim_adam_table wrote, now in `table` (uint8, on `device`: a GPU's memory, or the host for -1);\n"
@@ -293,24 +309,38 @@ PyDoc_STRVAR(optim_adam_doc,
              "divides every gradient, read once and never written; when found_inf (None or one float32) is\n"
              "non-zero nothing changes. CUDA: two kernels on `stream`, nothing waits for them and nothing is\n"
              "copied from the host, so a graph can capture the call. CPU: the C reference on up to `threads`\n"
-             "threads. Internal to hotloop.optim.");
+             "threads. Keywords only (NOTE [ Keyword-only seams ]). Internal to hotloop.optim.");
 
-static PyObject *optim_adam(PyObject *module, PyObject *args) {
-    PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
-    long long count, total_chunks;
-    int device, decoupled, maximize;
+/* the hl_arg entries of the step_args that optim_adam and optim_sgd share: before and after their
+   hyperparameters */
+#define STEP_SPEC(c)                                                                                   \
+    {"table", HL_ARG_OBJECT, &(c).table, 0}, {"count", HL_ARG_INT64, &(c).count, 0},                  \
+        {"total_chunks", HL_ARG_INT64, &(c).total_chunks, 0}, {"device", HL_ARG_INT, &(c).device, 0}
+#define STEP_TAIL_SPEC(c)                                                                                   \
+    {"grad_scale", HL_ARG_OBJECT, &(c).scale, 0}, {"found_inf", HL_ARG_OBJECT, &(c).found, 0},              \
+        {"stream", HL_ARG_ADDRESS, &(c).stream, 0}, {"threads", HL_ARG_INT, &(c).threads, 1}
+
+static PyObject *optim_adam(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    step_args c = {.threads = 1};
+    int decoupled = 0, maximize = 0;
     hl_adam_hyper hyper = {0};
-    unsigned long long stream = 0;
-    int threads = 1;
-
-    if (!PyArg_ParseTuple(args, "OLLidOddddppOOK|i:optim_adam", &table_obj, &count, &total_chunks, &device, &hyper.lr,
-                          &lr_obj, &hyper.beta1, &hyper.beta2, &hyper.eps, &hyper.weight_decay, &decoupled, &maximize,
-                          &scale_obj, &found_obj, &stream, &threads))
+    hl_arg spec[] = {
+        STEP_SPEC(c),
+        {"lr", HL_ARG_DOUBLE, &hyper.lr, 0},
+        {"lr_tensor", HL_ARG_OBJECT, &c.lr, 0},
+        {"beta1", HL_ARG_DOUBLE, &hyper.beta1, 0},
+        {"beta2", HL_ARG_DOUBLE, &hyper.beta2, 0},
+        {"eps", HL_ARG_DOUBLE, &hyper.eps, 0},
+        {"weight_decay", HL_ARG_DOUBLE, &hyper.weight_decay, 0},
+        {"decoupled", HL_ARG_BOOL, &decoupled, 0},
+        {"maximize", HL_ARG_BOOL, &maximize, 0},
+        STEP_TAIL_SPEC(c),
+    };
+    if (hl_parse_keywords("optim_adam", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     hyper.decoupled = decoupled;
     hyper.maximize = maximize;
-    return step_call(module, 1, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream,
-                     threads);
+    return step_call(module, 1, &c, &hyper);
 }
 
 PyDoc_STRVAR(optim_sgd_table_doc,
@@ -357,31 +387,37 @@ error:
 }
 
 PyDoc_STRVAR(optim_sgd_doc,
-             "optim_sgd(table, count, total_chunks, device, lr, lr_tensor, momentum, dampening, weight_decay,\n"
+             "optim_sgd(*, table, count, total_chunks, device, lr, lr_tensor, momentum, dampening, weight_decay,\n"
              "          nesterov, maximize, first_step, grad_scale, found_inf, stream, threads=1)\n\n"
              "One SGD step over the entries optim_sgd_table wrote, now in `table`; momentum where the entries\n"
              "have buffers, which take the gradient as it is when first_step. lr, lr_tensor, grad_scale,\n"
-             "found_inf, stream and threads as optim_adam takes them; one kernel. Internal to hotloop.optim.");
+             "found_inf, stream and threads as optim_adam takes them; one kernel. Keywords only (NOTE\n"
+             "[ Keyword-only seams ]). Internal to hotloop.optim.");
 
-static PyObject *optim_sgd(PyObject *module, PyObject *args) {
-    PyObject *table_obj, *lr_obj, *scale_obj, *found_obj;
-    long long count, total_chunks;
-    int device, nesterov, maximize, first_step;
-    double dampening;
+static PyObject *optim_sgd(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    step_args c = {.threads = 1};
+    int nesterov = 0, maximize = 0, first_step = 0;
+    double dampening = 0.0;
     hl_sgd_hyper hyper = {0};
-    unsigned long long stream = 0;
-    int threads = 1;
-
-    if (!PyArg_ParseTuple(args, "OLLidOdddpppOOK|i:optim_sgd", &table_obj, &count, &total_chunks, &device, &hyper.lr,
-                          &lr_obj, &hyper.momentum, &dampening, &hyper.weight_decay, &nesterov, &maximize, &first_step,
-                          &scale_obj, &found_obj, &stream, &threads))
+    hl_arg spec[] = {
+        STEP_SPEC(c),
+        {"lr", HL_ARG_DOUBLE, &hyper.lr, 0},
+        {"lr_tensor", HL_ARG_OBJECT, &c.lr, 0},
+        {"momentum", HL_ARG_DOUBLE, &hyper.momentum, 0},
+        {"dampening", HL_ARG_DOUBLE, &dampening, 0},
+        {"weight_decay", HL_ARG_DOUBLE, &hyper.weight_decay, 0},
+        {"nesterov", HL_ARG_BOOL, &nesterov, 0},
+        {"maximize", HL_ARG_BOOL, &maximize, 0},
+        {"first_step", HL_ARG_BOOL, &first_step, 0},
+        STEP_TAIL_SPEC(c),
+    };
+    if (hl_parse_keywords("optim_sgd", args, nargs, kwnames, spec, HL_ARGS_COUNT(spec)) < 0)
         return NULL;
     hyper.one_minus_dampening = (double)(1.0f - (float)dampening); /* in float, as torch's (1 - dampening) */
     hyper.nesterov = nesterov;
     hyper.maximize = maximize;
     hyper.first_step = first_step;
-    return step_call(module, 0, table_obj, count, total_chunks, device, &hyper, lr_obj, scale_obj, found_obj, stream,
-                     threads);
+    return step_call(module, 0, &c, &hyper);
 }
 
 PyDoc_STRVAR(optim_count_steps_doc,
@@ -410,10 +446,11 @@ static PyObject *optim_count_steps(PyObject *module, PyObject *packed) {
 }
 
 static PyMethodDef optim_methods[] = {
-    {"optim_adam_table", optim_adam_table, METH_VARARGS, optim_adam_table_doc},
-    {"optim_adam", optim_adam, METH_VARARGS, optim_adam_doc},
+    {"optim_adam_table", HL_FASTCALL_KEYWORDS(optim_adam_table), METH_FASTCALL | METH_KEYWORDS,
+     optim_adam_table_doc},
+    {"optim_adam", HL_FASTCALL_KEYWORDS(optim_adam), METH_FASTCALL | METH_KEYWORDS, optim_adam_doc},
     {"optim_sgd_table", optim_sgd_table, METH_VARARGS, optim_sgd_table_doc},
-    {"optim_sgd", optim_sgd, METH_VARARGS, optim_sgd_doc},
+    {"optim_sgd", HL_FASTCALL_KEYWORDS(optim_sgd), METH_FASTCALL | METH_KEYWORDS, optim_sgd_doc},
     {"optim_count_steps", optim_count_steps, METH_O, optim_count_steps_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -14,8 +14,9 @@
    once, and -std=c11 contracts nothing), the float16/bfloat16 conversions are those of half_convert.h,
    NaNs included, and the lane-wise max is the scalar `old < new ? new : old`. So a lane holds the bits the
    scalar code gives (tests/optim/test_cpu_step.py compares the two on the same data), which are the GPU
-   kernel's. The AVX-512 path (adam16, sgd16) is the same on 16 lanes. The scalar code takes each chunk's
-   last elements (fewer than 8) and CPUs without AVX2. */
+   kernel's. The AVX-512 path is the same on 16 lanes: both widths are one text, optim_cpu_lanes.h,
+   included once per width with its lane operations. The scalar code takes each chunk's last elements
+   (fewer than 8) and CPUs without AVX2. */
 
 /* a thread takes part for at least this many chunks (HL_CHUNK_ELEMS elements each): below that, waking
    it costs about what it saves */
@@ -135,113 +136,58 @@ AVX2_INLINE void store8(int dtype, uint64_t base, int64_t i, __m256 x) {
     _mm_storeu_si128(dst, dtype == HL_FLOAT16 ? half8(x) : bf16x8(x));
 }
 
-/* hl_adam_element on elements [begin, begin + 8k) of one tensor, k as large as fits before `end`; returns
-   where it stopped. `pd` and `gd` are constants where it is inlined, so each dtype pair is its own loop. */
-AVX2_INLINE int64_t adam8(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd, int64_t begin,
-                          int64_t end, float scale, int scale_op) {
-    const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
-    const __m256 neg_lr_decay = _mm256_set1_ps(-s->lr_decay), wd = _mm256_set1_ps(s->weight_decay);
-    const __m256 b1 = _mm256_set1_ps(s->beta1), neg_b1 = _mm256_set1_ps(-s->beta1);
-    const __m256 b2 = _mm256_set1_ps(s->beta2), neg_b2 = _mm256_set1_ps(-s->beta2);
-    const __m256 bc2_sqrt = _mm256_set1_ps(s->bc2_sqrt), eps = _mm256_set1_ps(s->eps);
-    const int bc2_mul = exact_reciprocal(s->bc2_sqrt);
-    const __m256 bc2_inv = _mm256_set1_ps(1.0f / s->bc2_sqrt);
-    const __m256 step_size = _mm256_set1_ps(s->step_size);
-    const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
-    int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-        __m256 g = load8(gd, e->grad, i);
-        if (scale_op == SCALE_DIV)
-            g = _mm256_div_ps(g, vscale);
-        else if (scale_op == SCALE_MUL)
-            g = _mm256_mul_ps(g, vscale);
-        if (s->maximize)
-            g = _mm256_xor_ps(g, sign);
-        __m256 p = load8(pd, e->param, i);
-        if (decay) {
-            if (s->decoupled)
-                p = _mm256_fmadd_ps(neg_lr_decay, p, p);
-            else
-                g = _mm256_fmadd_ps(p, wd, g);
-        }
-        const __m256 m1 = _mm256_fmadd_ps(b1, load8(pd, e->exp_avg, i), _mm256_fmadd_ps(neg_b1, g, g));
-        const __m256 gg = _mm256_mul_ps(g, g);
-        const __m256 v1 = _mm256_fmadd_ps(b2, load8(pd, e->exp_avg_sq, i), _mm256_fmadd_ps(neg_b2, gg, gg));
-        __m256 second = v1;
-        if (amsgrad) {
-            const __m256 old = load8(pd, e->max_exp_avg_sq, i);
-            second = _mm256_blendv_ps(old, v1, _mm256_cmp_ps(old, v1, _CMP_LT_OQ));
-            store8(pd, e->max_exp_avg_sq, i, second);
-        }
-        const __m256 root = _mm256_sqrt_ps(second);
-        const __m256 denom = _mm256_add_ps(bc2_mul ? _mm256_mul_ps(root, bc2_inv) : _mm256_div_ps(root, bc2_sqrt), eps);
-        p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m1), denom));
-        store8(pd, e->param, i, p);
-        store8(pd, e->exp_avg, i, m1);
-        store8(pd, e->exp_avg_sq, i, v1);
-    }
-    return i;
+/* 8 lanes: -x (the sign bit flipped, as the scalar negation) and old < next ? next : old */
+AVX2_INLINE __m256 negate8(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
+AVX2_INLINE __m256 max_lt8(__m256 old, __m256 next) {
+    return _mm256_blendv_ps(old, next, _mm256_cmp_ps(old, next, _CMP_LT_OQ));
 }
 
-/* the dtype pairs a table may hold (csrc/optim.c checks them): a half parameter has a gradient of its dtype */
-AVX2_FN int64_t adam_avx2(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end, float scale,
-                          int scale_op) {
-    if (e->param_dtype == HL_FLOAT16)
-        return adam8(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->param_dtype == HL_BFLOAT16)
-        return adam8(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_FLOAT16)
-        return adam8(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_BFLOAT16)
-        return adam8(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
-    return adam8(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
-}
+/* `fn(pd, gd, ...)` for the dtype pair of entry `e`, each pair a constant (the pairs a table may hold,
+   which csrc/optim.c checks: a half parameter has a gradient of its dtype) */
+#define FOR_DTYPE_PAIR(e, fn, ...)                                                                     \
+    ((e)->param_dtype == HL_FLOAT16    ? fn(HL_FLOAT16, HL_FLOAT16, __VA_ARGS__)                       \
+     : (e)->param_dtype == HL_BFLOAT16 ? fn(HL_BFLOAT16, HL_BFLOAT16, __VA_ARGS__)                     \
+     : (e)->grad_dtype == HL_FLOAT16   ? fn(HL_FLOAT32, HL_FLOAT16, __VA_ARGS__)                       \
+     : (e)->grad_dtype == HL_BFLOAT16  ? fn(HL_FLOAT32, HL_BFLOAT16, __VA_ARGS__)                      \
+                                       : fn(HL_FLOAT32, HL_FLOAT32, __VA_ARGS__))
 
-/* hl_sgd_element on 8 lanes, as adam8 */
-AVX2_INLINE int64_t sgd8(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
-                         int64_t begin, int64_t end, float scale, int scale_op) {
-    const __m256 vscale = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
-    const float wd_f = (float)h->weight_decay;
-    const __m256 wd = _mm256_set1_ps(wd_f), momentum = _mm256_set1_ps((float)h->momentum);
-    const __m256 one_minus_dampening = _mm256_set1_ps((float)h->one_minus_dampening);
-    const __m256 neg_lr = _mm256_set1_ps(-(float)lr);
-    const int has_buf = e->momentum_buffer != 0;
-    int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-        __m256 g = load8(gd, e->grad, i);
-        if (scale_op == SCALE_DIV)
-            g = _mm256_div_ps(g, vscale);
-        else if (scale_op == SCALE_MUL)
-            g = _mm256_mul_ps(g, vscale);
-        if (h->maximize)
-            g = _mm256_xor_ps(g, sign);
-        const __m256 p = load8(pd, e->param, i);
-        if (wd_f != 0.0f)
-            g = _mm256_fmadd_ps(wd, p, g);
-        if (has_buf) {
-            const __m256 b = h->first_step ? g
-                                           : _mm256_fmadd_ps(one_minus_dampening, g,
-                                                             _mm256_mul_ps(momentum, load8(pd, e->momentum_buffer, i)));
-            store8(pd, e->momentum_buffer, i, b);
-            g = h->nesterov ? _mm256_fmadd_ps(momentum, b, g) : b;
-        }
-        store8(pd, e->param, i, _mm256_fmadd_ps(neg_lr, g, p));
-    }
-    return i;
-}
+/* name##LANES: the functions optim_cpu_lanes.h makes for the width being included */
+#define PASTE_(a, b) a##b
+#define PASTE(a, b) PASTE_(a, b)
+#define WITH_LANES(name) PASTE(name, LANES)
 
-AVX2_FN int64_t sgd_avx2(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
-                         float scale, int scale_op) {
-    if (e->param_dtype == HL_FLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->param_dtype == HL_BFLOAT16)
-        return sgd8(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_FLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_BFLOAT16)
-        return sgd8(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
-    return sgd8(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
-}
+/* adam_vector8 and sgd_vector8 */
+#define LANES 8
+#define VEC __m256
+#define VEC_INLINE AVX2_INLINE
+#define VEC_FN AVX2_FN
+#define V_LOAD load8
+#define V_STORE store8
+#define V_SET1 _mm256_set1_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MUL _mm256_mul_ps
+#define V_DIV _mm256_div_ps
+#define V_FMADD _mm256_fmadd_ps
+#define V_SQRT _mm256_sqrt_ps
+#define V_NEG negate8
+#define V_MAX_LT max_lt8
+#include "optim_cpu_lanes.h"
+#undef LANES
+#undef VEC
+#undef VEC_INLINE
+#undef VEC_FN
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET1
+#undef V_ADD
+#undef V_SUB
+#undef V_MUL
+#undef V_DIV
+#undef V_FMADD
+#undef V_SQRT
+#undef V_NEG
+#undef V_MAX_LT
 
 /* The same on 16 lanes with AVX-512 (F, BW, VL): half the instructions an element, which the half-width
    dtypes' conversions need to keep up with the memory. A chunk's elements go 16 at a time here, then 8
@@ -288,111 +234,27 @@ AVX512_INLINE __m512 negate16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
 }
 
-/* adam8 on 16 lanes */
-AVX512_INLINE int64_t adam16(const hl_adam_scalars *s, const hl_adam_entry *e, const int pd, const int gd,
-                             int64_t begin, int64_t end, float scale, int scale_op) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512 neg_lr_decay = _mm512_set1_ps(-s->lr_decay), wd = _mm512_set1_ps(s->weight_decay);
-    const __m512 b1 = _mm512_set1_ps(s->beta1), neg_b1 = _mm512_set1_ps(-s->beta1);
-    const __m512 b2 = _mm512_set1_ps(s->beta2), neg_b2 = _mm512_set1_ps(-s->beta2);
-    const __m512 bc2_sqrt = _mm512_set1_ps(s->bc2_sqrt), eps = _mm512_set1_ps(s->eps);
-    const int bc2_mul = exact_reciprocal(s->bc2_sqrt);
-    const __m512 bc2_inv = _mm512_set1_ps(1.0f / s->bc2_sqrt);
-    const __m512 step_size = _mm512_set1_ps(s->step_size);
-    const int decay = s->weight_decay != 0.0f, amsgrad = e->max_exp_avg_sq != 0;
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 g = load16(gd, e->grad, i);
-        if (scale_op == SCALE_DIV)
-            g = _mm512_div_ps(g, vscale);
-        else if (scale_op == SCALE_MUL)
-            g = _mm512_mul_ps(g, vscale);
-        if (s->maximize)
-            g = negate16(g);
-        __m512 p = load16(pd, e->param, i);
-        if (decay) {
-            if (s->decoupled)
-                p = _mm512_fmadd_ps(neg_lr_decay, p, p);
-            else
-                g = _mm512_fmadd_ps(p, wd, g);
-        }
-        const __m512 m1 = _mm512_fmadd_ps(b1, load16(pd, e->exp_avg, i), _mm512_fmadd_ps(neg_b1, g, g));
-        const __m512 gg = _mm512_mul_ps(g, g);
-        const __m512 v1 = _mm512_fmadd_ps(b2, load16(pd, e->exp_avg_sq, i), _mm512_fmadd_ps(neg_b2, gg, gg));
-        __m512 second = v1;
-        if (amsgrad) {
-            const __m512 old = load16(pd, e->max_exp_avg_sq, i);
-            second = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, v1, _CMP_LT_OQ), old, v1);
-            store16(pd, e->max_exp_avg_sq, i, second);
-        }
-        const __m512 root = _mm512_sqrt_ps(second);
-        const __m512 denom = _mm512_add_ps(bc2_mul ? _mm512_mul_ps(root, bc2_inv) : _mm512_div_ps(root, bc2_sqrt), eps);
-        p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m1), denom));
-        store16(pd, e->param, i, p);
-        store16(pd, e->exp_avg, i, m1);
-        store16(pd, e->exp_avg_sq, i, v1);
-    }
-    return i;
+AVX512_INLINE __m512 max_lt16(__m512 old, __m512 next) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(old, next, _CMP_LT_OQ), old, next);
 }
 
-AVX512_FN int64_t adam_avx512(const hl_adam_scalars *s, const hl_adam_entry *e, int64_t begin, int64_t end,
-                              float scale, int scale_op) {
-    if (e->param_dtype == HL_FLOAT16)
-        return adam16(s, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->param_dtype == HL_BFLOAT16)
-        return adam16(s, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_FLOAT16)
-        return adam16(s, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_BFLOAT16)
-        return adam16(s, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
-    return adam16(s, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
-}
-
-/* sgd8 on 16 lanes */
-AVX512_INLINE int64_t sgd16(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, const int pd, const int gd,
-                            int64_t begin, int64_t end, float scale, int scale_op) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const float wd_f = (float)h->weight_decay;
-    const __m512 wd = _mm512_set1_ps(wd_f), momentum = _mm512_set1_ps((float)h->momentum);
-    const __m512 one_minus_dampening = _mm512_set1_ps((float)h->one_minus_dampening);
-    const __m512 neg_lr = _mm512_set1_ps(-(float)lr);
-    const int has_buf = e->momentum_buffer != 0;
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        __m512 g = load16(gd, e->grad, i);
-        if (scale_op == SCALE_DIV)
-            g = _mm512_div_ps(g, vscale);
-        else if (scale_op == SCALE_MUL)
-            g = _mm512_mul_ps(g, vscale);
-        if (h->maximize)
-            g = negate16(g);
-        const __m512 p = load16(pd, e->param, i);
-        if (wd_f != 0.0f)
-            g = _mm512_fmadd_ps(wd, p, g);
-        if (has_buf) {
-            const __m512 b = h->first_step ? g
-                                           : _mm512_fmadd_ps(one_minus_dampening, g,
-                                                             _mm512_mul_ps(momentum, load16(pd, e->momentum_buffer, i)));
-            store16(pd, e->momentum_buffer, i, b);
-            g = h->nesterov ? _mm512_fmadd_ps(momentum, b, g) : b;
-        }
-        store16(pd, e->param, i, _mm512_fmadd_ps(neg_lr, g, p));
-    }
-    return i;
-}
-
-AVX512_FN int64_t sgd_avx512(const hl_sgd_hyper *h, double lr, const hl_sgd_entry *e, int64_t begin, int64_t end,
-                             float scale, int scale_op) {
-    if (e->param_dtype == HL_FLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT16, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->param_dtype == HL_BFLOAT16)
-        return sgd16(h, lr, e, HL_BFLOAT16, HL_BFLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_FLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT16, begin, end, scale, scale_op);
-    if (e->grad_dtype == HL_BFLOAT16)
-        return sgd16(h, lr, e, HL_FLOAT32, HL_BFLOAT16, begin, end, scale, scale_op);
-    return sgd16(h, lr, e, HL_FLOAT32, HL_FLOAT32, begin, end, scale, scale_op);
-}
+/* adam_vector16 and sgd_vector16 */
+#define LANES 16
+#define VEC __m512
+#define VEC_INLINE AVX512_INLINE
+#define VEC_FN AVX512_FN
+#define V_LOAD load16
+#define V_STORE store16
+#define V_SET1 _mm512_set1_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MUL _mm512_mul_ps
+#define V_DIV _mm512_div_ps
+#define V_FMADD _mm512_fmadd_ps
+#define V_SQRT _mm512_sqrt_ps
+#define V_NEG negate16
+#define V_MAX_LT max_lt16
+#include "optim_cpu_lanes.h"
 
 /* The widest vector path the CPU has, asked once (cpuid is a VM exit under a hypervisor): 2 for AVX-512
    (F, BW, VL) with AVX2, 1 for AVX2, FMA and F16C, 0 for none. F16C by cpuid itself, since not every
@@ -428,10 +290,16 @@ typedef struct {
     int vector;         /* cpu_vector_level() */
 } step_work;
 
-/* the vector paths' way with w's grad_scale (NOTE [ Dividing by a power of two ]) */
-static void choose_scale_op(step_work *w) {
-    w->scale_op = !w->has_scale ? SCALE_NONE : exact_reciprocal(w->scale) ? SCALE_MUL : SCALE_DIV;
-    w->vector_scale = w->scale_op == SCALE_MUL ? 1.0f / w->scale : w->scale;
+/* One step's work over `table`: this call's lr (the lr tensor's, else the hyperparameters' `hyper_lr`),
+   its grad_scale, and the vector paths' way with it (NOTE [ Dividing by a power of two ]). */
+static step_work step_work_for(const void *table, int64_t count, const void *hyper, double hyper_lr,
+                               const float *lr_ptr, const float *grad_scale) {
+    step_work w = {.table = table, .count = count, .hyper = hyper,
+                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper_lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
+                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
+    w.scale_op = !w.has_scale ? SCALE_NONE : exact_reciprocal(w.scale) ? SCALE_MUL : SCALE_DIV;
+    w.vector_scale = w.scale_op == SCALE_MUL ? 1.0f / w.scale : w.scale;
+    return w;
 }
 
 static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
@@ -450,9 +318,9 @@ static void adam_chunks(void *arg, int64_t first, int64_t end_chunk) {
         hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
-            i = adam_avx512(&s, e, i, end, w->vector_scale, w->scale_op);
+            i = adam_vector16(&s, e, i, end, w->vector_scale, w->scale_op);
         if (w->vector >= 1)
-            i = adam_avx2(&s, e, i, end, w->vector_scale, w->scale_op);
+            i = adam_vector8(&s, e, i, end, w->vector_scale, w->scale_op);
 #endif
         adam_scalar(&s, e, i, end, w->scale, w->has_scale);
     }
@@ -469,9 +337,9 @@ static void sgd_chunks(void *arg, int64_t first, int64_t end_chunk) {
         hl_chunk_elems(e->numel, e->first_chunk, chunk, &i, &end);
 #ifdef HL_CPU_AVX2
         if (w->vector >= 2)
-            i = sgd_avx512(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
+            i = sgd_vector16(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
         if (w->vector >= 1)
-            i = sgd_avx2(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
+            i = sgd_vector8(w->hyper, w->lr, e, i, end, w->vector_scale, w->scale_op);
 #endif
         sgd_scalar(w->hyper, w->lr, e, i, end, w->scale, w->has_scale);
     }
@@ -481,10 +349,7 @@ void hl_cpu_adam(const hl_adam_entry *table, int64_t count, int64_t total_chunks
                  const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.table = table, .count = count, .hyper = hyper,
-                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
-                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    choose_scale_op(&w);
+    step_work w = step_work_for(table, count, hyper, hyper->lr, lr_ptr, grad_scale);
     hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, adam_chunks, &w);
     /* after every thread has read its tensors' step counts */
     for (int64_t t = 0; t < count; t++) {
@@ -497,9 +362,6 @@ void hl_cpu_sgd(const hl_sgd_entry *table, int64_t count, int64_t total_chunks, 
                 const float *lr_ptr, const float *grad_scale, const float *found_inf, int threads) {
     if (found_inf != NULL && *found_inf != 0.0f)
         return;
-    step_work w = {.table = table, .count = count, .hyper = hyper,
-                   .lr = lr_ptr != NULL ? (double)*lr_ptr : hyper->lr, .scale = grad_scale != NULL ? *grad_scale : 1.0f,
-                   .has_scale = grad_scale != NULL, .vector = cpu_vector_level()};
-    choose_scale_op(&w);
+    step_work w = step_work_for(table, count, hyper, hyper->lr, lr_ptr, grad_scale);
     hl_parallel_for(total_chunks, threads, MIN_CHUNKS_PER_THREAD, sgd_chunks, &w);
 }

@@ -28,16 +28,19 @@ def run_check(tensors, *, scale=None, write=False, mode=L2, p=2.0, max_norm=-1.0
     aux = torch.full((_C.AMP_AUX_LEN,), float("nan"), device=dev)
     report = torch.zeros(_C.AMP_REPORT_LEN, dtype=torch.int64, device=dev)
     report[0] = -1
-    _C.amp_check(table.device_index, table.table_ptr, table.count, table.total_chunks, table.partials_ptr,
-                 scale.data_ptr() if scale is not None else 0, int(write), mode, p, max_norm, aux.data_ptr(),
-                 table.index_ptr, report.data_ptr(), 5, extra.data_ptr() if extra is not None else 0,
-                 extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, blocks, stream_of(dev))
+    _C.amp_check(device=table.device_index, table=table.table_ptr, count=table.count,
+                 total_chunks=table.total_chunks, partials=table.partials_ptr,
+                 scale=scale.data_ptr() if scale is not None else 0, write=write, mode=mode, p=p, max_norm=max_norm,
+                 aux=aux.data_ptr(), param_index=table.index_ptr, report=report.data_ptr(), step=5,
+                 extra=extra.data_ptr() if extra is not None else 0,
+                 n_extra=extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, blocks=blocks,
+                 stream=stream_of(dev))
     return aux, report.cpu(), table
 
 
 def run_apply(table, aux, unscale, clip):
-    _C.amp_apply(table.device_index, table.table_ptr, table.count, table.total_chunks, aux.data_ptr(),
-                 int(unscale), int(clip), stream_of(aux.device))
+    _C.amp_apply(device=table.device_index, table=table.table_ptr, count=table.count, total_chunks=table.total_chunks,
+                 aux=aux.data_ptr(), unscale=unscale, clip=clip, stream=stream_of(aux.device))
 
 
 def randn(n, dtype, device, gen_scale=1.0):
@@ -202,7 +205,8 @@ def test_cpu_results_do_not_depend_on_the_thread_count(dtype, mode):
         aux, report, table = run_check(grads, scale=scale, write=mode == 0, mode=mode, p=1.5, max_norm=1.0,
                                        blocks=threads)
         aux[_C.AMP_AUX_FOUND] = 0.0  # apply anyway, to compare what each thread count writes
-        _C.amp_apply(-1, table.table_ptr, table.count, table.total_chunks, aux.data_ptr(), 1, 1, 0, threads)
+        _C.amp_apply(device=-1, table=table.table_ptr, count=table.count, total_chunks=table.total_chunks,
+                     aux=aux.data_ptr(), unscale=True, clip=True, stream=0, threads=threads)
         runs.append((aux, report, table.partials.clone(), grads))
     for aux, report, partials, grads in runs[1:]:
         assert same_bits(aux, runs[0][0]) and torch.equal(report, runs[0][1])
@@ -225,9 +229,10 @@ def test_empty_tensors_and_one_element(device):
 
 
 def run_update(device, scale, tracker, state, found, growth, backoff, interval, hysteresis=1, lo=0.0, hi=math.inf):
-    _C.amp_update(-1 if device.type == "cpu" else device.index or 0, scale.data_ptr(), tracker.data_ptr(),
-                  state.data_ptr(), tuple(f.data_ptr() for f in found), growth, backoff, interval, hysteresis, lo, hi,
-                  1, stream_of(device))
+    _C.amp_update(device=-1 if device.type == "cpu" else device.index or 0, scale=scale.data_ptr(),
+                  growth_tracker=tracker.data_ptr(), state=state.data_ptr(), found=tuple(f.data_ptr() for f in found),
+                  growth_factor=growth, backoff_factor=backoff, growth_interval=interval, hysteresis=hysteresis,
+                  min_scale=lo, max_scale=hi, adjust=True, stream=stream_of(device))
 
 
 def scale_state(dev, scale, hysteresis=1):
@@ -388,8 +393,8 @@ def test_extra_partials_fold_into_the_epilogue(device, mode):
     assert aux[_C.AMP_AUX_PARAM].item() == 0.0 and report[0].item() == 0
     # no table at all: the epilogue on the extras alone
     alone = torch.full((_C.AMP_AUX_LEN,), math.nan, device=dev)
-    _C.amp_check(x.get_device(), 0, 0, 0, 0, 0, 0, mode, 2.0, 1.0, alone.data_ptr(), 0, 0,
-                 0, extra.data_ptr(), 3, 0, stream_of(dev))
+    _C.amp_check(device=x.get_device(), table=0, count=0, total_chunks=0, partials=0, mode=mode, p=2.0, max_norm=1.0,
+                 aux=alone.data_ptr(), extra=extra.data_ptr(), n_extra=3, stream=stream_of(dev))
     acc = extra[:, 0].double().sum() if mode == L2 else extra[:, 0].double().max()
     norm = (acc.sqrt() if mode == L2 else acc).float()
     alone = alone.cpu()
@@ -397,4 +402,5 @@ def test_extra_partials_fold_into_the_epilogue(device, mode):
     assert alone[_C.AMP_AUX_CLIP].item() == pytest.approx(min(1.0 / (norm.item() + 1e-6), 1.0), rel=1e-6)
     assert alone[_C.AMP_AUX_FOUND].item() == 1.0 and alone[_C.AMP_AUX_PARAM].item() == 4.0
     with pytest.raises(ValueError, match="missing"):  # a count without a table
-        _C.amp_check(-1, 0, 1, 0, 0, 0, 0, mode, 2.0, 1.0, alone.data_ptr(), 0, 0, 0, 0, 0, 0, 0)
+        _C.amp_check(device=-1, table=0, count=1, total_chunks=0, partials=0, mode=mode, p=2.0, max_norm=1.0,
+                     aux=alone.data_ptr(), stream=0)

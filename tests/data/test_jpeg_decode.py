@@ -519,7 +519,7 @@ def test_decode_batch_against_pil(backend, interpolate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_batch", [40, 256])
 def test_engine_order_and_preallocation_change_no_pixel(max_batch):
-    """size_order and preallocate (on for the hardware backend: NOTE [ Largest first ] in nvjpeg.c)
+    """size_order and preallocate (on for the hardware backend: NOTE [ Largest first ] in nvjpeg_engine.c)
     change only when and where nvjpeg works: every image lands in its own output, pixel for pixel as
     in the caller's order, the two handles' images (4:2:0; 4:4:4 and grey) included. With room for
     256 images, one 2,400 x 1,800 image takes the preallocation past its budget (PREALLOCATE_PIXELS):
@@ -640,7 +640,7 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
     """The decode's writes come after what the stream had to do first, a wait for another stream
     included: here reads of the outputs queued behind ~100 ms of GPU time see the poison, not pixels.
     nvjpeg's hardware batched decode was reported to write while the call runs (torchcodec #1634:
-    12.3-13.2 on H100), hence nvjpeg.c's host wait; on the H200 with 13.0.1 this passed without it."""
+    12.3-13.2 on H100), hence nvjpeg_engine.c's host wait; on the H200 with 13.0.1 this passed without it."""
     rng = np.random.default_rng(derived_seed())
     blobs = [make_jpeg(rng, int(rng.integers(64, 500)), int(rng.integers(64, 500))) for _ in range(32)]
     decoder = open_decoder(backend, 32)

@@ -27,10 +27,11 @@ def adam(params, grads, states, grad_scale=None, found_inf=None, amsgrad=False, 
     device = params[0].device
     packed = (pack(params), pack(grads), pack([s["exp_avg"] for s in states]), pack([s["exp_avg_sq"] for s in states]),
               pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None, pack([s["step"] for s in states]))
-    table, count, chunks, dev = _table(lambda dst: _C.optim_adam_table(*packed, dst), len(params),
-                                       _C.OPTIM_ADAM_ENTRY_BYTES, device)
-    _C.optim_adam(table, count, chunks, dev, h["lr"], lr_tensor, h["beta1"], h["beta2"], h["eps"], h["weight_decay"],
-                  h["decoupled"], h["maximize"], grad_scale, found_inf, _stream(device), threads)
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")
+    table, count, chunks, dev = _table(lambda dst: _C.optim_adam_table(**dict(zip(names, packed)), dst=dst),
+                                       len(params), _C.OPTIM_ADAM_ENTRY_BYTES, device)
+    _C.optim_adam(table=table, count=count, total_chunks=chunks, device=dev, lr_tensor=lr_tensor, grad_scale=grad_scale,
+                  found_inf=found_inf, stream=_stream(device), threads=threads, **h)
 
 
 def sgd(params, grads, bufs, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=True, maximize=False,
@@ -39,5 +40,7 @@ def sgd(params, grads, bufs, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1
     packed = (pack(params), pack(grads), pack(bufs) if bufs is not None else None)
     table, count, chunks, dev = _table(lambda dst: _C.optim_sgd_table(*packed, dst), len(params),
                                        _C.OPTIM_SGD_ENTRY_BYTES, device)
-    _C.optim_sgd(table, count, chunks, dev, lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize,
-                 first_step, grad_scale, found_inf, _stream(device), threads)
+    _C.optim_sgd(table=table, count=count, total_chunks=chunks, device=dev, lr=lr, lr_tensor=lr_tensor,
+                 momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                 maximize=maximize, first_step=first_step, grad_scale=grad_scale, found_inf=found_inf,
+                 stream=_stream(device), threads=threads)

@@ -129,13 +129,14 @@ class GradChecks:
         the `extra` partials (AMP_EXTRA_LEN floats each, or None); returns the fresh aux tensor."""
         aux = torch.empty(_C.AMP_AUX_LEN, dtype=torch.float32, device=dg.device)
         t = dg.table if with_table else None
-        _C.amp_check(dg.device_index, t.table_ptr if t else 0, t.count if t else 0, t.total_chunks if t else 0,
-                     t.partials_ptr if t else 0, scale.data_ptr() if scale is not None else 0, 1 if write else 0,
-                     mode, p, max_norm, aux.data_ptr(), t.index_ptr if t else 0,
-                     dg.report.data_ptr() if report else 0, self._updates,
-                     extra.data_ptr() if extra is not None else 0,
-                     extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0, threads(dg.device),
-                     dg.stream)
+        _C.amp_check(device=dg.device_index, table=t.table_ptr if t else 0, count=t.count if t else 0,
+                     total_chunks=t.total_chunks if t else 0, partials=t.partials_ptr if t else 0,
+                     scale=scale.data_ptr() if scale is not None else 0, write=write, mode=mode, p=p,
+                     max_norm=max_norm, aux=aux.data_ptr(), param_index=t.index_ptr if t else 0,
+                     report=dg.report.data_ptr() if report else 0, step=self._updates,
+                     extra=extra.data_ptr() if extra is not None else 0,
+                     n_extra=extra.numel() // _C.AMP_EXTRA_LEN if extra is not None else 0,
+                     blocks=threads(dg.device), stream=dg.stream)
         return aux
 
     def _run_check(self, cache, write, mode, p, max_norm, unscale):
@@ -216,8 +217,9 @@ class GradChecks:
         for dg, aux in zip(pending.devices, pending.auxes):
             t = dg.table
             if t is not None:
-                _C.amp_apply(t.device_index, t.table_ptr, t.count, t.total_chunks, aux.data_ptr(),
-                             1 if pending.unscale else 0, 1 if pending.clip else 0, t.stream, threads(dg.device))
+                _C.amp_apply(device=t.device_index, table=t.table_ptr, count=t.count, total_chunks=t.total_chunks,
+                             aux=aux.data_ptr(), unscale=pending.unscale, clip=pending.clip, stream=t.stream,
+                             threads=threads(dg.device))
             if dg.others:
                 device_grads.apply(cache.params, dg, aux, pending.unscale, pending.clip)
 

@@ -109,13 +109,14 @@ class ScaleState:
         if len(found_infs) > _C.AMP_MAX_FOUND:
             found_infs = [torch.stack(found_infs).sum()]
         stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-        _C.amp_update(dev.index if dev.type == "cuda" else -1, self._scale.data_ptr(),
-                      self._growth_tracker.data_ptr(), self._amp_state.data_ptr(),
-                      tuple(f.data_ptr() for f in found_infs), float(self._growth_factor),
-                      float(self._backoff_factor), int(self._growth_interval), self._hysteresis,
-                      float(self._min_scale) if self._min_scale is not None else 0.0,
-                      float(self._max_scale) if self._max_scale is not None else math.inf,
-                      1 if adjust else 0, stream)
+        _C.amp_update(device=dev.index if dev.type == "cuda" else -1, scale=self._scale.data_ptr(),
+                      growth_tracker=self._growth_tracker.data_ptr(), state=self._amp_state.data_ptr(),
+                      found=tuple(f.data_ptr() for f in found_infs), growth_factor=float(self._growth_factor),
+                      backoff_factor=float(self._backoff_factor), growth_interval=int(self._growth_interval),
+                      hysteresis=self._hysteresis,
+                      min_scale=float(self._min_scale) if self._min_scale is not None else 0.0,
+                      max_scale=float(self._max_scale) if self._max_scale is not None else math.inf,
+                      adjust=adjust, stream=stream)
         # keep the found tensors alive until the kernel has read them (stream order does the rest)
         self._update_inputs = found_infs
 

@@ -101,6 +101,20 @@ def packed_bytes(tensors):
     return struct.pack(f"{len(fields)}q", *fields)
 
 
+def upload(nbytes, device, write):
+    """(a table of `nbytes` on `device`, what `write` returned): `write(host)` fills a host uint8 tensor,
+    page-locked for a CUDA table, which reaches the device in one non-blocking copy on the current stream
+    (NOTE [ Table uploads ] in csrc/cuda.h); a CPU table is that host tensor itself."""
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    written = write(host)
+    if not cuda:
+        return host, written
+    table = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    table.copy_(host, non_blocking=True)
+    return table, written
+
+
 def device_scratch(count, device):
     """Device memory for `count` table entries, from torch's caching allocator on the current stream."""
     return torch.empty(count * _C.TABLE_ENTRY_BYTES, dtype=torch.uint8, device=device)
@@ -120,14 +134,8 @@ class GradientTable:
         packed = packed_bytes(grads)  # the scaler checked them, naming parameters
         index = struct.pack(f"{count}i", *param_index)
         nbytes = count * (_C.TABLE_ENTRY_BYTES + 4)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.count, self.total_chunks, _numel, self.device_index = _C.amp_table_pack(packed, index, host)
-        if device.type == "cuda":
-            # a pinned source: the copy neither waits for the device nor lets the buffer go too early
-            table = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            table.copy_(host, non_blocking=True)
-        else:
-            table = host
+        table, written = upload(nbytes, device, lambda host: _C.amp_table_pack(packed, index, host))
+        self.count, self.total_chunks, _numel, self.device_index = written
         self.key = key
         self.device = device
         self.table = table

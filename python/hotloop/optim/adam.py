@@ -16,6 +16,8 @@ so that the state exists and the kernels' table is uploaded (step_table.py says 
 A float ``lr`` is a constant of the graph, as in torch; pass a float32 tensor on the GPU to change it
 between replays.
 """
+from typing import NamedTuple, Optional
+
 import torch
 
 from .. import _C
@@ -26,6 +28,19 @@ from .step_table import refuse_in_capture
 
 # the state tensors of a parameter the kernel reads, by amsgrad; the step count last (its checks are _state_of's)
 _STATE_KEYS = {False: ("exp_avg", "exp_avg_sq", "step"), True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")}
+
+
+class AdamHyper(NamedTuple):
+    """One group's hyperparameters for the parameters on one device, named as _C.optim_adam's keywords."""
+
+    lr: float
+    lr_tensor: Optional[torch.Tensor]  # read by the kernel when it runs; None: `lr`
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool  # AdamW
+    maximize: bool
 
 
 class Adam(FusedOptimizer, torch.optim.Adam):
@@ -73,9 +88,10 @@ class Adam(FusedOptimizer, torch.optim.Adam):
     def _hyper(self, group, device, capture):
         beta1, beta2 = group["betas"]
         lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
-        return (lr, lr_tensor, param_table.host_scalar(beta1, "betas[0]", capture),
-                param_table.host_scalar(beta2, "betas[1]", capture), float(group["eps"]),
-                float(group["weight_decay"]), bool(group["decoupled_weight_decay"]), bool(group["maximize"]))
+        return AdamHyper(lr=lr, lr_tensor=lr_tensor, beta1=param_table.host_scalar(beta1, "betas[0]", capture),
+                         beta2=param_table.host_scalar(beta2, "betas[1]", capture), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]),
+                         decoupled=bool(group["decoupled_weight_decay"]), maximize=bool(group["maximize"]))
 
     def _check_capture(self, group, ps):
         if not all(self._ready(p) for p in ps):
@@ -116,10 +132,11 @@ class Adam(FusedOptimizer, torch.optim.Adam):
             for key in _STATE_KEYS[amsgrad][:-1]:
                 param_table.check_state(self._name, p, state[key], key)
         pack = param_table.pack
-        return _C.optim_adam_table(pack(ps), pack([p.grad for p in ps]), pack([s["exp_avg"] for s in states]),
-                                   pack([s["exp_avg_sq"] for s in states]),
-                                   pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
-                                   pack([s["step"] for s in states]), dst)
+        return _C.optim_adam_table(params=pack(ps), grads=pack([p.grad for p in ps]),
+                                   exp_avgs=pack([s["exp_avg"] for s in states]),
+                                   exp_avg_sqs=pack([s["exp_avg_sq"] for s in states]),
+                                   max_exp_avg_sqs=pack([s["max_exp_avg_sq"] for s in states]) if amsgrad else None,
+                                   steps=pack([s["step"] for s in states]), dst=dst)
 
     def _entry_bytes(self):
         return _C.OPTIM_ADAM_ENTRY_BYTES
@@ -133,8 +150,12 @@ class Adam(FusedOptimizer, torch.optim.Adam):
         return True
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
-        _C.optim_adam(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, scale, found,
-                      param_table.stream_of(device), param_table.threads_of(device))
+        h = hyper
+        index = -1 if device.type == "cpu" else device.index
+        _C.optim_adam(table=table, count=count, total_chunks=chunks, device=index,
+                      lr=h.lr, lr_tensor=h.lr_tensor, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                      weight_decay=h.weight_decay, decoupled=h.decoupled, maximize=h.maximize, grad_scale=scale,
+                      found_inf=found, stream=param_table.stream_of(device), threads=param_table.threads_of(device))
 
 
 class AdamW(Adam, torch.optim.AdamW):

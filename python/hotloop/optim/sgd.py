@@ -10,12 +10,26 @@ uninitialised then), and the next step is not a first step.
 The step can be captured in a CUDA graph after one step outside it (the buffers then exist; a first step
 in a capture is refused), with ``lr`` a number (a constant of the graph) or a float32 tensor on the GPU.
 """
+from typing import NamedTuple, Optional
+
 import torch
 
 from .. import _C
 from . import param_table, torch_cpu_step
 from .fused import FusedOptimizer
 from .step_table import refuse_in_capture
+
+
+class SGDHyper(NamedTuple):
+    """One group's hyperparameters for the parameters on one device, named as _C.optim_sgd's keywords."""
+
+    lr: float
+    lr_tensor: Optional[torch.Tensor]  # read by the kernel when it runs; None: `lr`
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
 
 
 class SGD(FusedOptimizer, torch.optim.SGD):
@@ -53,9 +67,10 @@ class SGD(FusedOptimizer, torch.optim.SGD):
 
     def _hyper(self, group, device, capture):
         lr, lr_tensor = param_table.lr_args(group["lr"], device, capture)
-        return (lr, lr_tensor, float(group["momentum"]), float(group["dampening"]),
-                param_table.host_scalar(group["weight_decay"], "weight_decay", capture),
-                bool(group["nesterov"]), bool(group["maximize"]))
+        return SGDHyper(lr=lr, lr_tensor=lr_tensor, momentum=float(group["momentum"]),
+                        dampening=float(group["dampening"]),
+                        weight_decay=param_table.host_scalar(group["weight_decay"], "weight_decay", capture),
+                        nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))
 
     def _check_capture(self, group, ps):
         if group["momentum"] != 0 and any(self.state.get(p, {}).get("momentum_buffer") is None for p in ps):
@@ -96,5 +111,10 @@ class SGD(FusedOptimizer, torch.optim.SGD):
 
     def _launch(self, table, count, chunks, device, hyper, made, scale, found):
         # made: _make_state's first_step, None when the step reused a checked plan (the buffers existed)
-        _C.optim_sgd(table, count, chunks, -1 if device.type == "cpu" else device.index, *hyper, bool(made),
-                     scale, found, param_table.stream_of(device), param_table.threads_of(device))
+        h = hyper
+        index = -1 if device.type == "cpu" else device.index
+        _C.optim_sgd(table=table, count=count, total_chunks=chunks, device=index,
+                     lr=h.lr, lr_tensor=h.lr_tensor, momentum=h.momentum, dampening=h.dampening,
+                     weight_decay=h.weight_decay, nesterov=h.nesterov, maximize=h.maximize, first_step=bool(made),
+                     grad_scale=scale, found_inf=found, stream=param_table.stream_of(device),
+                     threads=param_table.threads_of(device))

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from ..amp import tensor_table
+
 
 def capturing(device) -> bool:
     """True while the current stream of `device` (a CUDA device) is capturing a graph."""
@@ -64,14 +66,9 @@ class StepTables:
 
     @staticmethod
     def _upload(key, device, nbytes, write):
-        cuda = device.type == "cuda"
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        count, total_chunks, _ = write(host)
-        if not cuda:
-            return _Table(key, host, count, total_chunks, None, None)
-        # a pinned source: the copy does not wait for the device, and torch keeps the buffer until it is done
-        table = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        table.copy_(host, non_blocking=True)
+        table, (count, total_chunks, _) = tensor_table.upload(nbytes, device, write)
+        if device.type != "cuda":
+            return _Table(key, table, count, total_chunks, None, None)
         stream = torch.cuda.current_stream(device)
         uploaded = torch.cuda.Event()
         uploaded.record(stream)

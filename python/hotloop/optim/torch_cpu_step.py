@@ -88,26 +88,25 @@ class StepCounter:
 
 def adam_step(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, counter, hyper, grad_scale, found_inf):
     """One Adam/AdamW step by torch's fused CPU kernel, the step counts (a StepCounter) moved as
-    torch.optim moves them. `hyper`: Adam._hyper's tuple (lr, lr_tensor, beta1, beta2, eps, weight_decay,
-    decoupled, maximize)."""
+    torch.optim moves them. `hyper`: Adam._hyper's AdamHyper."""
     if skipped(found_inf):
         return  # nothing changes, the step counts included
-    lr, lr_tensor, beta1, beta2, eps, weight_decay, decoupled, maximize = hyper
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    h = hyper
+    kernel = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     counter.count()
     kernel(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], counter.steps,
-           lr=lr_tensor if lr_tensor is not None else lr, beta1=float(beta1), beta2=float(beta2),
-           weight_decay=weight_decay, eps=eps, amsgrad=max_exp_avg_sqs is not None, maximize=maximize,
+           lr=h.lr_tensor if h.lr_tensor is not None else h.lr, beta1=float(h.beta1), beta2=float(h.beta2),
+           weight_decay=h.weight_decay, eps=h.eps, amsgrad=max_exp_avg_sqs is not None, maximize=h.maximize,
            grad_scale=grad_scale, found_inf=None)
 
 
 def sgd_step(params, buffers, hyper, grad_scale, found_inf):
     """One SGD step (not a first step with momentum) by torch's fused CPU kernel. `hyper`: SGD._hyper's
-    tuple (lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize)."""
+    SGDHyper."""
     if skipped(found_inf):
         return
-    lr, lr_tensor, momentum, dampening, weight_decay, nesterov, maximize = hyper
-    torch._fused_sgd_(params, [p.grad for p in params], buffers or [], weight_decay=float(weight_decay),
-                      momentum=momentum, lr=lr_tensor if lr_tensor is not None else lr, dampening=dampening,
-                      nesterov=nesterov, maximize=maximize, is_first_step=False, grad_scale=grad_scale,
-                      found_inf=None)
+    h = hyper
+    torch._fused_sgd_(params, [p.grad for p in params], buffers or [], weight_decay=float(h.weight_decay),
+                      momentum=h.momentum, lr=h.lr_tensor if h.lr_tensor is not None else h.lr,
+                      dampening=h.dampening, nesterov=h.nesterov, maximize=h.maximize, is_first_step=False,
+                      grad_scale=grad_scale, found_inf=None)

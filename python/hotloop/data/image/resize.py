@@ -85,7 +85,8 @@ def resize_batch(table, count, out_mem, channels_last, mean=(0.0, 0.0, 0.0), std
     batch: the C reference, here and now. table_host: page-locked host memory of as many bytes the
     table goes through, unchanged until `stream` passed the upload (None: from pageable memory, which
     may wait for the stream)."""
-    _C.image_resize(table, count, table_dev, out_mem, channels_last, mean, std, scale, stream, table_host)
+    _C.image_resize(table=table, count=count, table_dev=table_dev, out=out_mem, channels_last=channels_last, mean=mean,
+                    std=std, scale=scale, stream=stream, table_host=table_host)
 
 
 def resize_images(images, boxes, size, *, resized=None, offsets=None, flips=None, dtype=torch.uint8,
