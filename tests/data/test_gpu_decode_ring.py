@@ -1,5 +1,5 @@
 """gpu_decode's ring is never page-locked: its batches leave their slot through a page-locked copy of
-their own (image/stage.py), and page-locking the ring only held the driver lock while the first
+their own (image/maker.py), and page-locking the ring only held the driver lock while the first
 decodes and training steps ran (_device.DeviceCopies). The device path runs on the CPU (fake_cuda),
 with PIL standing in for nvjpeg; a loader without gpu_decode still page-locks its slots."""
 import random

@@ -12,18 +12,18 @@ import hotloop
 DATA = pathlib.Path(hotloop.__file__).parent / "data"
 
 # top to bottom; a module may import modules of lower layers only (image/ is a package of its own,
-# reached through stage.py's hook alone: test_stage_boundary.py)
+# a BatchMaker the core reaches through batch_maker.py's hooks alone: test_stage_boundary.py)
 LAYERS = [
     ["dataloader"],  # the user-facing class
     ["_iterators"],  # the iterators torch's loader returns: the loader's own layer, with the class
     ["_prefetch"],  # the thread that drives the feed between next() calls
     ["_feed"],  # one multi-worker epoch
     ["_pool"],  # tasks, messages, deaths, the ring's making
-    ["_workers", "_slots"],  # the processes and their pipes; the ring's slots and the copies out of them
-    ["_launcher", "_device"],  # the process that forks workers 1..; copies to the GPU
-    ["_worker"],  # the worker loop (runs in the worker processes)
-    ["_resume", "_rows", "_handout", "normalize"],
-    ["_tasks", "stage", "_launches"],
+    ["_workers", "_slots", "_handout"],  # the processes and their pipes; the ring's slots; whole batches
+    ["_launcher", "_making"],  # the process that forks workers 1..; where a maker's batches are made
+    ["_worker", "_device"],  # the worker loop (runs in the worker processes); the copy engine
+    ["_resume", "_rows", "normalize"],
+    ["_tasks", "batch_maker", "leaf_transform"],
     ["_messages", "_batch", "_rng", "_config", "stats", "_inherited_garbage", "_shutdown"],
 ]
 LEVEL = {name: k for k, names in enumerate(LAYERS) for name in names}

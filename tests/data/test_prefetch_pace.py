@@ -99,11 +99,13 @@ class FakeFeed:
     def ahead(self):
         return self._ahead
 
-    def top_up(self, defer=False, limit=None):
+    making = None  # no batch maker: nothing to make outside the lock
+
+    def top_up(self, limit=None):
         self.ran.append(time.perf_counter())
         return False
 
-    def waiting_launches(self):
+    def to_make(self):
         return []
 
 
@@ -183,9 +185,9 @@ class FillingFeed(FakeFeed):
         self.room = room
         self.limits = []
 
-    def top_up(self, defer=False, limit=None):
+    def top_up(self, limit=None):
         self.limits.append(limit)
-        super().top_up(defer, limit)
+        super().top_up(limit)
         self._ahead += 1
         return self._ahead < self.room  # room for another: worth a run of its own
 
@@ -213,8 +215,7 @@ def test_a_paced_top_up_prepares_one_batch_and_the_next_at_its_paced_time():
 def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
     monkeypatch.setattr(_iterators, "PREFETCH_THREAD", False)  # next() tops up itself: not while this test does
     real, ours = _feed.Feed.top_up, threading.Event()
-    monkeypatch.setattr(_feed.Feed, "top_up", lambda self, defer=False, limit=None:
-                        real(self, defer, limit) if ours.is_set() else False)
+    monkeypatch.setattr(_feed.Feed, "top_up", lambda self, limit=None: real(self, limit) if ours.is_set() else False)
     ds = Images(n=24, size=8)
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2, prefetch_batches=2))
     it = iter(loader)

@@ -437,7 +437,7 @@ class Pool:
         if not sizes:
             self.ring_unused = True
             return
-        layout, meta_cap = self.slots.make(self.slots_needed(), sizes, spec_bytes)
+        layout, meta_cap = self.slots.create(self.slots_needed(), sizes, spec_bytes)
         ring = self.ring
         processes = self.processes
         processes.ring_fd = ring.fd

@@ -40,8 +40,8 @@ from .._arguments import expect_count, expect_int
 from ._iterators import LoaderEpochs, MultiProcessIter, SingleProcessIter, generator_of
 from ._resume import check_loadable, epoch_sampler, resume_sampler_epoch
 from ._shutdown import forked_copy
+from .image import make_maker
 from .normalize import Normalize
-from .stage import gpu_decode_stage
 from .stats import LoaderStats
 
 __all__ = ["DataLoader", "LoaderStats"]
@@ -152,15 +152,17 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl = LoaderEpochs()
         kind = "map" if self._dataset_kind == DatasetKind.Map and self._auto_collation else "other"
         # self.gpu_decode: the argument resolved, for a loader made again from vars()
-        self.gpu_decode, images = gpu_decode_stage(gpu_decode, dataset, collate_fn, self.batch_size, kind,
-                                                   self._hl_device, self._hl_stats)
+        # image/'s maker is made here, the one place above the core that knows it (the core calls it
+        # through BatchMaker's hooks alone)
+        self.gpu_decode, images = make_maker(gpu_decode, dataset, collate_fn, self.batch_size, kind,
+                                             self._hl_device, self._hl_stats)
         if images is not None and gpu_transform is not None:  # its images never reach the transform
             raise ValueError("DataLoader: gpu_transform does not apply to gpu_decode's images, which its kernel "
                              "normalises already: put the Normalize in the dataset's transform (v1 or v2) instead")
         self._hl_images = images
-        expected = _expected_device(self._hl_device) if self.batch_stage is not None else None
+        expected = _expected_device(self._hl_device) if images is not None else None
         if expected is not None:
-            self.batch_stage.expect_device(expected)
+            images.expect_device(expected)
 
     def __setattr__(self, name, value):
         """torch's, which refuses its own structural attributes once the loader is made; hotloop's
@@ -205,16 +207,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return False
 
     @property
-    def image_stage(self):
-        """gpu_decode's image path for this loader (image.ImageStage: the decoder and the work
-        per batch), or None when gpu_decode is off or declined the dataset; what ran is in stats."""
+    def batch_maker(self):
+        """gpu_decode's image path for this loader (image.ImageMaker, a batch_maker.BatchMaker: the
+        decoder and the work per batch), or None when gpu_decode is off or declined the dataset;
+        what ran is in stats."""
         return self._hl_images
-
-    @property
-    def batch_stage(self):
-        """What the batches go through beyond the ring's copies (a stage.BatchStage, whose hooks are
-        all the loader's machinery calls of it): gpu_decode's image stage, else gpu_transform, else None."""
-        return self._hl_images if self._hl_images is not None else self.gpu_transform
 
     @property
     def _hl_pool(self):
@@ -243,8 +240,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __iter__(self):
         if self._hl_device is not None and self._hl_device.index is None:
             self._hl_device = self.device  # "cuda": the current device from now on
-            if self.batch_stage is not None:
-                self.batch_stage.use_device(self._hl_device)
+            if self._hl_images is not None:
+                self._hl_images.use_device(self._hl_device)
         resume = self._hl.resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
             resume_sampler_epoch(epoch_sampler(self.batch_sampler, self.sampler), resume["sampler_epoch"],
