@@ -278,7 +278,7 @@ def prefetch_thread(request, monkeypatch):
     """Both ways of queueing copies ahead: in the prefetch thread, or in next() itself."""
     import hotloop.data._iterators as iterators
 
-    monkeypatch.setattr(iterators, "PREFETCH_THREAD", request.param)
+    monkeypatch.setattr(iterators.MultiProcessIter, "prefetch_thread", request.param)
     return request.param
 
 

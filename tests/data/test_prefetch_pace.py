@@ -213,7 +213,7 @@ def test_a_paced_top_up_prepares_one_batch_and_the_next_at_its_paced_time():
 
 
 def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
-    monkeypatch.setattr(_iterators, "PREFETCH_THREAD", False)  # next() tops up itself: not while this test does
+    monkeypatch.setattr(_iterators.MultiProcessIter, "prefetch_thread", False)  # next() tops up itself: not while this test does
     real, ours = _feed.Feed.top_up, threading.Event()
     monkeypatch.setattr(_feed.Feed, "top_up", lambda self, limit=None: real(self, limit) if ours.is_set() else False)
     ds = Images(n=24, size=8)

@@ -158,13 +158,13 @@ def _fed_step_ms(step, loader, warmup, reps):
 @contextlib.contextmanager
 def _paced_top_ups(paced):
     """gpu_decode's prefetch thread paced (the default) or not, for the loaders made inside."""
-    from ..data import dataloader
+    from ..data._iterators import MultiProcessIter
 
-    before, dataloader.PACED_TOP_UPS = dataloader.PACED_TOP_UPS, paced
+    before, MultiProcessIter.paced_top_ups = MultiProcessIter.paced_top_ups, paced
     try:
         yield
     finally:
-        dataloader.PACED_TOP_UPS = before
+        MultiProcessIter.paced_top_ups = before
 
 
 def _step_beside_decoder(step, x, y, make_loader, period):

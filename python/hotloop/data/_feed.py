@@ -270,7 +270,7 @@ class Feed:
                 return out, samples, task
             spec, leaves = outcome.spec, outcome.leaves  # a SlotBatch
             samples = self._samples_of(task, lambda: first_dim(spec, leaves, 1))
-            parts = self._maker.slot_parts(spec) if self._maker is not None else None
+            parts = self.making.slot_parts(spec) if self.making is not None else None
             if pool.device is None and parts is not None:
                 out = self.making.make_on_cpu(pool.slots, task.slot, spec, leaves, parts, self._pin_memory)
             elif pool.device is None:

@@ -25,9 +25,6 @@ from ._resume import Plan, dataset_state, epoch_sampler, load_dataset_state, loa
 from ._shutdown import forked_copy
 from ._worker import WorkerSpec
 
-PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
-PACED_TOP_UPS = True  # gpu_decode's top-ups start later in the consumer's step (_prefetch.TopUpPace)
-
 
 class LoaderEpochs:
     """The loader's state that its iterators keep up to date and its state_dict() reads. The loader
@@ -289,11 +286,11 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
         """The slot's copy to the device queued; a maker's batch made now, as soon as the ring holds
         it (NOTE [ One way down for a batch ] in _making.py)."""
         maker = self._loader.batch_maker
-        parts = maker.slot_parts(spec) if maker is not None else None
+        if maker is not None and (self._making is None or self._making.copies is not ring.copies):
+            self._making = BatchMaking(maker, ring.copies)
+        parts = self._making.slot_parts(spec) if maker is not None else None
         batch = ring.copies.copy_to_device(ring.ring, slot, spec, leaves, parts)
         if parts is not None:
-            if self._making is None or self._making.copies is not ring.copies:
-                self._making = BatchMaking(maker, ring.copies)
             self._making.make(batch)
         return batch
 
@@ -320,6 +317,10 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
     last reference to the iterator is then always the one that drops it, and its workers are shut
     down in the consumer's thread before `del it` returns. (When the thread held the iterator for a
     top-up at that moment, the shutdown ran later, in the thread.)"""
+
+    # the seams tests and the bench turn off, to cover (and time) both ways
+    prefetch_thread = True  # with a device, the next copies are queued by a thread (_prefetch.Prefetcher)
+    paced_top_ups = True  # a batch maker's top-ups start later in the consumer's step (_prefetch.TopUpPace)
 
     def __init__(self, loader, epochs):
         """epochs: the loader's LoaderEpochs."""
@@ -398,8 +399,8 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
         self._feed = feed
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
         self._workers = pool.workers()  # torch's name, which tools read
-        if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            self._prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and maker is not None and maker.paced_top_ups)
+        if pool.device is not None and loader.prefetch_batches > 0 and self.prefetch_thread:
+            self._prefetcher = Prefetcher(feed, paced=self.paced_top_ups and maker is not None and maker.paced_top_ups)
 
     def restart(self, loader):
         """The next epoch with the same workers (persistent workers): what torch's DataLoader.__iter__

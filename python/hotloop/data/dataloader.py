@@ -149,7 +149,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (_shutdown.forked_copy)
         # the epochs' state, which the iterators keep up to date and state_dict() reads (LoaderEpochs);
         # each iterator is handed it when made
-        self._hl = LoaderEpochs()
+        self._epochs = LoaderEpochs()
         kind = "map" if self._dataset_kind == DatasetKind.Map and self._auto_collation else "other"
         # self.gpu_decode: the argument resolved, for a loader made again from vars()
         # image/'s maker is made here, the one place above the core that knows it (the core calls it
@@ -168,7 +168,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """torch's, which refuses its own structural attributes once the loader is made; hotloop's
         settings are refused once a live pool or device ring took them (ValueError), never ignored."""
         if name in _KEPT_BY_A_LIVE_POOL:
-            epochs = self.__dict__.get("_hl")
+            epochs = self.__dict__.get("_epochs")
             if epochs is not None and (epochs.pool is not None or epochs.local_ring is not None):
                 raise ValueError(f"DataLoader: {name} cannot be set once the first epoch has started the persistent "
                                  f"workers or the device ring, which took its value then; make a new DataLoader")
@@ -216,12 +216,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     @property
     def _hl_pool(self):
         """The persistent workers' pool (None without them, or before the first epoch)."""
-        return self._hl.pool
+        return self._epochs.pool
 
     @property
     def _hl_local_ring(self):
         """num_workers=0 with a device: the ring batches go through (None before the first batch)."""
-        return self._hl.local_ring
+        return self._epochs.local_ring
 
     @property
     def stats(self) -> LoaderStats:
@@ -230,11 +230,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            it = SingleProcessIter(self, self._hl)
+            it = SingleProcessIter(self, self._epochs)
         else:
             self.check_worker_number_rationality()
-            it = MultiProcessIter(self, self._hl)
-        self._hl.iter = weakref.ref(it)
+            it = MultiProcessIter(self, self._epochs)
+        self._epochs.iter = weakref.ref(it)
         return it
 
     def __iter__(self):
@@ -242,28 +242,28 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self._hl_device = self.device  # "cuda": the current device from now on
             if self._hl_images is not None:
                 self._hl_images.use_device(self._hl_device)
-        resume = self._hl.resume
+        resume = self._epochs.resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
             resume_sampler_epoch(epoch_sampler(self.batch_sampler, self.sampler), resume["sampler_epoch"],
-                                 self._hl.epoch_at_load)
+                                 self._epochs.epoch_at_load)
         if resume is not None and resume.get("epoch_done") and \
                 not resume.get("persistent", self.persistent_workers and self.num_workers):
             # the saved epoch had ended: the next one starts from the generator as it was then, and
             # draws its worker seed from it as the saved loader's next epoch did
-            self._hl.resume = None
+            self._epochs.resume = None
             generator_of(self).set_state(resume["generator_state"])
         if self.persistent_workers and self.num_workers > 0:
             # torch's __iter__, but the iterator kept by a weak reference where torch's keeps it in
             # self._iterator: it refers to this loader, and that cycle kept the workers alive after
-            # the loader was gone, until the cycle collector ran. The pool is the loader's (_hl.pool):
+            # the loader was gone, until the cycle collector ran. The pool is the loader's (_epochs.pool):
             # an iterator made after the last one was dropped carries on with the same workers.
-            it = self._hl.iter() if self._hl.iter is not None else None
+            it = self._epochs.iter() if self._epochs.iter is not None else None
             if isinstance(it, MultiProcessIter):
                 it.restart(self)
                 return it
             return self._get_iterator()
         it = super().__iter__()
-        self._hl.iter = weakref.ref(it)
+        self._epochs.iter = weakref.ref(it)
         return it
 
     def state_dict(self) -> dict:
@@ -319,29 +319,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
                  "iterable": self._dataset_kind == DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
                  "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
-                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl.sampler_epoch,
+                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._epochs.sampler_epoch,
                  "worker_data": None, "sampler_state": None, "dataset_state": None}
-        if self._hl.epoch is None:
+        if self._epochs.epoch is None:
             return state
-        it = self._hl.iter() if self._hl.iter is not None else None
+        it = self._epochs.iter() if self._epochs.iter is not None else None
         with getattr(it, "lock", None) or contextlib.nullcontext():  # the prefetch thread adds to the log
             return self._fill_state(state, n)
 
     def _fill_state(self, state, n):
-        log = self._hl.log
-        if self._hl.epoch_done:
+        log = self._epochs.log
+        if self._epochs.epoch_done:
             state.update(generator_state=generator_of(self).get_state(), epoch_done=True)
             if state["persistent"] and log is not None:  # the workers carry their states into the next epoch
-                state.update(base_seed=self._hl.epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
+                state.update(base_seed=self._epochs.epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
                              worker_stopped=[False] * n, worker_ahead=[[] for _ in range(n)])
             return state
-        gen_state, base_seed = self._hl.epoch
-        state.update(batches_yielded=self._hl.yielded, generator_state=gen_state.clone(), base_seed=base_seed,
-                     sampler_batches=self._hl.yielded)
+        gen_state, base_seed = self._epochs.epoch
+        state.update(batches_yielded=self._epochs.yielded, generator_state=gen_state.clone(), base_seed=base_seed,
+                     sampler_batches=self._epochs.yielded)
         if log is not None:
             state.update(log.snapshot())
         elif n == 0:
-            state.update(self._hl.single)
+            state.update(self._epochs.single)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -363,15 +363,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
                              f"state, {missing} are missing")
         check_loadable(state, self.num_workers, self._dataset_kind == DatasetKind.Iterable)
-        self._hl.resume = dict(state)
+        self._epochs.resume = dict(state)
         # its epoch now: a set_epoch after this one is the caller's word
         sampler = epoch_sampler(self.batch_sampler, self.sampler)
-        self._hl.epoch_at_load = sampler.epoch if sampler is not None else None
+        self._epochs.epoch_at_load = sampler.epoch if sampler is not None else None
 
     def __del__(self):
         if forked_copy(self):
             return
-        epochs = getattr(self, "_hl", None)
+        epochs = getattr(self, "_epochs", None)
         pool = epochs.pool if epochs is not None else None
         if pool is not None:
             pool.close()
