@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 import hotloop
 from hotloop.bench.procfs import descendants, process_stats
-from hotloop.data._device import CudaCalls, DeviceCopies
+from hotloop.data.ring.copies import CudaCalls, DeviceCopies
 
 from ..seeding import current_seed
 
@@ -276,7 +276,7 @@ def fake_device(loader):
 @pytest.fixture(params=[True, False], ids=["prefetch-thread", "no-prefetch-thread"])
 def prefetch_thread(request, monkeypatch):
     """Both ways of queueing copies ahead: in the prefetch thread, or in next() itself."""
-    import hotloop.data._iterators as iterators
+    import hotloop.data.consumer.iterators as iterators
 
     monkeypatch.setattr(iterators.MultiProcessIter, "prefetch_thread", request.param)
     return request.param

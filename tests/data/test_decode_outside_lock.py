@@ -1,4 +1,4 @@
-"""gpu_decode's batches are made outside the epoch's lock, in one place (_making.BatchMaking: NOTE
+"""gpu_decode's batches are made outside the epoch's lock, in one place (prefetch.making.BatchMaking: NOTE
 [ One way down for a batch ]): a next() hands out a batch prepared earlier while a later batch
 decodes in the prefetch thread, a decode's error is raised at its batch's turn, and batches prepared
 but never handed out free their slots without being decoded.
@@ -15,9 +15,9 @@ from torchvision.datasets import ImageFolder
 
 import hotloop
 from hotloop.data import LoaderStats
-from hotloop.data._config import CopySettings
-from hotloop.data._device import DeviceCopies, QueuedBatch
-from hotloop.data._making import BatchMaking
+from hotloop.data.settings import CopySettings
+from hotloop.data.ring.copies import DeviceCopies, QueuedBatch
+from hotloop.data.prefetch.making import BatchMaking
 
 from .conftest import fake_device, open_with, wait_for
 from .image_folders import TRAIN_V2, assert_batches_close, make_folder
@@ -189,28 +189,28 @@ def test_a_batch_is_made_once_and_its_event_always_recorded():
     maker, copies = Maker(), Copies()
     making = BatchMaking(maker, copies)
     batch = _queued(3, [1, 2])
-    making.make(batch)
-    making.make(batch)  # made already: nothing more
+    making.make_ready(batch)
+    making.make_ready(batch)  # made already: nothing more
     making.drop(batch)
     assert maker.made == [3] and copies.sealed == [3] and batch.result == [3, "targets"]
     assert (batch.left, batch.keep, batch.held, batch.error) == (None, ["buffer"], "held", None)
 
     dropped = _queued(4, [5])
     making.drop(dropped)  # never handed out: its event, no make
-    making.make(dropped)
+    making.make_ready(dropped)
     assert maker.made == [3] and copies.sealed == [3, 4] and dropped.sealed
 
     error = OSError("image file is truncated")
     maker.fail = error
     failed = _queued(5, [1])
-    making.make(failed)  # kept for deliver to raise at the batch's turn; the event recorded all the same
+    making.make_ready(failed)  # kept for deliver to raise at the batch's turn; the event recorded all the same
     assert failed.error is error and copies.sealed[-1] == 5
 
     cuda_error = RuntimeError("CUDA error: an illegal memory access was encountered")
     maker.fail = None
     making = BatchMaking(maker, Copies(fail_seal=cuda_error))
     batch = _queued(6, [1])
-    making.make(batch)  # recording the event failed: kept too, the maker's thread is not the one to raise it
+    making.make_ready(batch)  # recording the event failed: kept too, the maker's thread is not the one to raise it
     assert batch.error is cuda_error
 
 
@@ -219,11 +219,11 @@ def test_a_second_thread_waits_for_the_batch_being_made():
     maker, copies = Maker(gate=gate), Copies()
     making = BatchMaking(maker, copies)
     batch = _queued(1, [2, 2])
-    prefetch = threading.Thread(target=making.make, args=(batch,), name="prefetch")
+    prefetch = threading.Thread(target=making.make_ready, args=(batch,), name="prefetch")
     prefetch.start()
     assert maker.entered.wait(10)
     threading.Timer(0.2, gate.set).start()
-    making.make(batch)  # next()'s call: returns once the prefetch thread's make is over, makes nothing
+    making.make_ready(batch)  # next()'s call: returns once the prefetch thread's make is over, makes nothing
     prefetch.join()
     assert maker.made == [4] and maker.threads == ["prefetch"] and copies.sealed == [1]
 

@@ -76,7 +76,7 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
 def test_batches_the_prefetch_thread_makes_match_the_cpu_pipeline(tmp_path, backend, monkeypatch):
     """A consumer that takes its time ("the training step"): the prefetch thread makes the batches,
-    outside the epoch's lock (NOTE [ One way down for a batch ] in data/_making.py)."""
+    outside the epoch's lock (NOTE [ One way down for a batch ] in data/prefetch/making.py)."""
     made_in = []
     make = image_maker.ImageMaker.make
 

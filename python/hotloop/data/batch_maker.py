@@ -2,12 +2,12 @@
 parts of the ring's slot (gpu_decode's images: image/, made by image.make_maker).
 
 The loader's core never imports image/: it knows a maker by these hooks alone, so an image change
-touches no ring, prefetch or resume code. The copy engine (_device.py) never calls a maker: it
+touches no ring, prefetch or resume code. The copy engine (ring/copies.py) never calls a maker: it
 copies a batch's other leaves and leaves the maker's parts in the slot. A maker is called, per
-batch, in one place: _making.BatchMaking, where the batch becomes ready (NOTE [ One way down for a
-batch ] in _making.py).
+batch, in one place: prefetch.making.BatchMaking, where the batch becomes ready (NOTE [ One way down for a
+batch ] in prefetch/making.py).
 """
-from ._batch import spec_dict, spec_list
+from .ring.layout import spec_dict, spec_list
 
 __all__ = ["BatchMaker", "spec_dict", "spec_list"]
 
@@ -15,7 +15,7 @@ __all__ = ["BatchMaker", "spec_dict", "spec_list"]
 class BatchMaker:
     """The hooks a batch maker answers; a subclass implements them all."""
 
-    paced_top_ups = False  # the prefetch thread's top-ups start later in the consumer's step (_prefetch.TopUpPace)
+    paced_top_ups = False  # the prefetch thread's top-ups start later in the step (prefetch.thread.TopUpPace)
     pins_ring = True  # the ring's slots are page-locked for copies out of them (False: the maker reads them itself)
 
     # the loader's lifetime

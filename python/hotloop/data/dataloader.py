@@ -9,7 +9,7 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 * with `device="cuda"` the ring is page-locked once (`cuMemHostRegister`) and each batch goes to the
   GPU with one `cuMemcpyHtoDAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
   stream waits on an event, and a slot is reused only once its copy finished; a thread queues those
-  copies while the training step runs (_prefetch.py), so next() only hands a batch out;
+  copies while the training step runs (prefetch/thread.py), so next() only hands a batch out;
 * with num_workers=0 and a device, the main thread makes each batch as torch does but writes it
   straight into a small page-locked ring of its own, and the copies run on the side stream as
   above: the copy of one batch overlaps the making of the next;
@@ -35,11 +35,11 @@ import weakref
 import torch
 
 from .. import _C
-from .._torch_compat import DatasetKind
 from .._arguments import expect_count, expect_int
-from ._iterators import LoaderEpochs, MultiProcessIter, SingleProcessIter, generator_of
-from ._resume import check_loadable, epoch_sampler, resume_sampler_epoch
-from ._shutdown import forked_copy
+from .._torch_compat import DatasetKind
+from .at_exit import forked_copy
+from .consumer.iterators import LoaderEpochs, MultiProcessIter, SingleProcessIter, generator_of
+from .consumer.resume import check_loadable, epoch_sampler, resume_sampler_epoch
 from .image import make_maker
 from .normalize import Normalize
 from .stats import LoaderStats
@@ -77,7 +77,7 @@ def _expected_device(device):
 
 
 # hotloop's own settings that persistent workers' pool and the num_workers=0 device ring take when the
-# first epoch makes them (_config.py's frozen settings): set later, they could not reach them
+# first epoch makes them (settings.py's frozen settings): set later, they could not reach them
 _KEPT_BY_A_LIVE_POOL = frozenset({"device", "prefetch_batches", "gpu_transform", "max_worker_restarts"})
 
 
@@ -146,7 +146,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.gpu_transform = gpu_transform
         self.max_worker_restarts = max_worker_restarts
         self._hl_stats = LoaderStats()
-        self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (_shutdown.forked_copy)
+        self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (at_exit.forked_copy)
         # the epochs' state, which the iterators keep up to date and state_dict() reads (LoaderEpochs);
         # each iterator is handed it when made
         self._epochs = LoaderEpochs()

@@ -12,7 +12,7 @@ the script's own Python.
 import threading
 
 from ... import _C
-from .._shutdown import DECODER_OPENINGS, close_at_exit, forget
+from ..at_exit import DECODER_OPENINGS, close_at_exit, forget
 
 
 def open_decoder(device, backend, max_batch):

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ... import _C, cuda_queues
-from . import resize as image_resize
 from ..batch_maker import BatchMaker, spec_dict, spec_list
+from . import resize as image_resize
 from .decoder_opening import DecoderOpening, open_decoder
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 
@@ -117,16 +117,16 @@ class ImageMaker(BatchMaker):
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
     the per-batch work, make(): the batch's tables built on the host, then its decode and kernel
     queued, in batch order, one batch at a time, where the batch becomes ready (the prefetch
-    thread, or next(): NOTE [ One way down for a batch ] in ../_making.py). The loader calls it
+    thread, or next(): NOTE [ One way down for a batch ] in ../prefetch/making.py). The loader calls it
     through BatchMaker's hooks (../batch_maker.py), below close()."""
 
-    paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
+    paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: prefetch.thread.TopUpPace
     # gpu_decode's batches need no page-locked slot: nvjpeg copies the JPEG bytes itself, images that
     # workers decoded are a few per batch, and the targets are a few kB. Page-locking the ring
     # (hundreds of MB with 4 workers and batches of 256) would run in the background through the
     # first steps, holding the driver lock while the first decodes and launches run, and nvjpeg's
     # reads by DMA from a page-locked slot were measured no faster (docs/gpu-decode.md)
-    pins_ring = False  # (_device.DeviceCopies.pin_slots)
+    pins_ring = False  # (ring.copies.DeviceCopies.pin_slots)
 
     def __init__(self, pipeline, device, stats):
         self.pipeline = pipeline

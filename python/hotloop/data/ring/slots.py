@@ -1,14 +1,14 @@
 """The shared ring of a worker pool and what leaves it: its free slots, batches lent to a CPU consumer
-as views of their slots (leases), copies out to the CPU, and copies to the device (_device.DeviceCopies).
+as views of their slots (leases), copies out to the CPU, and copies to the device (ring.copies.DeviceCopies).
 A slot goes back to the free list only once nothing reads it any more."""
 import array
 import pickle
 
 import torch
 
-from .. import _C, input_wait
-from ._batch import unflatten
-from ._device import DeviceCopies, page_round, slot_layout
+from ... import _C, input_wait
+from .copies import DeviceCopies, page_round, slot_layout
+from .layout import unflatten
 
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 # slots the consumer may hold as zero-copy batches, beyond, batches are copied out: the one being
@@ -22,7 +22,7 @@ class RingSlots:
     out of them."""
 
     def __init__(self, settings, stats):
-        """settings: the loader's CopySettings (_config.py); stats: its LoaderStats."""
+        """settings: the loader's CopySettings (settings.py); stats: its LoaderStats."""
         self.device = settings.device
         self.transform = settings.transform
         self.stats = stats
@@ -132,7 +132,7 @@ class RingSlots:
             for slot in self.leases.returned():
                 self.release_slot(slot)
 
-    # CUDA: the side stream, events and copies in flight live in _device.DeviceCopies
+    # CUDA: the side stream, events and copies in flight live in ring.copies.DeviceCopies
     def copy_to_device(self, slot, spec, leaves, left=None):
         return self.copies.copy_to_device(self.ring, slot, spec, leaves, left)
 

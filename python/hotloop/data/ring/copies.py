@@ -7,10 +7,10 @@ import warnings
 
 import torch
 
-from .. import _C, input_wait
-from .._torch_compat import raw_current_stream
-from ._batch import leaf_bytes, ring_leaf, unflatten
-from ._shutdown import LOCAL_RINGS, close_at_exit, forget
+from ... import _C, input_wait
+from ..._torch_compat import raw_current_stream
+from ..at_exit import LOCAL_RINGS, close_at_exit, forget
+from .layout import leaf_bytes, ring_leaf, unflatten
 
 
 
@@ -108,12 +108,12 @@ class DeviceCopies:
     the copy out of it finished. deliver and reclaim move such slots to `finished`, which the ring's
     owner takes (take_finished) and frees: nothing here calls back into the owner. It copies bytes
     and applies the loader's leaf transform, nothing else: a batch a maker makes from the slot has
-    its parts left there for the caller (NOTE [ One way down for a batch ] in _making.py)."""
+    its parts left there for the caller (NOTE [ One way down for a batch ] in prefetch/making.py)."""
 
     calls = CudaCalls  # the seam the CPU tests replace
 
     def __init__(self, settings, stats):
-        """settings: the loader's CopySettings (_config.py); stats: its LoaderStats, which copies add to."""
+        """settings: the loader's CopySettings (settings.py); stats: its LoaderStats, which copies add to."""
         self.device = settings.device
         self.transform = settings.transform
         self.stats = stats

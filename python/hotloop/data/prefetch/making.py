@@ -3,14 +3,14 @@ whose parts the copy engine left in the slot, where the batch becomes ready.
 
 NOTE [ One way down for a batch ]
 A batch goes down one way, and nothing below calls back up. Under the epoch's lock, the feed takes
-a worker's batch from the ring and the copy engine (_device.DeviceCopies) queues the copies of its
+a worker's batch from the ring and the copy engine (ring.copies.DeviceCopies) queues the copies of its
 leaves on the copy stream, and its leaf transform (gpu_transform) there too; a batch a maker makes
 from parts of the slot (gpu_decode's JPEG bytes) has those parts left in the slot, its event not yet
-recorded. Then, outside the lock, BatchMaking.make has the maker make it (nvjpeg's decode and the
+recorded. Then, outside the lock, BatchMaking.make_ready has the maker make it (nvjpeg's decode and the
 kernel on the copy stream) and records the batch's event after that work: in the prefetch thread
-right after its top-up (_prefetch.Prefetcher), or in next() for the batch it hands out, if the
-prefetch thread has not made it (_iterators.MultiProcessIter), or, with num_workers=0, as soon as
-the local ring holds it (_iterators.SingleProcessIter). Outside the lock because nvjpeg holds its
+right after its top-up (prefetch.thread.Prefetcher), or in next() for the batch it hands out, if the
+prefetch thread has not made it (consumer.iterators.MultiProcessIter), or, with num_workers=0, as soon as
+the local ring holds it (consumer.iterators.SingleProcessIter). Outside the lock because nvjpeg holds its
 thread until a batch is decoded, and next() would wait for that with a batch ready to hand out.
 
 Batches are made in batch order, one at a time (the decoder serves one thread at a time): the
@@ -24,26 +24,27 @@ import threading
 
 import torch
 
-from .._torch_compat import pin_memory
-from ._batch import ring_leaf, unflatten
-from ._device import ring_tensor, slot_leaf
+from ..._torch_compat import pin_memory
+from ..ring.copies import ring_tensor, slot_leaf
+from ..ring.layout import ring_leaf, unflatten
 
-__all__ = ["BatchMaking", "make_whole"]
+__all__ = ["BatchMaking"]
 
 
 class BatchMaking:
-    """A maker's batches made, for one copy engine (None without a device: made on the CPU)."""
+    """A maker's batches made, for one copy engine (`copies`; None without a device, or until the
+    loader's own ring exists: made on the CPU, or whole)."""
 
     def __init__(self, maker, copies=None):
         self.maker = maker
         self.copies = copies
         self._lock = threading.Lock()  # one batch made at a time, by whichever thread comes first
 
-    def slot_parts(self, spec):
+    def parts_of(self, spec):
         """The parts of the slot the maker makes the batch from (left there by the copy), or None."""
         return self.maker.slot_parts(spec)
 
-    def make(self, batch):
+    def make_ready(self, batch):
         """Make a QueuedBatch whose parts the copy left in the slot (once: a made batch stays made),
         then record its event. What fails (a file PIL cannot read, a CUDA error, a Ctrl-C) is kept
         for the copy engine's deliver to raise at the batch's turn, its slot freed as any other's."""
@@ -93,10 +94,11 @@ class BatchMaking:
             batch = pin_memory(batch)
         return batch
 
-
-def make_whole(maker, batch, device):
-    """A batch that came whole (not through a slot): made by the maker when it is one of its own."""
-    return maker.whole_batch(batch, device)
+    def make_whole(self, batch, device):
+        """A batch that came whole (not through a slot): made by the maker, waiting for it, when it is
+        one of its own; one batch at a time, as any other."""
+        with self._lock:
+            return self.maker.whole_batch(batch, device)
 
 
 def _cpu_empty(shape, dtype):

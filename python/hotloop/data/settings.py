@@ -19,7 +19,7 @@ class CopySettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeedSettings:
-    """What one multi-worker epoch (_feed.Feed) needs of its loader and iterator, as they stand at its start."""
+    """What one multi-worker epoch (consumer.feed.Feed) needs of its loader and iterator, as they stand at its start."""
 
     dataset_kind: int  # torch's _DatasetKind
     auto_collation: bool

@@ -1,6 +1,6 @@
 """hotloop.DataLoader's iterators: num_workers=0 (SingleProcessIter, torch's single-process iterator
 plus a local ring for a device) and num_workers > 0 (MultiProcessIter, torch's iterator whose epochs a
-_feed.Feed runs over a worker pool). They are the loader's own layer: they read and update its epoch
+consumer.feed.Feed runs over a worker pool). They are the loader's own layer: they read and update its epoch
 state (state_dict's) and hand the layers below frozen settings and the stats sink."""
 import collections
 import functools
@@ -10,20 +10,20 @@ import time
 import torch
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from .. import input_wait
-from .._torch_compat import (BaseDataLoaderIter, DatasetKind, SingleProcessDataLoaderIter, default_collate,
-                             sharding_worker_init_fn)
-from ._batch import FastPathDeclined, SlotWriter, flatten, leaf_bytes, write_fast, write_general
-from ._config import CopySettings, FeedSettings, PoolSettings
-from ._device import LocalRing, QueuedBatch
-from ._feed import Feed
-from ._handout import RaiseWhenDue, batch_samples, host_batch_out
-from ._making import BatchMaking
-from ._pool import Pool
-from ._prefetch import Prefetcher
-from ._resume import Plan, dataset_state, epoch_sampler, load_dataset_state, load_sampler_state, sampler_state
-from ._shutdown import forked_copy
-from ._worker import WorkerSpec
+from ... import input_wait
+from ..._torch_compat import (BaseDataLoaderIter, DatasetKind, SingleProcessDataLoaderIter, default_collate,
+                              sharding_worker_init_fn)
+from ..at_exit import forked_copy
+from ..prefetch.making import BatchMaking
+from ..prefetch.thread import Prefetcher
+from ..ring.copies import LocalRing, QueuedBatch
+from ..ring.layout import FastPathDeclined, SlotWriter, flatten, leaf_bytes, write_fast, write_general
+from ..settings import CopySettings, FeedSettings, PoolSettings
+from ..worker.loop import WorkerSpec
+from .feed import Feed
+from .handout import RaiseWhenDue, batch_samples, host_batch_out
+from .pool import Pool
+from .resume import Plan, dataset_state, epoch_sampler, load_dataset_state, load_sampler_state, sampler_state
 
 
 class LoaderEpochs:
@@ -73,7 +73,8 @@ def _count_elapsed(it, stats, t0):
 def pool_settings(loader):
     """What a worker pool is given of the loader (its settings as they stand at the pool's start)."""
     return PoolSettings(mp_context=loader.multiprocessing_context or torch.multiprocessing,
-                        num_workers=loader.num_workers, copies=copy_settings(loader), batch_size=loader.batch_size, prefetch_factor=loader.prefetch_factor,
+                        num_workers=loader.num_workers, copies=copy_settings(loader), batch_size=loader.batch_size,
+                        prefetch_factor=loader.prefetch_factor,
                         prefetch_batches=loader.prefetch_batches, max_worker_restarts=loader.max_worker_restarts)
 
 
@@ -154,7 +155,8 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
         self._loader = loader
         self._last_return = None
         self._prepared = collections.deque()  # (QueuedBatch or batch or RaiseWhenDue, samples), oldest first
-        self._making = None  # where a maker's batches are made, once the local ring exists
+        maker = loader.batch_maker
+        self._making = BatchMaking(maker) if maker is not None else None  # where its batches are made
         self._exhausted = False
         self._fast = (self._dataset_kind == DatasetKind.Map and self._auto_collation
                       and self._collate_fn is default_collate and not getattr(self._dataset, "__getitems__", None))
@@ -199,7 +201,7 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
                 raise
             finally:
                 self._handed(self._states_now())  # a batch that raised was handed out too
-            batch = host_batch_out(loader.device, loader.gpu_transform, loader.batch_maker, batch, False)
+            batch = host_batch_out(loader.device, loader.gpu_transform, self._making, batch, False)
             _record(self._epochs, loader.stats, t0, batch_samples(batch, 1))
         else:
             try:
@@ -280,18 +282,18 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
                 writer = SlotWriter(ring.slot(slot), ring.layout)
                 spec = write_general(batch, writer)  # every tensor fits: none stays in the spec
                 return self._copy(ring, slot, spec, writer.leaves), n
-        return host_batch_out(loader.device, loader.gpu_transform, loader.batch_maker, batch, False), n
+        return host_batch_out(loader.device, loader.gpu_transform, self._making, batch, False), n
 
     def _copy(self, ring, slot, spec, leaves):
         """The slot's copy to the device queued; a maker's batch made now, as soon as the ring holds
-        it (NOTE [ One way down for a batch ] in _making.py)."""
-        maker = self._loader.batch_maker
-        if maker is not None and (self._making is None or self._making.copies is not ring.copies):
-            self._making = BatchMaking(maker, ring.copies)
-        parts = self._making.slot_parts(spec) if maker is not None else None
+        it (NOTE [ One way down for a batch ] in prefetch/making.py)."""
+        making = self._making
+        if making is not None:
+            making.copies = ring.copies  # the loader's own ring: the same from batch to batch
+        parts = making.parts_of(spec) if making is not None else None
         batch = ring.copies.copy_to_device(ring.ring, slot, spec, leaves, parts)
         if parts is not None:
-            self._making.make(batch)
+            making.make_ready(batch)
         return batch
 
     def __del__(self):
@@ -319,8 +321,8 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
     top-up at that moment, the shutdown ran later, in the thread.)"""
 
     # the seams tests and the bench turn off, to cover (and time) both ways
-    prefetch_thread = True  # with a device, the next copies are queued by a thread (_prefetch.Prefetcher)
-    paced_top_ups = True  # a batch maker's top-ups start later in the consumer's step (_prefetch.TopUpPace)
+    prefetch_thread = True  # with a device, the next copies are queued by a thread (prefetch.thread.Prefetcher)
+    paced_top_ups = True  # a batch maker's top-ups start later in the consumer's step (prefetch.thread.TopUpPace)
 
     def __init__(self, loader, epochs):
         """epochs: the loader's LoaderEpochs."""
@@ -344,7 +346,7 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
         self._loader = loader
         self._prefetch_factor = loader.prefetch_factor
         self._feed = None
-        self._prefetcher = None  # the thread that tops the feed up with a device (_prefetch.py)
+        self._prefetcher = None  # the thread that tops the feed up with a device (prefetch/thread.py)
         self._reset(loader, first_iter=True)
 
     @property
@@ -444,7 +446,7 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
 
     def _make_next(self, feed):
         """A maker's batch that next() hands out, made here if the prefetch thread has not made it,
-        outside the lock (NOTE [ One way down for a batch ] in _making.py). What stops the epoch
+        outside the lock (NOTE [ One way down for a batch ] in prefetch/making.py). What stops the epoch
         here is take_next's to raise again."""
         try:
             with feed.lock:
@@ -452,7 +454,7 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
         except StopIteration:
             return
         if batch is not None:
-            feed.making.make(batch)
+            feed.making.make_ready(batch)
 
     def _shutdown(self):
         feed = getattr(self, "_feed", None)

@@ -8,16 +8,16 @@ import itertools
 import threading
 import time
 
-from .. import _C
-from .._torch_compat import DatasetKind
-from ._batch import first_dim
-from ._device import QueuedBatch
-from ._handout import RaiseWhenDue, batch_samples, host_batch_out
-from ._making import BatchMaking
-from ._messages import Ended, Failed, WholeBatch
-from ._pool import POLL_S
-from ._resume import EpochLog, sampler_state
-from ._tasks import Task, TaskKind
+from ... import _C
+from ..._torch_compat import DatasetKind
+from ..messages import Ended, Failed, WholeBatch
+from ..prefetch.making import BatchMaking
+from ..ring.copies import QueuedBatch
+from ..ring.layout import first_dim
+from .handout import RaiseWhenDue, batch_samples, host_batch_out
+from .pool import POLL_S
+from .resume import EpochLog, sampler_state
+from .tasks import Task, TaskKind
 
 
 class Feed:
@@ -27,18 +27,17 @@ class Feed:
     the epoch down while holding it)."""
 
     def __init__(self, settings, sampler_iter, index_sampler, sampler_start, pool, plan, skip, stats):
-        """settings: FeedSettings (_config.py); sampler_iter: the iterator's sampler iterator, which the
+        """settings: FeedSettings (settings.py); sampler_iter: the iterator's sampler iterator, which the
         epoch draws index batches from; index_sampler: the sampler it iterates; sampler_start: a
         Stateful sampler's loaded state (its batches are not drawn again), or None; plan: the loaded
-        state as a resumed epoch applies it (_resume.Plan), or None; skip: batches handed out before
+        state as a resumed epoch applies it (consumer.resume.Plan), or None; skip: batches handed out before
         it; stats: the loader's LoaderStats."""
         self.lock = threading.RLock()
         self.pool = pool
         self._stats = stats
         self._prefetch_batches = settings.prefetch_batches
         self._transform = settings.transform
-        self._maker = settings.maker
-        # where the maker's batches are made (NOTE [ One way down for a batch ] in _making.py); with
+        # where the maker's batches are made (NOTE [ One way down for a batch ] in prefetch/making.py); with
         # no device (pool.copies None), on the CPU under the lock
         self.making = BatchMaking(settings.maker, pool.copies) if settings.maker is not None else None
         self.epoch_done = False  # the last batch was handed out (or the epoch was shut down)
@@ -226,7 +225,7 @@ class Feed:
 
     def _next_result(self, block=True):
         """(the next batch, assembled (CPU) or with its copy queued (QueuedBatch, CUDA; a batch the
-        maker makes is made outside the lock: BatchMaking.make), its samples, its task). None when
+        maker makes is made outside the lock: BatchMaking.make_ready), its samples, its task). None when
         the next one is not ready and block is False."""
         pool = self.pool
         while True:
@@ -266,11 +265,11 @@ class Feed:
                 batch = outcome.batch
                 self._fill()
                 samples = self._samples_of(task, lambda: batch_samples(batch, 1))
-                out = host_batch_out(pool.device, self._transform, self._maker, batch, self._pin_memory)
+                out = host_batch_out(pool.device, self._transform, self.making, batch, self._pin_memory)
                 return out, samples, task
             spec, leaves = outcome.spec, outcome.leaves  # a SlotBatch
             samples = self._samples_of(task, lambda: first_dim(spec, leaves, 1))
-            parts = self.making.slot_parts(spec) if self.making is not None else None
+            parts = self.making.parts_of(spec) if self.making is not None else None
             if pool.device is None and parts is not None:
                 out = self.making.make_on_cpu(pool.slots, task.slot, spec, leaves, parts, self._pin_memory)
             elif pool.device is None:
@@ -323,7 +322,7 @@ class Feed:
     def next_to_make(self):
         """With a maker and a device, lock held, before take_next: the batch the next take_next hands
         out (prepared now if none is), when it is still to be made (by the caller, once it let go of
-        the lock: BatchMaking.make); else None. It stays first in line until handed out, so a Ctrl-C
+        the lock: BatchMaking.make_ready); else None. It stays first in line until handed out, so a Ctrl-C
         while it is being made loses nothing. Raises what take_next would (StopIteration at the
         epoch's end, its caller's cue to end it)."""
         if self.pool is None or self.pool.closed or self.pool.device is None:

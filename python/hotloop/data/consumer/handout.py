@@ -1,9 +1,8 @@
 """What both of hotloop.DataLoader's iterators (and the multi-worker feed) do to hand a batch out that
 the ring did not carry: a batch that came whole, made as the ring path would deliver it; the error of
 a batch made ahead, raised when that batch is due; a batch's sample count."""
-from .._torch_compat import pin_memory
-from ._batch import flatten, unflatten
-from ._making import make_whole
+from ..._torch_compat import pin_memory
+from ..ring.layout import flatten, unflatten
 
 
 class RaiseWhenDue:
@@ -22,12 +21,12 @@ def batch_samples(batch, default):
     return default
 
 
-def host_batch_out(device, transform, maker, batch, pin):
+def host_batch_out(device, transform, making, batch, pin):
     """A batch that came whole (num_workers=0, or through a worker's pipe): made by the loader's
-    BatchMaker when it is one of its own, to the device and through its LeafTransform, as the ring
-    path would deliver it."""
-    if maker is not None:
-        batch = make_whole(maker, batch, device)  # gpu_decode's packed batch, decoded
+    BatchMaker (`making`: prefetch.making.BatchMaking, or None) when it is one of its own, to the
+    device and through its LeafTransform, as the ring path would deliver it."""
+    if making is not None:
+        batch = making.make_whole(batch, device)  # gpu_decode's packed batch, decoded
     if device is None and transform is None:
         return pin_memory(batch) if pin else batch
     tensors = []

@@ -23,7 +23,7 @@ while it launches; and it prepares one batch per run, each at its own paced time
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
 epoch's state never see two threads; all but the making of a batch maker's batches (gpu_decode's),
 which it does right after, once it let go of that lock (NOTE [ One way down for a batch ] in
-_making.py). It holds the epoch's feed (_feed.Feed), never the iterator, and the feed only through a
+prefetch/making.py). It holds the epoch's feed (consumer.feed.Feed), never the iterator, and the feed only through a
 weak reference: the iterator's last reference is the consumer's, whose drop stops this thread and
 shuts the workers down at once, in the consumer's thread.
 """
@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 
-from ._shutdown import PREFETCH_THREADS, close_at_exit, forget
+from ..at_exit import PREFETCH_THREADS, close_at_exit, forget
 
 RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to be page-locked
 PACE_FRACTION = 0.65  # a paced top-up starts this far into the consumer's step (its period)
@@ -168,7 +168,7 @@ class Prefetcher:
             for batch in unmade:  # a maker's batches, outside the lock: next() is not held up
                 if self._stopped:
                     break  # next() makes what it hands out, the epoch's end drops the rest
-                making.make(batch)
+                making.make_ready(batch)
             del unmade, making
             # top_up's True after a paced run that prepared its one batch: room for the next; else a
             # done batch whose slot waits to be page-locked
