@@ -1,8 +1,8 @@
 """One epoch of hotloop.DataLoader's multi-worker iterator (Feed): its tasks, sent round robin to the
 workers as torch sends them, the batches taken from the pool in torch's order (or as they finish with
 in_order=False) and those prepared ahead for a device. next() and the prefetch thread drive it, one at
-a time, under its lock; it calls down into the pool only and says what happened through attributes its
-caller reads (epoch_done, exhausted, top_up_due)."""
+a time, under its lock; it calls down only (the pool, its slots and copies, a maker's making) and says
+what happened through attributes its caller reads (epoch_done, exhausted, top_up_due)."""
 import collections
 import itertools
 import threading

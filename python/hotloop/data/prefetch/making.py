@@ -3,22 +3,23 @@ whose parts the copy engine left in the slot, where the batch becomes ready.
 
 NOTE [ One way down for a batch ]
 A batch goes down one way, and nothing below calls back up. Under the epoch's lock, the feed takes
-a worker's batch from the ring and the copy engine (ring.copies.DeviceCopies) queues the copies of its
-leaves on the copy stream, and its leaf transform (gpu_transform) there too; a batch a maker makes
-from parts of the slot (gpu_decode's JPEG bytes) has those parts left in the slot, its event not yet
-recorded. Then, outside the lock, BatchMaking.make_ready has the maker make it (nvjpeg's decode and the
-kernel on the copy stream) and records the batch's event after that work: in the prefetch thread
-right after its top-up (prefetch.thread.Prefetcher), or in next() for the batch it hands out, if the
-prefetch thread has not made it (consumer.iterators.MultiProcessIter), or, with num_workers=0, as soon as
-the local ring holds it (consumer.iterators.SingleProcessIter). Outside the lock because nvjpeg holds its
-thread until a batch is decoded, and next() would wait for that with a batch ready to hand out.
+a worker's batch from the ring and the copy engine (ring.copies.DeviceCopies) queues the copies of
+its leaves on the copy stream, and its leaf transform (gpu_transform) there too; a batch a maker
+makes from parts of the slot (gpu_decode's JPEG bytes) has those parts left in the slot, its event
+not yet recorded. Then, outside the lock, BatchMaking.make_ready has the maker make it (nvjpeg's
+decode, and the kernel on the copy stream) and records the batch's event after that work: in the
+prefetch thread right after its top-up (prefetch.thread.Prefetcher), or in next() for the batch it
+hands out if the prefetch thread has not made it (consumer.iterators.MultiProcessIter), or, with
+num_workers=0, as soon as the loader's own ring holds it (consumer.iterators.SingleProcessIter).
+Outside the lock because nvjpeg holds its thread until a batch is decoded, and next() would wait
+for that with a batch ready to hand out.
 
 Batches are made in batch order, one at a time (the decoder serves one thread at a time): the
 prefetch thread makes those it prepared, in order, and next() makes only the batch it hands out,
 which comes before any the prefetch thread prepared since. A batch made stays made, so next()
-looks without the lock first (its event recorded: QueuedBatch.sealed): it does not wait for a
-later batch's decode. A batch never handed
-out is dropped here (its event recorded, no decode), then freed by the copy engine.
+looks without the lock first (its event recorded: QueuedBatch.sealed), and does not wait for a
+later batch's decode. A batch never handed out is dropped here (its event recorded, no decode),
+then freed by the copy engine.
 """
 import threading
 
