@@ -5,11 +5,9 @@ A CUDA context feeds the GPU through a fixed number of hardware work queues,
 CUDA_DEVICE_MAX_CONNECTIONS of them (8 unless set, 32 at most), read when the context is made. Streams
 share them, and work on one queue starts in the order it was queued, whichever stream it came from.
 nvjpeg's hardware decode runs its per-image work on streams of its own; sharing a queue with the
-training stream, that work waited behind the step's queued kernels. Measured on an H100 (nvjpeg 13.0,
-256 realistic photos per call, .gpu/diag_conn.py on the gpu-diag branch): beside 60 queued bf16
-GEMMs a decode call held its thread 97 ms with 8 queues and 28 ms with 32. Fed by gpu_decode, a
-ViT-B/16 bf16 plain loop ran at 95-96 % of its resident speed with 8 queues, next() waiting 50-75 ms a
-step for the decode, and at 97.8-98.3 % with 32 (torch's loader beside it: 91.8-97.3 %).
+training stream, that work waits behind the step's queued kernels, so a decode call holds its
+thread (and next(), waiting for the batch) for about as long as the step. With the widest setting
+its streams rarely share a queue with the training stream. docs/gpu-decode.md has what was measured.
 
 So `import hotloop` asks for 32 queues, but only where the user has not set the variable and torch has
 not started CUDA yet (later it would change nothing). Setting CUDA_DEVICE_MAX_CONNECTIONS yourself, to

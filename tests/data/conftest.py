@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 import hotloop
 from hotloop.bench.procfs import descendants, process_stats
-from hotloop.data._device import CudaCalls, DeviceCopies
+from hotloop.data.ring.copies import CudaCalls, DeviceCopies
 
 from ..seeding import current_seed
 
@@ -227,8 +227,8 @@ class FakeCuda:
             def empty(self, shape, dtype):
                 return torch.empty(shape, dtype=dtype)  # "device" memory is host memory here
 
-            def run_transform(self, stage, src, mem, stream):
-                stage.transform_leaf(src, mem)
+            def run_transform(self, transform, src, mem, stream):
+                transform.transform_leaf(src, mem)
 
             def populate(self, ring, order):
                 ring.populate_all(order)  # the pages only: no CUDA to page-lock them for
@@ -276,9 +276,9 @@ def fake_device(loader):
 @pytest.fixture(params=[True, False], ids=["prefetch-thread", "no-prefetch-thread"])
 def prefetch_thread(request, monkeypatch):
     """Both ways of queueing copies ahead: in the prefetch thread, or in next() itself."""
-    import hotloop.data._iterators as iterators
+    import hotloop.data.consumer.iterators as iterators
 
-    monkeypatch.setattr(iterators, "PREFETCH_THREAD", request.param)
+    monkeypatch.setattr(iterators.MultiProcessIter, "prefetch_thread", request.param)
     return request.param
 
 
@@ -297,11 +297,11 @@ def no_prefetch_thread_left(timeout=5.0):
 def open_with(monkeypatch, decoder):
     """Every gpu_decode loader made in the test opens `decoder` (a stand-in for nvjpeg's) as its
     hardware backend."""
-    from hotloop.data.image.stage import ImageStage
+    from hotloop.data.image.maker import ImageMaker
 
     def open_stand_in(self):
         self.backend, self.decoder = "hardware", decoder
         self.stats.decoder = self.description
         return self.backend
 
-    monkeypatch.setattr(ImageStage, "open", open_stand_in)
+    monkeypatch.setattr(ImageMaker, "open", open_stand_in)

@@ -13,7 +13,7 @@ import hotloop
 from hotloop import _C
 from hotloop.data import dataloader
 from hotloop.data.image.gpu_decode import ImagePipeline
-from hotloop.data.image.stage import ImageStage
+from hotloop.data.image.maker import ImageMaker
 from hotloop.data.stats import LoaderStats
 
 from .image_folders import TRAIN_V2, make_folder
@@ -49,10 +49,10 @@ def slow_decoder(monkeypatch):
     return SlowDecoder
 
 
-def _stage(tmp_path, backend="auto", device=0):
+def _maker(tmp_path, backend="auto", device=0):
     ds = ImageFolder(make_folder(str(tmp_path), n=6), transform=TRAIN_V2(16))
     pipeline = ImagePipeline.make(hotloop.GpuDecode(backend), ds, None, 4, "map")
-    return ImageStage(pipeline, torch.device("cuda", device), LoaderStats())
+    return ImageMaker(pipeline, torch.device("cuda", device), LoaderStats())
 
 
 def _opening_threads():
@@ -60,37 +60,37 @@ def _opening_threads():
 
 
 def test_open_takes_the_decoder_opened_in_the_background(tmp_path, slow_decoder):
-    stage = _stage(tmp_path)
+    maker = _maker(tmp_path)
     t0 = time.perf_counter()
-    stage.open_early(torch.device("cuda", 0))
+    maker.open_early(torch.device("cuda", 0))
     assert time.perf_counter() - t0 < OPEN_S / 2  # the caller goes on while nvjpeg opens
     time.sleep(OPEN_S * 2)  # the script's own set-up
     t0 = time.perf_counter()
-    assert stage.open() == "hardware"
+    assert maker.open() == "hardware"
     assert time.perf_counter() - t0 < OPEN_S / 2  # iter() no longer waits for the open
     [decoder] = slow_decoder.made
-    assert stage.decoder is decoder and decoder.thread == "hotloop-nvjpeg-open"
+    assert maker.decoder is decoder and decoder.thread == "hotloop-nvjpeg-open"
     assert (decoder.device, decoder.backend, decoder.max_batch) == (0, "hardware", 4)
-    assert stage.stats.decoder == "nvjpeg hardware (stand-in)"
+    assert maker.stats.decoder == "nvjpeg hardware (stand-in)"
     assert not _opening_threads()
 
 
 def test_open_waits_for_an_open_still_running(tmp_path, slow_decoder):
-    stage = _stage(tmp_path, backend="cuda")
-    stage.open_early(torch.device("cuda", 0))
-    assert stage.open() == "cuda"
+    maker = _maker(tmp_path, backend="cuda")
+    maker.open_early(torch.device("cuda", 0))
+    assert maker.open() == "cuda"
     assert len(slow_decoder.made) == 1 and slow_decoder.made[0].backend == "cuda"
 
 
 def test_a_device_changed_before_iter_gets_a_decoder_of_its_own(tmp_path, slow_decoder):
     """The loader expected the current device when it was made; the script then chose another
     (torch.cuda.set_device(local_rank)): the early decoder is closed, one opened on the right device."""
-    stage = _stage(tmp_path, device=1)
-    stage.open_early(torch.device("cuda", 0))
-    assert stage.open() == "hardware"
+    maker = _maker(tmp_path, device=1)
+    maker.open_early(torch.device("cuda", 0))
+    assert maker.open() == "hardware"
     early, own = slow_decoder.made
     assert early.device == 0 and early.closed
-    assert own.device == 1 and not own.closed and stage.decoder is own
+    assert own.device == 1 and not own.closed and maker.decoder is own
     assert own.thread == threading.current_thread().name
 
 
@@ -98,15 +98,15 @@ def test_a_device_changed_before_iter_gets_a_decoder_of_its_own(tmp_path, slow_d
 def test_a_refusal_in_the_background_is_the_one_open_would_meet(tmp_path, slow_decoder, backend):
     refusal = _C.NvjpegError("nvjpegCreateEx: NVJPEG_STATUS_ARCH_MISMATCH (no hardware JPEG decoder)")
     slow_decoder.refuse = refusal
-    stage = _stage(tmp_path, backend=backend)
-    stage.open_early(torch.device("cuda", 0))
+    maker = _maker(tmp_path, backend=backend)
+    maker.open_early(torch.device("cuda", 0))
     if backend == "hardware":  # forced: raised at iter(), as without the early open
         with pytest.raises(_C.NvjpegError) as info:
-            stage.open()
+            maker.open()
         assert info.value is refusal
         return
-    assert stage.open() == "cpu"  # auto: the workers decode, and stats say why
-    assert "no hardware JPEG decoder" in stage.stats.decoder
+    assert maker.open() == "cpu"  # auto: the workers decode, and stats say why
+    assert "no hardware JPEG decoder" in maker.stats.decoder
 
 
 def test_other_errors_reach_open_unchanged(tmp_path, monkeypatch):
@@ -114,24 +114,24 @@ def test_other_errors_reach_open_unchanged(tmp_path, monkeypatch):
         raise ValueError("JpegDecoder: max_batch: expected 1 to 65536 images, got 0")
 
     monkeypatch.setattr(_C, "JpegDecoder", broken)
-    stage = _stage(tmp_path)
-    stage.open_early(torch.device("cuda", 0))
+    maker = _maker(tmp_path)
+    maker.open_early(torch.device("cuda", 0))
     with pytest.raises(ValueError, match="max_batch"):
-        stage.open()
+        maker.open()
 
 
 def test_close_before_iter_closes_the_early_decoder(tmp_path, slow_decoder):
-    stage = _stage(tmp_path)
-    stage.open_early(torch.device("cuda", 0))
-    stage.close()
+    maker = _maker(tmp_path)
+    maker.open_early(torch.device("cuda", 0))
+    maker.close()
     [decoder] = slow_decoder.made
     assert decoder.closed and not _opening_threads()
 
 
 def test_the_cpu_backend_opens_nothing(tmp_path, slow_decoder):
-    stage = _stage(tmp_path, backend="cpu")
-    stage.open_early(torch.device("cuda", 0))
-    assert stage.open() == "cpu" and not slow_decoder.made
+    maker = _maker(tmp_path, backend="cpu")
+    maker.open_early(torch.device("cuda", 0))
+    assert maker.open() == "cpu" and not slow_decoder.made
 
 
 def test_the_loader_starts_the_open_when_its_device_is_known(tmp_path, slow_decoder, monkeypatch):
@@ -141,9 +141,9 @@ def test_the_loader_starts_the_open_when_its_device_is_known(tmp_path, slow_deco
                         lambda device: None if device is None else torch.device(device))
     ds = ImageFolder(make_folder(str(tmp_path), n=6), transform=TRAIN_V2(16))
     loader = hotloop.DataLoader(ds, batch_size=4, device="cuda:0", gpu_decode=True)
-    assert loader.image_stage._opening is not None and loader.image_stage._opening.device == torch.device("cuda", 0)
-    loader.image_stage.close()
+    assert loader.batch_maker._opening is not None and loader.batch_maker._opening.device == torch.device("cuda", 0)
+    loader.batch_maker.close()
     assert slow_decoder.made[0].thread == "hotloop-nvjpeg-open" and slow_decoder.made[0].closed
     if not torch.cuda.is_initialized():
         loader = hotloop.DataLoader(ds, batch_size=4, device="cuda", gpu_decode=True)
-        assert loader.image_stage._opening is None
+        assert loader.batch_maker._opening is None

@@ -4,7 +4,7 @@ outlive the epoch; with num_workers=0 the local ring lives as long as the loader
 import pytest
 
 import hotloop
-from hotloop.data._device import DeviceCopies
+from hotloop.data.ring.copies import DeviceCopies
 
 from .conftest import Images, fake_device
 

@@ -215,9 +215,9 @@ def test_bad_options():
 
 
 class PilDecoder:
-    """nvjpeg's part played by PIL on the CPU, so that CI runs the JPEG-bytes path: the stage hands
+    """nvjpeg's part played by PIL on the CPU, so that CI runs the JPEG-bytes path: the maker hands
     it host pointers and pitches as it would nvjpeg; it refuses every third image (status 1), as
-    nvjpeg refuses what it does not support, and those go to the stage's own fallback."""
+    nvjpeg refuses what it does not support, and those go to the maker's own fallback."""
 
     library = "PIL, standing in for nvjpeg"
 
@@ -247,7 +247,7 @@ class PilDecoder:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers):
-    """Workers send JPEG bytes and headers; the stage decodes them in one call into its buffer,
+    """Workers send JPEG bytes and headers; the maker decodes them in one call into its buffer,
     decodes what the decoder refused itself, and the batches equal the CPU pipeline's."""
     decoder = PilDecoder()
     open_with(monkeypatch, decoder)

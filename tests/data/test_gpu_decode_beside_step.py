@@ -2,7 +2,7 @@
 runs ResNet-50 AMP training steps on the same GPU (the bench's "decoder working beside it, flat out"
 row). On the H200 such runs hung: first inside nvjpeg's batched hardware decode, then, with the
 decode on a stream of its own, waiting for a worker's batch (the launcher's workers collecting
-inherited CUDA memory under a lock held at the fork: _inherited_garbage.py). Each attempt here
+inherited CUDA memory under a lock held at the fork: worker/inherited_garbage.py). Each attempt here
 must come back within JOIN_S of being stopped, and so must each training step (the GPU's queue is
 polled, not waited on: a step stuck behind a hung decode must fail the test, not block it). A hang
 fails the test with where every thread below this process waits, and the stacks of this process's

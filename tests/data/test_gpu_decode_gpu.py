@@ -17,8 +17,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torchvision.datasets import ImageFolder
 
 import hotloop
-from hotloop.data import _device
-from hotloop.data.image import stage as image_stage
+from hotloop.data.image import maker as image_maker
 
 from ..seeding import current_seed
 from .image_folders import EVAL_V2, STD, TRAIN_V1, assert_batches_close, make_folder, seeded_batches
@@ -75,18 +74,17 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
 
 
 @pytest.mark.parametrize("backend", ["hardware", "cuda"])
-def test_batches_the_launch_runner_decodes_match_the_cpu_pipeline(tmp_path, backend, monkeypatch):
-    """A consumer that takes its time ("the training step"): the prefetch thread stages the batches
-    and the launch runner's thread decodes them (NOTE [ Decoding ahead ], off by default)."""
-    monkeypatch.setattr(_device.DeviceCopies, "decode_ahead", True)
-    finished_in = []
-    finish = image_stage.ImageStage.finish_batch
+def test_batches_the_prefetch_thread_makes_match_the_cpu_pipeline(tmp_path, backend, monkeypatch):
+    """A consumer that takes its time ("the training step"): the prefetch thread makes the batches,
+    outside the epoch's lock (NOTE [ One way down for a batch ] in data/prefetch/making.py)."""
+    made_in = []
+    make = image_maker.ImageMaker.make
 
-    def recording_finish(self, begun):
-        finished_in.append(threading.current_thread().name)
-        return finish(self, begun)
+    def recording_make(self, parts, stream, empty):
+        made_in.append(threading.current_thread().name)
+        return make(self, parts, stream, empty)
 
-    monkeypatch.setattr(image_stage.ImageStage, "finish_batch", recording_finish)
+    monkeypatch.setattr(image_maker.ImageMaker, "make", recording_make)
     root = make_folder(str(tmp_path), n=48, sizes=(60, 400))
     ds = ImageFolder(root, transform=TRAIN_V1(64))
     seed = random.randrange(2**31)
@@ -105,7 +103,7 @@ def test_batches_the_launch_runner_decodes_match_the_cpu_pipeline(tmp_path, back
         if backend == "hardware" and "hardware" in str(exc):
             pytest.skip(f"no hardware JPEG decoder here: {exc}")
         raise
-    assert "hotloop-launch" in finished_in
+    assert "hotloop-prefetch" in made_in
     _assert_within_decode_bounds(ours, theirs)
     assert loader.stats.images_gpu_decoded == len(ds)
 

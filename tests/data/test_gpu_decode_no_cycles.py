@@ -8,15 +8,15 @@ import gc
 import pytest
 from torchvision.datasets import ImageFolder
 
-from hotloop.data import _device, _launches
-from hotloop.data.image import stage as image_stage
+from hotloop.data.ring import copies
+from hotloop.data.image import maker as image_maker
 
 from ..seeding import current_seed
 from .conftest import open_with
 from .image_folders import TRAIN_V1, make_folder
 from .stand_in_decoder import GatedDecoder, gpu_decode_loaders
 
-_BATCH_KINDS = (_device.Pending, _launches.ImageLaunch, image_stage._Prepared, image_stage._Begun)
+_BATCH_KINDS = (copies.QueuedBatch, image_maker._Prepared, image_maker._Tables)
 
 
 @pytest.mark.parametrize("broken_off", [False, True], ids=["whole-epochs", "epoch-broken-off"])

@@ -1,6 +1,6 @@
 """gpu_decode's ring is never page-locked: its batches leave their slot through a page-locked copy of
-their own (image/stage.py), and page-locking the ring only held the driver lock while the first
-decodes and training steps ran (_device.DeviceCopies). The device path runs on the CPU (fake_cuda),
+their own (image/maker.py), and page-locking the ring only held the driver lock while the first
+decodes and training steps ran (ring.copies.DeviceCopies). The device path runs on the CPU (fake_cuda),
 with PIL standing in for nvjpeg; a loader without gpu_decode still page-locks its slots."""
 import random
 
@@ -8,7 +8,7 @@ import torch
 from torchvision.datasets import ImageFolder
 
 import hotloop
-from hotloop.data._device import DeviceCopies
+from hotloop.data.ring.copies import DeviceCopies
 
 from .conftest import Images, fake_device, open_with
 from .image_folders import TRAIN_V1, assert_batches_close, make_folder

@@ -1,4 +1,4 @@
-"""Workers never collect what they inherit (_inherited_garbage.py): an object that was garbage in the
+"""Workers never collect what they inherit (worker/inherited_garbage.py): an object that was garbage in the
 main process when the workers were forked is finalized once, in the main process, never in a worker
 (where a CUDA object's finalizer aborted the worker or could block it for good); and the main
 process's collector is left as it was: that garbage is still young there, a gen-0 collection frees it

@@ -237,7 +237,7 @@ def test_launcher_killed_every_sample_once():
 
 @pytest.mark.parametrize("by_launcher", [True, False])
 def test_every_process_reaped(monkeypatch, by_launcher):
-    import hotloop.data._workers as workers_module
+    import hotloop.data.consumer.processes as workers_module
 
     monkeypatch.setattr(workers_module, "USE_LAUNCHER", by_launcher)
     loader = hotloop.DataLoader(Rows(40), batch_size=4, num_workers=3)
@@ -762,7 +762,7 @@ def test_dropping_the_iterator_during_a_top_up_shuts_down_at_once(fake_cuda, mon
     workers are gone and the thread has ended by the time `del it` returns, in the consumer's thread
     (when the thread held the iterator, its last reference was the thread's and the shutdown ran
     there, later: test_cleanup_on_gpu failed 1 run in 3)."""
-    import hotloop.data._iterators as iterators
+    import hotloop.data.consumer.iterators as iterators
 
     real_prefetcher = iterators.Prefetcher
     in_top_up = threading.Event()

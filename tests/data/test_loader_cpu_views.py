@@ -8,8 +8,8 @@ from torch.utils.data import Dataset
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
-from hotloop.data._batch import flatten
-from hotloop.data._slots import LEASE_SLOTS
+from hotloop.data.ring.layout import flatten
+from hotloop.data.ring.slots import LEASE_SLOTS
 
 from ..seeding import seeded_generator
 from .conftest import Mixed, assert_same, both, open_fds, rss_kb, shm_files

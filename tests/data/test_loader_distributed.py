@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import hotloop
 from hotloop.data import GatheredStats, LoaderStats
-from hotloop.data._device import DeviceCopies
+from hotloop.data.ring.copies import DeviceCopies
 
 from ..distributed import run_ranks
 from .conftest import assert_same, fake_device, shm_files

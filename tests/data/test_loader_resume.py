@@ -358,9 +358,9 @@ def test_successor_plan_follows_the_order_the_worker_made_its_batches():
 
     from torch.utils.data.dataloader import _DatasetKind
 
-    from hotloop.data._messages import Setup, SlotBatch
-    from hotloop.data._pool import Pool
-    from hotloop.data._tasks import Task, WorkerEpoch
+    from hotloop.data.messages import Setup, SlotBatch
+    from hotloop.data.consumer.pool import Pool
+    from hotloop.data.consumer.tasks import Task, WorkerEpoch
 
     idx = [None] * 4
     lost_a, ready_b, lost_c = Task(5, 0, idx, -1), Task(6, 0, idx, 2), Task(7, 0, idx, 3)

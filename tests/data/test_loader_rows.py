@@ -10,10 +10,10 @@ from torch.utils.data import Dataset, default_collate
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
-from hotloop.data._batch import (FastPathDeclined, SlotWriter, collate_no_shm, plan_layout, sample_plan, unflatten,
+from hotloop.data.ring.layout import (FastPathDeclined, SlotWriter, collate_no_shm, plan_layout, sample_plan, unflatten,
                                  write_fast, write_general)
-from hotloop.data._device import slot_layout
-from hotloop.data._rows import SlotRows
+from hotloop.data.ring.copies import slot_layout
+from hotloop.data.worker.rows import SlotRows
 
 from .conftest import assert_same
 

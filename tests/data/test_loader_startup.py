@@ -14,11 +14,11 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import hotloop
-import hotloop.data._pool as pool_module
-import hotloop.data._workers as workers_module
+import hotloop.data.consumer.pool as pool_module
+import hotloop.data.consumer.processes as workers_module
 from hotloop import _C
-from hotloop.data._launcher import LaunchedWorker
-from hotloop.data._messages import Layout
+from hotloop.data.launcher.zygote import LaunchedWorker
+from hotloop.data.messages import Layout
 
 from .conftest import assert_same
 

@@ -1,4 +1,4 @@
-"""The prefetch thread's paced top-ups (gpu_decode's loaders, _prefetch.TopUpPace): the top-up after a
+"""The prefetch thread's paced top-ups (gpu_decode's loaders, prefetch.thread.TopUpPace): the top-up after a
 next() starts later in the step (PACE_FRACTION of it), where a batch is already prepared for the next next(), and at once
 when the consumer is behind or comes back first; one batch per run, the next at its own paced time; the
 step is the shortest recent gap between next() calls, counted from call to call."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import hotloop
-from hotloop.data import _feed, _iterators
-from hotloop.data._prefetch import PACE_FRACTION, PACE_MARGIN_S, PERIOD_WINDOW, Prefetcher, TopUpPace
+from hotloop.data.consumer import feed as feed_module
+from hotloop.data.consumer import iterators
+from hotloop.data.prefetch.thread import PACE_FRACTION, PACE_MARGIN_S, PERIOD_WINDOW, Prefetcher, TopUpPace
 
 from .conftest import Images, fake_device, wait_for
 
@@ -99,11 +100,13 @@ class FakeFeed:
     def ahead(self):
         return self._ahead
 
-    def top_up(self, defer=False, limit=None):
+    making = None  # no batch maker: nothing to make outside the lock
+
+    def top_up(self, limit=None):
         self.ran.append(time.perf_counter())
         return False
 
-    def waiting_launches(self):
+    def to_make(self):
         return []
 
 
@@ -183,9 +186,9 @@ class FillingFeed(FakeFeed):
         self.room = room
         self.limits = []
 
-    def top_up(self, defer=False, limit=None):
+    def top_up(self, limit=None):
         self.limits.append(limit)
-        super().top_up(defer, limit)
+        super().top_up(limit)
         self._ahead += 1
         return self._ahead < self.room  # room for another: worth a run of its own
 
@@ -211,10 +214,10 @@ def test_a_paced_top_up_prepares_one_batch_and_the_next_at_its_paced_time():
 
 
 def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
-    monkeypatch.setattr(_iterators, "PREFETCH_THREAD", False)  # next() tops up itself: not while this test does
-    real, ours = _feed.Feed.top_up, threading.Event()
-    monkeypatch.setattr(_feed.Feed, "top_up", lambda self, defer=False, limit=None:
-                        real(self, defer, limit) if ours.is_set() else False)
+    # next() tops up itself: not while this test does
+    monkeypatch.setattr(iterators.MultiProcessIter, "prefetch_thread", False)
+    real, ours = feed_module.Feed.top_up, threading.Event()
+    monkeypatch.setattr(feed_module.Feed, "top_up", lambda self, limit=None: real(self, limit) if ours.is_set() else False)
     ds = Images(n=24, size=8)
     loader = fake_device(hotloop.DataLoader(ds, batch_size=4, num_workers=2, prefetch_batches=2))
     it = iter(loader)
@@ -231,13 +234,13 @@ def test_top_up_with_a_limit_prepares_that_many(fake_cuda, monkeypatch):
 
 def test_only_gpu_decode_loaders_pace(fake_cuda, monkeypatch):
     made = []
-    real = _iterators.Prefetcher
+    real = iterators.Prefetcher
 
     def recording(feed, paced=False):
         made.append(paced)
         return real(feed, paced)
 
-    monkeypatch.setattr(_iterators, "Prefetcher", recording)
+    monkeypatch.setattr(iterators, "Prefetcher", recording)
     loader = fake_device(hotloop.DataLoader(Images(n=16, size=8), batch_size=4, num_workers=2))
     assert len(list(loader)) == 4
     assert made == [False]

@@ -421,7 +421,7 @@ def test_a_worker_killed_while_the_oom_killer_struck_is_named_so(tmp_path, monke
     """hotloop's restart message says a SIGKILLed worker was the OOM killer's when /proc/vmstat's
     oom_kill rose meanwhile (the counter scripted here: a real OOM kill cannot be staged in CI), and
     says nothing of it otherwise."""
-    import hotloop.data._pool as pool
+    import hotloop.data.consumer.pool as pool
     import hotloop.memory.host as host
 
     monkeypatch.setattr(pool, "oom_kills", lambda: 3)

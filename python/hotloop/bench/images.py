@@ -9,7 +9,7 @@ Figures: the kernel alone (image_kernel.py), the loader alone (img/s), feeding a
 already on the GPU, steady state and first 25 steps), CPU seconds per image of all processes,
 the step's own slowdown with the decoder working beside it (flat out, and paced as training takes
 batches; and the same step captured as one CUDA graph), the step's GPU time while the loader
-feeds it, top-ups paced or not (_prefetch.TopUpPace), and each backend forced in turn.
+feeds it, top-ups paced or not (prefetch.thread.TopUpPace), and each backend forced in turn.
 """
 import contextlib
 import itertools
@@ -158,13 +158,13 @@ def _fed_step_ms(step, loader, warmup, reps):
 @contextlib.contextmanager
 def _paced_top_ups(paced):
     """gpu_decode's prefetch thread paced (the default) or not, for the loaders made inside."""
-    from ..data import dataloader
+    from ..data.consumer.iterators import MultiProcessIter
 
-    before, dataloader.PACED_TOP_UPS = dataloader.PACED_TOP_UPS, paced
+    before, MultiProcessIter.paced_top_ups = MultiProcessIter.paced_top_ups, paced
     try:
         yield
     finally:
-        dataloader.PACED_TOP_UPS = before
+        MultiProcessIter.paced_top_ups = before
 
 
 def _step_beside_decoder(step, x, y, make_loader, period):
@@ -309,7 +309,7 @@ def rows(ctx):
             unpaced = timed_steps(step, hotloop_way(ds, batch, ours_workers, device), 25, steady, device)
         yield Row("images", "ResNet-50 AMP steady state, top-ups not paced, % of GPU-resident",
                   100 * unpaced[1] / rate_res, 100 * res["torch"][1] / rate_res, "%",
-                  note="the prefetch thread decoding as soon as next() returned (before _prefetch.TopUpPace)")
+                  note="the prefetch thread decoding as soon as next() returned (before prefetch.thread.TopUpPace)")
         yield Row("images", "ResNet-50 AMP first 25 steps, % of GPU-resident", 100 * t_first_res / res["hotloop"][0],
                   100 * t_first_res / res["torch"][0], "%", note="from iter() to step 25 done, worker start-up "
                   "included; both loaders made just before iter()")

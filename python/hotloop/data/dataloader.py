@@ -9,7 +9,7 @@ order for the same generator), workers seeded as torch seeds them. What changes 
 * with `device="cuda"` the ring is page-locked once (`cuMemHostRegister`) and each batch goes to the
   GPU with one `cuMemcpyHtoDAsync` per leaf on a side stream, `prefetch_batches` ahead; the consumer's
   stream waits on an event, and a slot is reused only once its copy finished; a thread queues those
-  copies while the training step runs (_prefetch.py), so next() only hands a batch out;
+  copies while the training step runs (prefetch/thread.py), so next() only hands a batch out;
 * with num_workers=0 and a device, the main thread makes each batch as torch does but writes it
   straight into a small page-locked ring of its own, and the copies run on the side stream as
   above: the copy of one batch overlaps the making of the next;
@@ -35,13 +35,13 @@ import weakref
 import torch
 
 from .. import _C
-from .._torch_compat import DatasetKind
 from .._arguments import expect_count, expect_int
-from ._iterators import LoaderEpochs, MultiProcessIter, SingleProcessIter, generator_of
-from ._resume import check_loadable, epoch_sampler, resume_sampler_epoch
-from ._shutdown import forked_copy
+from .._torch_compat import DatasetKind
+from .at_exit import forked_copy
+from .consumer.iterators import LoaderEpochs, MultiProcessIter, SingleProcessIter, generator_of
+from .consumer.resume import check_loadable, epoch_sampler, resume_sampler_epoch
+from .image import make_maker
 from .normalize import Normalize
-from .stage import gpu_decode_stage
 from .stats import LoaderStats
 
 __all__ = ["DataLoader", "LoaderStats"]
@@ -77,7 +77,7 @@ def _expected_device(device):
 
 
 # hotloop's own settings that persistent workers' pool and the num_workers=0 device ring take when the
-# first epoch makes them (_config.py's frozen settings): set later, they could not reach them
+# first epoch makes them (settings.py's frozen settings): set later, they could not reach them
 _KEPT_BY_A_LIVE_POOL = frozenset({"device", "prefetch_batches", "gpu_transform", "max_worker_restarts"})
 
 
@@ -146,27 +146,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.gpu_transform = gpu_transform
         self.max_worker_restarts = max_worker_restarts
         self._hl_stats = LoaderStats()
-        self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (_shutdown.forked_copy)
+        self._hl_pid = os.getpid()  # a forked copy's finaliser leaves it alone (at_exit.forked_copy)
         # the epochs' state, which the iterators keep up to date and state_dict() reads (LoaderEpochs);
         # each iterator is handed it when made
-        self._hl = LoaderEpochs()
+        self._epochs = LoaderEpochs()
         kind = "map" if self._dataset_kind == DatasetKind.Map and self._auto_collation else "other"
         # self.gpu_decode: the argument resolved, for a loader made again from vars()
-        self.gpu_decode, images = gpu_decode_stage(gpu_decode, dataset, collate_fn, self.batch_size, kind,
-                                                   self._hl_device, self._hl_stats)
+        # image/'s maker is made here, the one place above the core that knows it (the core calls it
+        # through BatchMaker's hooks alone)
+        self.gpu_decode, images = make_maker(gpu_decode, dataset, collate_fn, self.batch_size, kind,
+                                             self._hl_device, self._hl_stats)
         if images is not None and gpu_transform is not None:  # its images never reach the transform
             raise ValueError("DataLoader: gpu_transform does not apply to gpu_decode's images, which its kernel "
                              "normalises already: put the Normalize in the dataset's transform (v1 or v2) instead")
         self._hl_images = images
-        expected = _expected_device(self._hl_device) if self.batch_stage is not None else None
+        expected = _expected_device(self._hl_device) if images is not None else None
         if expected is not None:
-            self.batch_stage.expect_device(expected)
+            images.expect_device(expected)
 
     def __setattr__(self, name, value):
         """torch's, which refuses its own structural attributes once the loader is made; hotloop's
         settings are refused once a live pool or device ring took them (ValueError), never ignored."""
         if name in _KEPT_BY_A_LIVE_POOL:
-            epochs = self.__dict__.get("_hl")
+            epochs = self.__dict__.get("_epochs")
             if epochs is not None and (epochs.pool is not None or epochs.local_ring is not None):
                 raise ValueError(f"DataLoader: {name} cannot be set once the first epoch has started the persistent "
                                  f"workers or the device ring, which took its value then; make a new DataLoader")
@@ -205,26 +207,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         return False
 
     @property
-    def image_stage(self):
-        """gpu_decode's image path for this loader (image.ImageStage: the decoder and the work
-        per batch), or None when gpu_decode is off or declined the dataset; what ran is in stats."""
+    def batch_maker(self):
+        """gpu_decode's image path for this loader (image.ImageMaker, a batch_maker.BatchMaker: the
+        decoder and the work per batch), or None when gpu_decode is off or declined the dataset;
+        what ran is in stats."""
         return self._hl_images
-
-    @property
-    def batch_stage(self):
-        """What the batches go through beyond the ring's copies (a stage.BatchStage, whose hooks are
-        all the loader's machinery calls of it): gpu_decode's image stage, else gpu_transform, else None."""
-        return self._hl_images if self._hl_images is not None else self.gpu_transform
 
     @property
     def _hl_pool(self):
         """The persistent workers' pool (None without them, or before the first epoch)."""
-        return self._hl.pool
+        return self._epochs.pool
 
     @property
     def _hl_local_ring(self):
         """num_workers=0 with a device: the ring batches go through (None before the first batch)."""
-        return self._hl.local_ring
+        return self._epochs.local_ring
 
     @property
     def stats(self) -> LoaderStats:
@@ -233,40 +230,40 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            it = SingleProcessIter(self, self._hl)
+            it = SingleProcessIter(self, self._epochs)
         else:
             self.check_worker_number_rationality()
-            it = MultiProcessIter(self, self._hl)
-        self._hl.iter = weakref.ref(it)
+            it = MultiProcessIter(self, self._epochs)
+        self._epochs.iter = weakref.ref(it)
         return it
 
     def __iter__(self):
         if self._hl_device is not None and self._hl_device.index is None:
             self._hl_device = self.device  # "cuda": the current device from now on
-            if self.batch_stage is not None:
-                self.batch_stage.use_device(self._hl_device)
-        resume = self._hl.resume
+            if self._hl_images is not None:
+                self._hl_images.use_device(self._hl_device)
+        resume = self._epochs.resume
         if resume is not None and not resume.get("epoch_done") and resume.get("sampler_epoch") is not None:
             resume_sampler_epoch(epoch_sampler(self.batch_sampler, self.sampler), resume["sampler_epoch"],
-                                 self._hl.epoch_at_load)
+                                 self._epochs.epoch_at_load)
         if resume is not None and resume.get("epoch_done") and \
                 not resume.get("persistent", self.persistent_workers and self.num_workers):
             # the saved epoch had ended: the next one starts from the generator as it was then, and
             # draws its worker seed from it as the saved loader's next epoch did
-            self._hl.resume = None
+            self._epochs.resume = None
             generator_of(self).set_state(resume["generator_state"])
         if self.persistent_workers and self.num_workers > 0:
             # torch's __iter__, but the iterator kept by a weak reference where torch's keeps it in
             # self._iterator: it refers to this loader, and that cycle kept the workers alive after
-            # the loader was gone, until the cycle collector ran. The pool is the loader's (_hl.pool):
+            # the loader was gone, until the cycle collector ran. The pool is the loader's (_epochs.pool):
             # an iterator made after the last one was dropped carries on with the same workers.
-            it = self._hl.iter() if self._hl.iter is not None else None
+            it = self._epochs.iter() if self._epochs.iter is not None else None
             if isinstance(it, MultiProcessIter):
                 it.restart(self)
                 return it
             return self._get_iterator()
         it = super().__iter__()
-        self._hl.iter = weakref.ref(it)
+        self._epochs.iter = weakref.ref(it)
         return it
 
     def state_dict(self) -> dict:
@@ -322,29 +319,29 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                  "persistent": bool(self.persistent_workers and n), "num_workers": n,
                  "iterable": self._dataset_kind == DatasetKind.Iterable, "sampler_batches": 0, "yielded_after": [],
                  "yielded_after_rng": [], "next_worker": 0, "worker_rng": None, "worker_batches": None,
-                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._hl.sampler_epoch,
+                 "worker_stopped": None, "worker_ahead": None, "sampler_epoch": self._epochs.sampler_epoch,
                  "worker_data": None, "sampler_state": None, "dataset_state": None}
-        if self._hl.epoch is None:
+        if self._epochs.epoch is None:
             return state
-        it = self._hl.iter() if self._hl.iter is not None else None
+        it = self._epochs.iter() if self._epochs.iter is not None else None
         with getattr(it, "lock", None) or contextlib.nullcontext():  # the prefetch thread adds to the log
             return self._fill_state(state, n)
 
     def _fill_state(self, state, n):
-        log = self._hl.log
-        if self._hl.epoch_done:
+        log = self._epochs.log
+        if self._epochs.epoch_done:
             state.update(generator_state=generator_of(self).get_state(), epoch_done=True)
             if state["persistent"] and log is not None:  # the workers carry their states into the next epoch
-                state.update(base_seed=self._hl.epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
+                state.update(base_seed=self._epochs.epoch[1], worker_rng=list(log.rng), worker_batches=[0] * n,
                              worker_stopped=[False] * n, worker_ahead=[[] for _ in range(n)])
             return state
-        gen_state, base_seed = self._hl.epoch
-        state.update(batches_yielded=self._hl.yielded, generator_state=gen_state.clone(), base_seed=base_seed,
-                     sampler_batches=self._hl.yielded)
+        gen_state, base_seed = self._epochs.epoch
+        state.update(batches_yielded=self._epochs.yielded, generator_state=gen_state.clone(), base_seed=base_seed,
+                     sampler_batches=self._epochs.yielded)
         if log is not None:
             state.update(log.snapshot())
         elif n == 0:
-            state.update(self._hl.single)
+            state.update(self._epochs.single)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -366,15 +363,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             raise ValueError(f"load_state_dict: expected the keys {needed} of a version-{state['version']} "
                              f"state, {missing} are missing")
         check_loadable(state, self.num_workers, self._dataset_kind == DatasetKind.Iterable)
-        self._hl.resume = dict(state)
+        self._epochs.resume = dict(state)
         # its epoch now: a set_epoch after this one is the caller's word
         sampler = epoch_sampler(self.batch_sampler, self.sampler)
-        self._hl.epoch_at_load = sampler.epoch if sampler is not None else None
+        self._epochs.epoch_at_load = sampler.epoch if sampler is not None else None
 
     def __del__(self):
         if forked_copy(self):
             return
-        epochs = getattr(self, "_hl", None)
+        epochs = getattr(self, "_epochs", None)
         pool = epochs.pool if epochs is not None else None
         if pool is not None:
             pool.close()

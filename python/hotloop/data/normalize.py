@@ -4,14 +4,14 @@ import contextlib
 import torch
 
 from .. import _C
-from .stage import BatchStage
+from .leaf_transform import LeafTransform
 
 FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LAYOUTS = ("NCHW", "NHWC")
 _CHANNEL_DIM = {"NCHW": 1, "NHWC": 3}
 
 
-class Normalize(BatchStage):
+class Normalize(LeafTransform):
     """Image batches -> (x - mean) / std as float16/bfloat16/float32, laid out [n, c, h, w] (NCHW
     memory, or channels_last memory when channels_last=True, the default).
 
@@ -210,8 +210,8 @@ class Normalize(BatchStage):
         y = y.to(self.output_dtype(x.device))
         return y.contiguous(memory_format=torch.channels_last) if self.channels_last else y.contiguous()
 
-    # the loader's hooks (stage.py), as a gpu_transform: the leaves image_leaves takes, normalised
-    # on the copy stream once copied
+    # LeafTransform's hooks (leaf_transform.py), as a loader's gpu_transform: the leaves image_leaves
+    # takes, normalised on the copy stream once copied
     leaf_outputs = image_leaves
     empty_leaf = empty_output
     transform_leaf = run

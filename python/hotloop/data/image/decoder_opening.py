@@ -3,7 +3,7 @@
 Opening nvjpeg's hardware decoder is slow, and as slow every time: nvjpegCreateEx and the decoder's
 state each take a large share, and a second decoder in the same process costs the same again. Opened
 at the first iter(), it would be most of the time before the first batch. A loader that knows its
-device when it is made starts the open then (DataLoader.__init__ -> ImageStage.open_early), and the
+device when it is made starts the open then (DataLoader.__init__ -> ImageMaker.open_early), and the
 script's own set-up (the model, the optimizer) hides it; iter() waits only for what is left.
 
 JpegDecoder's constructor releases the GIL while nvjpeg works, so the thread takes nothing from
@@ -12,7 +12,7 @@ the script's own Python.
 import threading
 
 from ... import _C
-from .._shutdown import DECODER_OPENINGS, close_at_exit, forget
+from ..at_exit import DECODER_OPENINGS, close_at_exit, forget
 
 
 def open_decoder(device, backend, max_batch):

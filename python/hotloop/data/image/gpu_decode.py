@@ -20,7 +20,7 @@ BACKENDS = ("auto", "hardware", "cuda", "cpu")
 # hardware backend uses the GPU's JPEG engines, which the step does not use, and the workers' PIL
 # decode uses the host's cores. So "auto" takes the hardware decoder where the GPU has one and
 # otherwise decodes in the workers, never on the SMs; "cuda" is there for whoever asks for it.
-# Cited by GpuDecode's docstring and stage.ImageStage.open.
+# Cited by GpuDecode's docstring and maker.ImageMaker.open.
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
 _SIZE_MARGIN = 1.5  # the first batch reserves at least this many times a mean batch's JPEG bytes in the ring
 _SIZE_SPREADS = 4.0  # ... and at least this many standard deviations of a batch's bytes above their mean
@@ -98,9 +98,9 @@ class ImagePipeline:
         if loader_kind != "map":
             why = "gpu_decode needs a map-style dataset with automatic batching (batch_size not None)"
         if why is not None:
-            # the user's line: here <- make_stage <- stage.gpu_decode_stage <- DataLoader.__init__ <- the user
+            # the user's line: here <- make_maker <- DataLoader.__init__ <- the user
             warnings.warn(f"hotloop.DataLoader: gpu_decode is off: {why}; the dataset's own pipeline runs "
-                          "in the workers, as with torch", stacklevel=5)
+                          "in the workers, as with torch", stacklevel=4)
             return None
         return cls(config, source, plan, batch_size)
 

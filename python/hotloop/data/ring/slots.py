@@ -1,15 +1,14 @@
 """The shared ring of a worker pool and what leaves it: its free slots, batches lent to a CPU consumer
-as views of their slots (leases), copies out to the CPU, and copies to the device (_device.DeviceCopies).
+as views of their slots (leases), copies out to the CPU, and copies to the device (ring.copies.DeviceCopies).
 A slot goes back to the free list only once nothing reads it any more."""
 import array
 import pickle
 
 import torch
 
-from .. import _C, input_wait
-from .._torch_compat import pin_memory
-from ._batch import ring_leaf, unflatten
-from ._device import DeviceCopies, page_round, ring_tensor, slot_layout, slot_leaf
+from ... import _C, input_wait
+from .copies import DeviceCopies, page_round, slot_layout
+from .layout import unflatten
 
 _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and side-path objects
 # slots the consumer may hold as zero-copy batches, beyond, batches are copied out: the one being
@@ -18,18 +17,14 @@ _META_MIN = 64 << 10  # bytes reserved per slot for the batch's metadata and sid
 LEASE_SLOTS = 2
 
 
-def _cpu_empty(shape, dtype):
-    return torch.empty(shape, dtype=dtype)
-
-
 class RingSlots:
     """A pool's ring (None until the first batch's layout sized it), its free slots and the copies
     out of them."""
 
     def __init__(self, settings, stats):
-        """settings: the loader's CopySettings (_config.py); stats: its LoaderStats."""
+        """settings: the loader's CopySettings (settings.py); stats: its LoaderStats."""
         self.device = settings.device
-        self.stage = settings.stage
+        self.transform = settings.transform
         self.stats = stats
         self.ring = None
         self.layout = []
@@ -38,7 +33,7 @@ class RingSlots:
         self.copies = DeviceCopies(settings, stats) if self.device is not None else None
         self.leases = None  # CPU batches lent out as views of their slots (copy_out)
 
-    def make(self, nslots, sizes, spec_bytes):
+    def create(self, nslots, sizes, spec_bytes):
         """Make the ring: at least `nslots` slots, each holding leaves of `sizes` bytes after room for
         metadata of a batch whose spec pickles to `spec_bytes`. Returns (its layout, metadata bytes)."""
         meta_cap = page_round(max(_META_MIN, 8 * spec_bytes + 4096))
@@ -86,12 +81,9 @@ class RingSlots:
         it, the lease ends, the slot goes back to a worker and is rewritten while the DMA still reads
         it. torch's pinned allocator keeps a block until events recorded on the streams that used it
         completed; a lease sees no such event."""
-        stage = self.stage
-        packed = stage.slot_parts(spec) if stage is not None else None
-        if packed is not None:
-            return self.images_out(slot, spec, leaves, stage, packed, pin)
-        try:  # which leaves the stage transforms (gpu_transform's images): ValueError for one it cannot take
-            normalized = (stage.leaf_outputs(leaf[1:] for leaf in leaves) if stage is not None
+        transform = self.transform
+        try:  # which leaves the transform takes (gpu_transform's images): ValueError for one it cannot take
+            normalized = (transform.leaf_outputs(leaf[1:] for leaf in leaves) if transform is not None
                           else [False] * len(leaves))
         except ValueError:
             self.release_slot(slot)
@@ -113,8 +105,8 @@ class RingSlots:
                     if view is None:
                         view = self.ring.view(slot)
                     src = torch.frombuffer(view, dtype=dtype, count=torch.Size(shape).numel(), offset=off).view(shape)
-                    out, mem = stage.empty_leaf(dtype, shape, "cpu")
-                    stage.transform_leaf(src, mem)
+                    out, mem = transform.empty_leaf(dtype, shape, "cpu")
+                    transform.transform_leaf(src, mem)
                     del src
                     outs.append(out)
                 elif parts is not None:
@@ -134,46 +126,30 @@ class RingSlots:
             self.stats.view_batches += 1  # the slot comes back through collect_leases
         return unflatten(spec, outs)
 
-    def images_out(self, slot, spec, leaves, stage, parts, pin):
-        """A batch the stage makes from the slot (gpu_decode's packed images; `parts`: its slot_parts),
-        without a device: made on the CPU, from the slot."""
-        try:
-            host = [slot_leaf(self.ring, slot, leaves, s) for s in parts]
-            taken = {ring_leaf(s) for s in parts}
-            outs = [None if k in taken else ring_tensor(self.ring, slot, leaves, k).clone() for k in range(len(leaves))]
-            batch = unflatten(spec, outs)
-            stage.place(batch, stage.launch_batch(stage.prepare_batch(host, _cpu_empty), host, 0)[0])
-            del host
-        finally:
-            self.release_slot(slot)
-        if pin:  # as torch pins a batch with pin_memory=True
-            batch = pin_memory(batch)
-        return batch
-
     def collect_leases(self):
         """Free the slots whose leased tensors are all gone."""
         if self.leases is not None:
             for slot in self.leases.returned():
                 self.release_slot(slot)
 
-    # CUDA: the side stream, events and copies in flight live in _device.DeviceCopies
-    def copy_to_device(self, slot, spec, leaves, defer=False):
-        return self.copies.copy_to_device(self.ring, slot, spec, leaves, defer)
+    # CUDA: the side stream, events and copies in flight live in ring.copies.DeviceCopies
+    def copy_to_device(self, slot, spec, leaves, left=None):
+        return self.copies.copy_to_device(self.ring, slot, spec, leaves, left)
 
     def copy_can_wait(self, slot):
         """A batch copied ahead whose slot the background thread has not page-locked yet: better
         copied once it has than page-locked now (the batch due next is copied either way)."""
         return self.copies is not None and slot >= 0 and not self.copies.slot_pinned(self.ring, slot)
 
-    def deliver(self, pending):
+    def deliver(self, batch):
         try:
-            return self.copies.deliver(pending)
+            return self.copies.deliver(batch)
         finally:
             self._release_finished()
 
-    def abandon(self, pending):
+    def abandon(self, batch):
         """A copy queued for a batch that will never be handed out: its slot is freed once it is over."""
-        self.copies.abandon(pending)
+        self.copies.abandon(batch)
 
     def reclaim(self, block):
         """Free the slots whose copies finished (with block: wait for the oldest if none did) or

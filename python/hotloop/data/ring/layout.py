@@ -12,7 +12,7 @@ import pickle
 
 import torch
 
-from .._torch_compat import collate, default_collate_fn_map
+from ..._torch_compat import collate, default_collate_fn_map
 
 # leaf kinds of the spec tree (they travel in the slot metadata)
 _TENSOR, _SIDE, _STRIDED = "T", "O", "S"  # _STRIDED: (kind, leaf, shape, stride) of an overlapping tensor
@@ -93,7 +93,7 @@ def leaf_bytes(t):
 
 
 def first_dim(spec, leaves, default):
-    """A slot batch's samples as _handout.batch_samples counts a batch's: the first dimension of its first
+    """A slot batch's samples as consumer.handout.batch_samples counts a batch's: the first dimension of its first
     tensor that has one (an overlapping tensor's leaf is its reached storage: its shape is in the spec)."""
     kind = spec[0]
     if kind == _TENSOR:
@@ -245,7 +245,7 @@ def row_tensor(v, shape, dtype, from_numpy):
 def write_fast(samples, writer, placed=0):
     """default_collate(samples) written into the slot sample by sample, without the stacked copy.
     Raises FastPathDeclined whenever the result could differ from default_collate's. samples[:placed] are in
-    their rows already, as SlotRows put them (_rows.py): their row leaves are not copied again."""
+    their rows already, as SlotRows put them (worker/rows.py): their row leaves are not copied again."""
     n = len(samples)
     plan = sample_plan(samples[0])
 

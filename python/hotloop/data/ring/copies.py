@@ -7,11 +7,10 @@ import warnings
 
 import torch
 
-from .. import _C, input_wait
-from .._torch_compat import raw_current_stream
-from ._batch import leaf_bytes, ring_leaf, unflatten
-from ._launches import ImageLaunch, LaunchRunner
-from ._shutdown import LOCAL_RINGS, close_at_exit, forget
+from ... import _C, input_wait
+from ..._torch_compat import raw_current_stream
+from ..at_exit import LOCAL_RINGS, close_at_exit, forget
+from .layout import leaf_bytes, ring_leaf, unflatten
 
 
 
@@ -65,8 +64,8 @@ class CudaCalls:
     def empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def run_transform(self, stage, src, mem, stream):
-        stage.transform_leaf(src, mem, stream)
+    def run_transform(self, transform, src, mem, stream):
+        transform.transform_leaf(src, mem, stream)
 
     def populate(self, ring, order):
         """Allocate and page-lock the ring's slots in `order`, on the ring's background threads."""
@@ -84,7 +83,7 @@ class CudaCalls:
 
 
 @dataclasses.dataclass(eq=False)
-class Pending:
+class QueuedBatch:
     """A batch whose copy to the device is queued: its slot is freed once `event` completed."""
 
     slot: int
@@ -95,38 +94,40 @@ class Pending:
     tensors: list
     nbytes: int
     timing: tuple  # (start, end) timing events or None
-    held: object = None  # gpu_decode's page-locked entry table and decode buffer, kept until `event` was seen done
-    launch: object = None  # gpu_decode: its ImageLaunch, queued after the rest (copy_to_device(defer=True))
+    # the leaves the copy left in the slot (CPU tensors where they lie, or side objects), for the
+    # caller's work on the copy stream (a BatchMaker's), until it took them; its event is recorded
+    # by seal() after that work
+    left: list = None
+    sealed: bool = False  # its event is recorded: the copy engine may free its slot once it completed
+    held: object = None  # kept until `event` was seen done (gpu_decode's entry table and decode buffer)
+    error: BaseException = None  # what the caller's work raised: deliver raises it
 
 
 class DeviceCopies:
     """The side stream, the events and the copies in flight of one ring: a slot goes back only once
     the copy out of it finished. deliver and reclaim move such slots to `finished`, which the ring's
-    owner takes (take_finished) and frees: nothing here calls back into the owner."""
+    owner takes (take_finished) and frees: nothing here calls back into the owner. It copies bytes
+    and applies the loader's leaf transform, nothing else: a batch a maker makes from the slot has
+    its parts left there for the caller (NOTE [ One way down for a batch ] in prefetch/making.py)."""
 
     calls = CudaCalls  # the seam the CPU tests replace
-    # True: a thread of its own queues gpu_decode's device work; off, as measured it bought nothing
-    # (NOTE [ Decoding ahead ] in _launches.py)
-    decode_ahead = False
 
     def __init__(self, settings, stats):
-        """settings: the loader's CopySettings (_config.py); stats: its LoaderStats, which copies add to."""
+        """settings: the loader's CopySettings (settings.py); stats: its LoaderStats, which copies add to."""
         self.device = settings.device
-        self.stage = settings.stage
+        self.transform = settings.transform
         self.stats = stats
         self.cuda = self.calls(self.device)
         self.copy_stream = None
-        # a stage that reads its batches' slots itself says so (pins_ring: gpu_decode's, and why, in image/stage.py)
-        self.pin_slots = self.stage is None or self.stage.pins_ring
+        # a batch maker that reads its batches' slots itself says so (gpu_decode's pins_ring, and why)
+        self.pin_slots = settings.pin_slots
         self.inflight = collections.deque()
         self.event_pool = []
         self.alloc_event = None
+        self.left_event = None  # orders the copy stream after allocations for the leaves left in the slot
         self.timing_pool = []  # timing events (h2d seconds in stats) are made once, not per batch
         self.pinned = set()  # slots page-locked through this object
         self.finished = []  # slots whose copies are over, until the owner takes them (take_finished)
-        # a stage that makes batches from the slot (gpu_decode) queues their device work from a
-        # thread of its own (NOTE [ Decoding ahead ] in _launches.py)
-        self.runner = LaunchRunner() if self.stage is not None and self.decode_ahead else None
 
     def populate(self, ring, order):
         """Background threads of the ring allocate its pages and page-lock its slots, in `order`:
@@ -160,31 +161,34 @@ class DeviceCopies:
         pool = self.timing_pool if timing else self.event_pool
         return pool.pop() if pool else self.cuda.event(timing)
 
-    def copy_to_device(self, ring, slot, spec, leaves, defer=False):
+    def copy_to_device(self, ring, slot, spec, leaves, left=None):
         """Queue the slot's copy to the device on the side stream; the result is usable once the
-        consumer's stream waited on the returned Pending's event (deliver). defer: gpu_decode's
-        decode and kernel are left to the Pending's ImageLaunch (run by the caller, or by deliver)."""
+        consumer's stream waited on the returned QueuedBatch's event (deliver). left: the specs of
+        leaves (ring_leaf's, or side objects) not to copy, handed to the caller in the batch's
+        `left` for work of its own on the copy stream; the batch's event is then recorded by
+        seal(), once the caller queued that work."""
         cuda = self.cuda
-        stage = self.stage
+        transform = self.transform
         if self.copy_stream is None:
             self.copy_stream = cuda.new_stream()
             self.alloc_event = cuda.event(False)
+            self.left_event = cuda.event(False)
         consumer = cuda.current_stream()
         outs, triples, staged, keep, nbytes = [], [], [], [], 0
-        parts = stage.slot_parts(spec) if stage is not None else None  # a batch the stage makes from the slot
-        packed = {ring_leaf(s) for s in parts} - {None} if parts is not None else ()
-        # which leaves the stage transforms (gpu_transform's images): ValueError (before any copy) for
+        skipped = {ring_leaf(s) for s in left} - {None} if left is not None else ()
+        # which leaves the transform takes (gpu_transform's images): ValueError (before any copy) for
         # one it cannot take
-        normalized = stage.leaf_outputs(leaf[1:] for leaf in leaves) if stage is not None else [False] * len(leaves)
+        transformed = (transform.leaf_outputs(leaf[1:] for leaf in leaves) if transform is not None
+                       else [False] * len(leaves))
         for k, (off, dtype, shape) in enumerate(leaves):
             size = torch.Size(shape).numel() * dtype.itemsize
-            if k in packed:  # read where it lies, in the slot (the stage's launch_batch)
+            if k in skipped:  # read where it lies, in the slot, by the caller's work
                 outs.append(None)
                 continue
             nbytes += size
-            if normalized[k]:
+            if transformed[k]:
                 staging = cuda.empty(shape, dtype)
-                out, mem = stage.empty_leaf(dtype, shape, self.device, cuda.empty)
+                out, mem = transform.empty_leaf(dtype, shape, self.device, cuda.empty)
                 staged.append((staging, mem))
                 keep.append(staging)
                 triples += (off, staging.data_ptr(), size)
@@ -193,9 +197,6 @@ class DeviceCopies:
                 t = cuda.empty(shape, dtype)
                 triples += (off, t.data_ptr(), size)
                 outs.append(t)
-        if parts is not None:
-            host = [slot_leaf(ring, slot, leaves, s) for s in parts]
-            prepared = stage.prepare_batch(host, cuda.empty)
         if slot not in self.pinned:
             self._pin(ring, slot)  # what the ring's pinning thread has not page-locked yet
         side = self.copy_stream
@@ -209,60 +210,72 @@ class DeviceCopies:
             cuda.copy(ring, slot, array.array("q", triples).tobytes(), side)
         cuda.record(timing[1], side)
         for staging, mem in staged:
-            cuda.run_transform(stage, staging, mem, side)
-        result = unflatten(spec, outs)
-        # the consumer's tensors (record_stream in deliver): not the packed leaves' places; the images
-        # join them once queued
-        event = self._event()
-        pending = Pending(slot, event, result, keep, consumer, [t for t in outs if t is not None], nbytes, timing)
-        if parts is None:
-            cuda.record(event, side)
-            return pending
-        pending.launch = ImageLaunch(lambda: stage.begin_batch(prepared, host, side),
-                                     lambda begun: self._queue_images(pending, stage, begun),
-                                     lambda: cuda.record(event, side), self.runner)
-        if not defer:
-            self._launch(pending)
-        return pending
+            cuda.run_transform(transform, staging, mem, side)
+        # the consumer's tensors (record_stream in deliver): not the left leaves' places
+        batch = QueuedBatch(slot, self._event(), unflatten(spec, outs), keep, consumer,
+                            [t for t in outs if t is not None], nbytes, timing)
+        if left is None:
+            self.seal(batch)
+        else:
+            batch.left = [slot_leaf(ring, slot, leaves, s) for s in left]
+        return batch
 
-    def _launch(self, pending):
-        """Queue the pending's images (or wait for the thread queueing them); raise what that raised,
-        its slot freed once the copy stream passed its event, as any other."""
-        pending.launch.run()
-        if pending.launch.error is not None:
-            self.inflight.append(pending)
-            raise pending.launch.error
+    def empty_ordered(self, shape, dtype):
+        """Device memory for the consumer's stream that work queued on the copy stream from now on
+        may write: the copy stream waits for all the consumer's stream holds so far (timm #2781),
+        which covers what was allocated on it before this call too."""
+        t = self.cuda.empty(shape, dtype)
+        self.cuda.record(self.left_event, self.cuda.current_stream())
+        self.cuda.wait(self.copy_stream, self.left_event)
+        return t
 
     @staticmethod
-    def _queue_images(pending, stage, begun):
-        out, buffers, pending.held = stage.finish_batch(begun)
-        stage.place(pending.result, out)
-        pending.keep += buffers
-        pending.tensors.append(out)
+    def keep(batch, out, buffers, held):
+        """What the caller's work on the copy stream made of the left leaves: `out` goes to the
+        consumer with the batch, `buffers` are kept until the stream passed them, `held` until
+        the batch's event was seen done."""
+        batch.keep += buffers
+        batch.tensors.append(out)
+        batch.held = held
 
-    def deliver(self, pending):
-        """The batch, usable on the current stream; its slot goes to `finished` once the copy is over."""
-        if pending.launch is not None:
-            self._launch(pending)  # where the prefetch thread has not queued them yet
+    def seal(self, batch):
+        """Record the batch's event after all the copy stream holds: its slot may be freed once it
+        completed."""
+        self.cuda.record(batch.event, self.copy_stream)
+        batch.sealed = True
+
+    def deliver(self, batch):
+        """The batch, usable on the current stream; its slot goes to `finished` once the copy is
+        over. What the caller's work on the copy stream raised is raised here, the slot freed all
+        the same."""
+        if not batch.sealed:
+            self.abandon(batch)
+            raise RuntimeError("hotloop.DataLoader: a batch was handed out before its event was recorded "
+                               "(a bug in hotloop: please report it)")
+        if batch.error is not None:
+            error, batch.error = batch.error, None
+            self.abandon(batch)
+            raise error
         consumer = self.cuda.current_stream()
-        self.cuda.wait(consumer, pending.event)
-        if consumer != pending.stream:
-            self.cuda.record_stream(pending.tensors)
+        self.cuda.wait(consumer, batch.event)
+        if consumer != batch.stream:
+            self.cuda.record_stream(batch.tensors)
         # the staging buffers go back to the allocator now: later work on the consumer's stream is
         # ordered after the event, so it cannot overwrite them while the copy stream reads them
-        pending.keep = None
-        pending.tensors = None
-        result, pending.result = pending.result, None
-        self.inflight.append(pending)
+        batch.keep = None
+        batch.tensors = None
+        result, batch.result = batch.result, None
+        self.inflight.append(batch)
         self.reclaim(False)
         return result
 
-    def abandon(self, pending):
+    def abandon(self, batch):
         """A batch whose copy was queued but that will never be handed out: its slot is released
-        (by the next reclaim) once the copy is over."""
-        if pending.launch is not None:
-            pending.launch.skip()  # its decode is not queued now (or, being queued, waited for)
-        self.inflight.append(pending)
+        (by the next reclaim) once the copy is over (its event recorded now if the caller did not)."""
+        if not batch.sealed:
+            batch.left = None
+            self.seal(batch)
+        self.inflight.append(batch)  # its buffers are let go once its event completed (reclaim)
 
     def reclaim(self, block):
         """Move the slots whose copies finished to `finished` (with block: wait for the oldest if none did)."""
@@ -304,20 +317,18 @@ class DeviceCopies:
     def close(self):
         """Wait for the copies in flight (DMA must be over before the ring is unregistered) and
         destroy the events."""
-        if self.runner is not None:
-            self.runner.close()  # no batch's device work is queued from now on but by its owner
         try:
             for p in self.inflight:
                 self.cuda.synchronize(p.event)
                 self._recycle(p)
             self.inflight.clear()
-            for e in self.event_pool + self.timing_pool + ([self.alloc_event] if self.alloc_event else []):
+            for e in self.event_pool + self.timing_pool + [e for e in (self.alloc_event, self.left_event) if e]:
                 self.cuda.destroy(e)
         except Exception:  # at interpreter exit CUDA may already be torn down
             pass
         self.event_pool = []
         self.timing_pool = []
-        self.alloc_event = None
+        self.alloc_event = self.left_event = None
 
 
 def slot_leaf(ring, slot, leaves, leaf_spec):
@@ -400,11 +411,11 @@ class LocalRing:
     def release_slot(self, slot):
         self.free_slots.append(slot)
 
-    def deliver(self, pending):
-        """The batch of a Pending, usable on the current stream (DeviceCopies.deliver); the slots
-        whose copies are over go back."""
+    def deliver(self, batch):
+        """The batch of a QueuedBatch, usable on the current stream (DeviceCopies.deliver); the
+        slots whose copies are over go back."""
         try:
-            return self.copies.deliver(pending)
+            return self.copies.deliver(batch)
         finally:
             self.free_slots += self.copies.take_finished()
 

@@ -10,7 +10,7 @@ fork of a single thread, so its workers are forked from a process with no other 
 state a fork can start from. It stays alive as their parent, reaps them and reports each start (pid)
 and exit (code) through a status pipe, which is also what the main process sleeps on to notice a
 death. A worker replaced after a death is forked by the main process, as worker 0 is
-(Pool.start_worker in _pool.py).
+(Pool.start_worker in consumer/pool.py).
 """
 import os
 import signal
@@ -19,9 +19,9 @@ import time
 import traceback
 from multiprocessing.connection import wait as wait_for
 
-from ._inherited_garbage import forking_a_worker
-from ._messages import WorkerExited, WorkerStarted
-from ._worker import worker_main
+from ..messages import WorkerExited, WorkerStarted
+from ..worker.inherited_garbage import forking_a_worker
+from ..worker.loop import worker_main
 
 
 class Launcher:

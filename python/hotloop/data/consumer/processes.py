@@ -1,16 +1,16 @@
 """The worker processes of a pool: their start (worker 0 forked by this process, workers 1.. by the
-launcher in a forking pool, _launcher.py), the pipes that carry tasks and results, the sockets that
-carry the ring's memfd, and their end. What the messages mean is the pool's (_pool.py)."""
+launcher in a forking pool, launcher/zygote.py), the pipes that carry tasks and results, the sockets that
+carry the ring's memfd, and their end. What the messages mean is the pool's (consumer/pool.py)."""
 import dataclasses
 import fcntl
 from multiprocessing import reduction
 import os
 import time
 
-from ._inherited_garbage import forking_a_worker
-from ._launcher import LaunchedWorker, Launcher
-from ._messages import Exit
-from ._worker import worker_main
+from ..launcher.zygote import LaunchedWorker, Launcher
+from ..messages import Exit
+from ..worker.inherited_garbage import forking_a_worker
+from ..worker.loop import worker_main
 
 _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number for older ones
 USE_LAUNCHER = True  # fork workers 1.. through a launcher process (tests turn it off to cover both ways)
@@ -44,7 +44,7 @@ class WorkerProcesses:
         self.started = [False] * n
         self.running = set()  # workers whose current process sent Started
         self.ended = [(None, None)] * n  # (pid, exit code) of each worker's last process once it is gone
-        self.launcher = None  # the process that forked the first workers (_launcher.py)
+        self.launcher = None  # the process that forked the first workers (launcher/zygote.py)
         self.ring_fd = None  # the ring's memfd, once the pool made the ring
         self.ring_msg = None  # the UseRing every worker is sent (fd=None: the memfd comes over its socket)
 

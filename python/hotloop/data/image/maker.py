@@ -1,4 +1,4 @@
-"""The main process's half of gpu_decode: a packed batch (source.py) to one image tensor.
+"""The main process's half of gpu_decode, a BatchMaker: a packed batch (source.py) to one image tensor.
 
 Per batch: nvjpeg decodes the JPEG bytes, read from the ring slot where they lie, in one batched
 call into one device buffer; the crop boxes that workers decoded themselves are copied into the same
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ... import _C, cuda_queues
+from ..batch_maker import BatchMaker, spec_dict, spec_list
 from . import resize as image_resize
-from ..stage import BatchStage, spec_dict, spec_list
 from .decoder_opening import DecoderOpening, open_decoder
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 
@@ -52,18 +52,13 @@ class _Prepared:
     mem: torch.Tensor  # their memory, in the kernel's order
     buf: torch.Tensor  # decoded pixels of every image
     table_dev: torch.Tensor  # the kernel's entry table on the device (None on the CPU)
-    host: torch.Tensor = None  # page-locked: the kernel's entry table (GPU)
+    host: torch.Tensor = None  # page-locked: the kernel's entry table (GPU), made by tables()
 
 
 @dataclasses.dataclass
-class _Begun:
-    """A batch begin() made ready for finish_batch(): its host work done, nothing queued yet."""
+class _Tables:
+    """What the decode and the kernel take of a batch, built on the host before anything is queued."""
 
-    prepared: _Prepared
-    data: torch.Tensor  # the batch's bytes: the slot, or a whole batch's own tensor
-    done: torch.Tensor  # the images workers finished themselves
-    stream: int  # where the kernel goes
-    table_host: torch.Tensor  # page-locked room for the kernel's entry table (None on the CPU)
     encoded: list  # the rows nvjpeg decodes, in the order of sources and dests
     sources: bytes  # (host pointer, length) per encoded row
     dests: bytes  # (device pointer, pitch) per encoded row
@@ -85,7 +80,7 @@ class _DecodeStream:
       work queued on the stream before it (torchcodec #1634, nvjpeg 12.3 to 13.2). nvjpeg.c waits
       for that work on the host, which on the side stream would wait for the training step, and
       memory of the consumer's pool may still be in use by the step's queued kernels. The decode
-      buffers here are held until the batch's event was seen done (finish_batch's `held`), so the
+      buffers here are held until the batch's event was seen done (queue's `held`), so the
       allocator hands one out again only once the kernel that read it is over; nvjpeg.c's wait
       covers the rest, the earlier decodes.
 
@@ -117,24 +112,21 @@ class _DecodeStream:
         _C.cuda_stream_wait_event(side, self._decoded)
 
 
-class ImageStage(BatchStage):
+class ImageMaker(BatchMaker):
     """The decoder (opened by open(), before the workers start: they must know whether to send JPEG
     bytes; started earlier by open_early() where the loader knows its device when it is made) and
-    the per-batch work: prepare() under the loader's epoch lock; begin() (host work) in batch order,
-    from the prefetch thread or next(); finish_batch() (the decode and the kernel) in batch order, one at a
-    time, from the prefetch thread or next() (or, with decode_ahead, from the launch runner's thread
-    while later batches begin: NOTE [ Decoding ahead ] in ../_launches.py).
-    The loader calls it through BatchStage's hooks (../stage.py), below close()."""
+    the per-batch work, make(): the batch's tables built on the host, then its decode and kernel
+    queued, in batch order, one batch at a time, where the batch becomes ready (the prefetch
+    thread, or next(): NOTE [ One way down for a batch ] in ../prefetch/making.py). The loader calls it
+    through BatchMaker's hooks (../batch_maker.py), below close()."""
 
-    paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: _prefetch.TopUpPace
+    paced_top_ups = True  # nvjpeg's decode slows the training step's launches beside it: prefetch.thread.TopUpPace
     # gpu_decode's batches need no page-locked slot: nvjpeg copies the JPEG bytes itself, images that
     # workers decoded are a few per batch, and the targets are a few kB. Page-locking the ring
     # (hundreds of MB with 4 workers and batches of 256) would run in the background through the
-    # first steps, holding the driver lock while the first decodes and launches run: it slows the
-    # first next() and the first steps, and buys nothing later. With the ring page-locked, so that
-    # nvjpeg read the slot by DMA, its call took 11.4 ms a batch of 256 against 11.6, and the loader
-    # alone ran at 17.6k img/s against 18.7k (H100, the pinslot branch)
-    pins_ring = False  # (_device.DeviceCopies.pin_slots)
+    # first steps, holding the driver lock while the first decodes and launches run, and nvjpeg's
+    # reads by DMA from a page-locked slot were measured no faster (docs/gpu-decode.md)
+    pins_ring = False  # (ring.copies.DeviceCopies.pin_slots)
 
     def __init__(self, pipeline, device, stats):
         self.pipeline = pipeline
@@ -194,7 +186,7 @@ class ImageStage(BatchStage):
             self.decoder.close()
             self.decoder = None
 
-    # BatchStage's hooks
+    # BatchMaker's hooks
 
     def expect_device(self, device):
         self.open_early(device)
@@ -211,11 +203,9 @@ class ImageStage(BatchStage):
     def slot_parts(self, spec):
         return encoded_parts(spec)
 
-    def prepare_batch(self, parts, empty):
-        return self.prepare(parts[0], empty)
-
-    def begin_batch(self, prepared, parts, stream):
-        return self.begin(prepared, parts[1], parts[2], stream)
+    def make(self, parts, stream, empty):
+        table, data, done = parts
+        return self.run(table, data, done, stream, empty)
 
     def place(self, batch, out):
         batch[0] = out
@@ -247,9 +237,9 @@ class ImageStage(BatchStage):
 
     def prepare(self, table, empty):
         """Read the batch's table and allocate what it needs (output, decode buffer, entry table) on
-        the output device, for the current stream: all allocation comes before the caller orders its
-        side stream after the consumer's (DeviceCopies.copy_to_device). `empty(shape, dtype)`
-        allocates the buffers."""
+        the output device. `empty(shape, dtype)` allocates the entry table, last: on the device it
+        orders the stream the kernel goes on after the consumer's work so far, which covers the
+        output, allocated before it on the current stream (BatchMaker.make)."""
         rows = table.tolist()
         c = self.pipeline
         out, mem = image_resize.empty_batch(len(rows), c.plan.out_size, c.out_dtype, self.device or "cpu",
@@ -269,21 +259,18 @@ class ImageStage(BatchStage):
         table_dev = empty((len(rows) * _C.IMAGE_ENTRY_BYTES,), torch.uint8) if self.device is not None else None
         return _Prepared(rows, places, out, mem, buf, table_dev)
 
-    def begin(self, prepared, data, done, stream):
-        """The batch's host work, nothing queued on a device: the decode's and the kernel's tables
-        built. data's memory (a ring slot) must stay put until `stream` has passed the batch's work
-        (released after the batch's event): nvjpeg reads it in finish_batch."""
+    def tables(self, p, data):
+        """The batch's host work, nothing queued on a device: the decode's and the kernel's tables.
+        data's memory (a ring slot) must stay put until the kernel's stream has passed the batch's
+        work (released after the batch's event): nvjpeg reads it in queue()."""
         started = time.perf_counter()
-        p = prepared
-        table_host = None
         if self.device is not None:
             # nvjpeg reads the JPEG bytes where they lie, in the slot, and copies them into page-locked
-            # buffers of its own inside its call. A page-locked copy made here first (as before) took
-            # the loader's thread 2.2 ms a batch of 256 (0.3 ms without it) and saved nvjpeg's call
-            # only about 1 ms (H100, .gpu/diag_slot.py on the gpu-diag branch).
+            # buffers of its own inside its call: a page-locked copy made here first would cost this
+            # thread a copy of every byte and spare nvjpeg's call little (docs/gpu-decode.md).
             # The kernel's entry table is page-locked: uploaded from pageable memory, the driver may
             # wait for the stream first, and there that is the decode (image_resize's table_host).
-            p.host = table_host = torch.empty(len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
+            p.host = torch.empty(len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
         base, data_addr = p.buf.data_ptr(), data.data_ptr()
         encoded, sources, dests, entries = [], array.array("q"), array.array("q"), []
         h, w = self.pipeline.plan.out_size
@@ -303,53 +290,50 @@ class ImageStage(BatchStage):
                             r[_BOX_H], r[_BOX_W], r[_RESIZED_H], r[_RESIZED_W], r[_OUT_TOP], r[_OUT_LEFT],
                             r[_FLIP], 3))
         self.stats.image_staging_seconds += time.perf_counter() - started
-        return _Begun(p, data, done, stream, table_host, encoded, sources.tobytes(), dests.tobytes(),
-                      image_resize.pack_entries(entries), len(entries))
+        return _Tables(encoded, sources.tobytes(), dests.tobytes(), image_resize.pack_entries(entries), len(entries))
 
-    def finish_batch(self, begun):
-        """Queue begin's batch: its decode and uploads (on the _DecodeStream), then its kernel on
-        begun.stream. Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the
+    def queue(self, p, t, data, done, stream):
+        """Queue the batch: its decode and uploads (on the _DecodeStream), then its kernel on
+        `stream`. Returns (images NCHW-shaped, device buffers of the consumer's pool, held): the
         caller keeps the buffers until the stream passed them, and `held` (the page-locked entry
         table and the decode buffer; None on the CPU) until it has seen the stream pass them (the
         batch's event done)."""
-        b, p = begun, begun.prepared
-        decoding = self._decoding.handle if self.device is not None else b.stream
-        self._decode(b, decoding)
+        decoding = self._decoding.handle if self.device is not None else stream
+        self._decode(p, t, data, decoding)
         for k, r in enumerate(p.rows):
             if r[_KIND] == PIXELS:
-                self._upload(p.buf, p.places[k], b.data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]], decoding)
+                self._upload(p.buf, p.places[k], data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]], decoding)
         if self.device is not None:
-            self._decoding.hand_over(b.stream)
+            self._decoding.hand_over(stream)
         c = self.pipeline
-        image_resize.resize_batch(b.entries, b.count, p.mem, c.config.channels_last, c.plan.mean, c.plan.std,
-                                  c.plan.scale, b.stream, p.table_dev, b.table_host)
+        image_resize.resize_batch(t.entries, t.count, p.mem, c.config.channels_last, c.plan.mean, c.plan.std,
+                                  c.plan.scale, stream, p.table_dev, p.host)
         for k, r in enumerate(p.rows):
             if r[_KIND] == DONE:
-                self._place_done(p.out, k, b.done[r[_OFFSET]], b.stream)
+                self._place_done(p.out, k, done[r[_OFFSET]], stream)
         if self.device is None:
             return p.out, [p.buf], None
         return p.out, [p.table_dev], (p.host, p.buf)
 
     def run(self, table, data, done, stream, empty):
-        """prepare, begin and finish in one go, for callers that allocate on the stream they queue on;
-        finish_batch's result (the caller holds the buffers until the stream has passed them)."""
-        return self.launch_batch(self.prepare(table, empty), [table, data, done], stream)
+        """A packed batch's parts to its images: prepare, tables and queue; queue's result."""
+        p = self.prepare(table, empty)
+        return self.queue(p, self.tables(p, data), data, done, stream)
 
-    def _decode(self, b, stream):
-        """nvjpeg decodes begin's JPEGs in one call; those it refuses, PIL decodes here."""
-        if not b.encoded:
+    def _decode(self, p, t, data, stream):
+        """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here."""
+        if not t.encoded:
             return
-        p = b.prepared
         started = time.perf_counter()
-        statuses = self.decoder.decode(b.sources, b.dests, len(b.encoded), stream)
+        statuses = self.decoder.decode(t.sources, t.dests, len(t.encoded), stream)
         self.stats.image_decode_seconds += time.perf_counter() - started
-        for k, status in zip(b.encoded, statuses, strict=True):
+        for k, status in zip(t.encoded, statuses, strict=True):
             if status == 0:
                 self.stats.images_gpu_decoded += 1
                 continue
             self.stats.images_refused += 1
             r = p.rows[k]
-            raw = b.data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]].numpy().tobytes()
+            raw = data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]].numpy().tobytes()
             image = self.pipeline.source.load(raw, r[_K["index"]])  # PIL's error, if it has one
             pixels = np.array(image, dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
             if pixels.shape != (r[_SRC_H], r[_SRC_W], 3):

@@ -1,8 +1,8 @@
 """The worker pool behind hotloop.DataLoader: its tasks and the messages that carry them, workers that
 die replaced where they stood, and the ring made from the first batch's layout. The processes and
-their pipes are _workers.py's, the ring's slots and the copies out of them _slots.py's, what each
-worker's replacement is sent _tasks.py's. Persistent workers keep one pool across epochs; every
-other epoch makes its own. The messages it exchanges with workers are in _messages.py."""
+their pipes are consumer/processes.py's, the ring's slots and the copies out of them ring/slots.py's, what each
+worker's replacement is sent consumer/tasks.py's. Persistent workers keep one pool across epochs; every
+other epoch makes its own. The messages it exchanges with workers are in messages.py."""
 import dataclasses
 import logging
 import multiprocessing.connection
@@ -11,16 +11,16 @@ import pickle
 import signal
 import time
 
-from .. import _C
-from .._torch_compat import DatasetKind
-from ..memory.host import death_by_oom, oom_kills
-from ._launcher import LaunchedWorker
-from ._messages import (Discard, EpochStarted, Fetch, Layout, NewEpoch, Overflow, Place, Result, Setup, Started,
+from ... import _C
+from ..._torch_compat import DatasetKind
+from ...memory.host import death_by_oom, oom_kills
+from ..at_exit import WORKER_POOLS, close_at_exit, forget
+from ..launcher.zygote import LaunchedWorker
+from ..messages import (Discard, EpochStarted, Fetch, Layout, NewEpoch, Overflow, Place, Result, Setup, Started,
                         UseRing)
-from ._shutdown import WORKER_POOLS, close_at_exit, forget
-from ._slots import LEASE_SLOTS, RingSlots
-from ._tasks import Task, TaskKind, WorkerEpoch, successor_plan
-from ._workers import WorkerProcesses, never_started
+from ..ring.slots import LEASE_SLOTS, RingSlots
+from .processes import WorkerProcesses, never_started
+from .tasks import Task, TaskKind, WorkerEpoch, successor_plan
 
 _logger = logging.getLogger("hotloop.data")
 
@@ -35,7 +35,7 @@ class Pool:
     resumed_rng = None  # worker -> its RNG states when it began this epoch (persistent workers' EpochStarted)
 
     def __init__(self, settings, stats, spec):
-        """settings: the loader's PoolSettings (_config.py); stats: its LoaderStats, which the pool
+        """settings: the loader's PoolSettings (settings.py); stats: its LoaderStats, which the pool
         adds to; spec: the WorkerSpec every worker starts with."""
         self.settings = settings
         self.stats = stats
@@ -78,7 +78,7 @@ class Pool:
     def start_worker(self, wid):
         """Start worker wid unless it was started already. Worker 0 is forked by this process, so its
         first task follows its fork at once; in a forking pool the first start of any other worker
-        starts workers 1.. through the launcher (_launcher.py): one more fork of this process
+        starts workers 1.. through the launcher (launcher/zygote.py): one more fork of this process
         instead of one per worker, and worker 0 computes its batch meanwhile. Otherwise (spawn, one
         worker, a restart) the iterator starts each worker as it sends it its first task."""
         processes = self.processes
@@ -244,7 +244,7 @@ class Pool:
             self.send(wid, Fetch(t.id, t.index, t.slot))
 
     def _successor_plan(self, wid, lost):
-        """What a fresh worker is sent to stand where worker wid stood (_tasks.successor_plan)."""
+        """What a fresh worker is sent to stand where worker wid stood (consumer.tasks.successor_plan)."""
         track = self.track[wid] if self.track is not None else None
         if track is None:
             return list(lost)
@@ -437,7 +437,7 @@ class Pool:
         if not sizes:
             self.ring_unused = True
             return
-        layout, meta_cap = self.slots.make(self.slots_needed(), sizes, spec_bytes)
+        layout, meta_cap = self.slots.create(self.slots_needed(), sizes, spec_bytes)
         ring = self.ring
         processes = self.processes
         processes.ring_fd = ring.fd

@@ -4,7 +4,7 @@ import collections
 import dataclasses
 import enum
 
-from ._messages import Ended, Failed, Setup
+from ..messages import Ended, Failed, Setup
 
 
 class TaskKind(str, enum.Enum):

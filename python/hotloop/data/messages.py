@@ -66,7 +66,7 @@ class Discard:
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Before the next task, for a resumed epoch or in place of a dead worker: set the global RNG
-    states `rng` (from rng_state()), load a Stateful dataset's state `data` (_resume.dataset_state)
+    states `rng` (from rng_state()), load a Stateful dataset's state `data` (consumer.resume.dataset_state)
     into the dataset, make the IterableDataset's iterator anew (`recreate`; always with `data`) and
     load the iterator's part of `data` into it, fetch and drop `replay` batches of `replay_index`,
     then expect its end (`expect_stop`)."""
@@ -144,7 +144,7 @@ class Overflow:
 
 # -- outcomes: `busy` is the seconds the worker spent on the task, `rng` its RNG states right after
 # it (rng_state()), `data` its dataset's state right after it when the dataset (or its iterator) is
-# Stateful (_resume.dataset_state), else None: the main process keeps those after the last batch it
+# Stateful (consumer.resume.dataset_state), else None: the main process keeps those after the last batch it
 # handed out from each worker, for state_dict() --
 
 

@@ -1,22 +1,23 @@
 """One epoch of hotloop.DataLoader's multi-worker iterator (Feed): its tasks, sent round robin to the
 workers as torch sends them, the batches taken from the pool in torch's order (or as they finish with
 in_order=False) and those prepared ahead for a device. next() and the prefetch thread drive it, one at
-a time, under its lock; it calls down into the pool only and says what happened through attributes its
-caller reads (epoch_done, exhausted, top_up_due)."""
+a time, under its lock; it calls down only (the pool, its slots and copies, a maker's making) and says
+what happened through attributes its caller reads (epoch_done, exhausted, top_up_due)."""
 import collections
 import itertools
 import threading
 import time
 
-from .. import _C
-from .._torch_compat import DatasetKind
-from ._batch import first_dim
-from ._device import Pending
-from ._handout import RaiseWhenDue, batch_samples, host_batch_out
-from ._messages import Ended, Failed, WholeBatch
-from ._pool import POLL_S
-from ._resume import EpochLog, sampler_state
-from ._tasks import Task, TaskKind
+from ... import _C
+from ..._torch_compat import DatasetKind
+from ..messages import Ended, Failed, WholeBatch
+from ..prefetch.making import BatchMaking
+from ..ring.copies import QueuedBatch
+from ..ring.layout import first_dim
+from .handout import RaiseWhenDue, batch_samples, host_batch_out
+from .pool import POLL_S
+from .resume import EpochLog, sampler_state
+from .tasks import Task, TaskKind
 
 
 class Feed:
@@ -26,16 +27,19 @@ class Feed:
     the epoch down while holding it)."""
 
     def __init__(self, settings, sampler_iter, index_sampler, sampler_start, pool, plan, skip, stats):
-        """settings: FeedSettings (_config.py); sampler_iter: the iterator's sampler iterator, which the
+        """settings: FeedSettings (settings.py); sampler_iter: the iterator's sampler iterator, which the
         epoch draws index batches from; index_sampler: the sampler it iterates; sampler_start: a
         Stateful sampler's loaded state (its batches are not drawn again), or None; plan: the loaded
-        state as a resumed epoch applies it (_resume.Plan), or None; skip: batches handed out before
+        state as a resumed epoch applies it (consumer.resume.Plan), or None; skip: batches handed out before
         it; stats: the loader's LoaderStats."""
         self.lock = threading.RLock()
         self.pool = pool
         self._stats = stats
         self._prefetch_batches = settings.prefetch_batches
-        self._stage = settings.stage
+        self._transform = settings.transform
+        # where the maker's batches are made (NOTE [ One way down for a batch ] in prefetch/making.py); with
+        # no device (pool.copies None), on the CPU under the lock
+        self.making = BatchMaking(settings.maker, pool.copies) if settings.maker is not None else None
         self.epoch_done = False  # the last batch was handed out (or the epoch was shut down)
         self.exhausted = False  # take_next found the epoch's end: its caller ends the epoch
         self.top_up_due = False  # a device batch went out: its caller tops up (or kicks the thread that does)
@@ -95,7 +99,9 @@ class Feed:
         pool = self.pool
         if pool is not None and not pool.closed:
             for old in self._prepared:
-                if isinstance(old[0], Pending):
+                if isinstance(old[0], QueuedBatch):
+                    if self.making is not None:
+                        self.making.drop(old[0])  # not made, or waited for while it is being made
                     pool.slots.abandon(old[0])
         self._prepared = collections.deque()
 
@@ -217,10 +223,10 @@ class Feed:
             self._fill()
             pool.doze_for(task, deadline, timeout, batch_number)
 
-    def _next_result(self, block=True, defer=False):
-        """(the next batch, assembled (CPU) or with its copy queued (Pending, CUDA), its samples, its
-        task). None when the next one is not ready and block is False. defer: gpu_decode's decode is
-        left to the Pending's ImageLaunch (the prefetch thread runs it outside the lock)."""
+    def _next_result(self, block=True):
+        """(the next batch, assembled (CPU) or with its copy queued (QueuedBatch, CUDA; a batch the
+        maker makes is made outside the lock: BatchMaking.make_ready), its samples, its task). None when
+        the next one is not ready and block is False."""
         pool = self.pool
         while True:
             task = self._next_task()
@@ -259,14 +265,17 @@ class Feed:
                 batch = outcome.batch
                 self._fill()
                 samples = self._samples_of(task, lambda: batch_samples(batch, 1))
-                out = host_batch_out(pool.device, self._stage, batch, self._pin_memory)
+                out = host_batch_out(pool.device, self._transform, self.making, batch, self._pin_memory)
                 return out, samples, task
             spec, leaves = outcome.spec, outcome.leaves  # a SlotBatch
             samples = self._samples_of(task, lambda: first_dim(spec, leaves, 1))
-            if pool.device is None:
+            parts = self.making.parts_of(spec) if self.making is not None else None
+            if pool.device is None and parts is not None:
+                out = self.making.make_on_cpu(pool.slots, task.slot, spec, leaves, parts, self._pin_memory)
+            elif pool.device is None:
                 out = pool.slots.copy_out(task.slot, spec, leaves, self._pin_memory)
             else:
-                out = pool.slots.copy_to_device(task.slot, spec, leaves, defer)
+                out = pool.slots.copy_to_device(task.slot, spec, leaves, parts)
             self._fill()
             return out, samples, task
 
@@ -288,12 +297,7 @@ class Feed:
         if self.pool.closed:
             raise RuntimeError("DataLoader: this epoch ended with an error in a worker (see above); start a new "
                                "one with iter(loader)")
-        while self._skip_batches:
-            self._skip_batches -= 1
-            out, _, task = self._next_result()
-            self._hand_out(out, task)
-            if isinstance(out, Pending):
-                self.pool.slots.deliver(out)
+        self._skip()
         pool = self.pool
         try:
             if pool.device is None:
@@ -301,11 +305,6 @@ class Feed:
             else:
                 if not self._prepared:
                     self._prepared.append(self._next_result())
-                head = self._prepared[0][0]
-                if isinstance(head, Pending) and head.launch is not None:
-                    # its decode, if the prefetch thread is queueing it, is waited for before the batch
-                    # leaves _prepared: a Ctrl-C meanwhile loses nothing
-                    head.launch.run()
                 out, samples, task = self._prepared.popleft()
         except StopIteration:
             self.epoch_done = self.exhausted = True
@@ -316,19 +315,49 @@ class Feed:
             return out, samples
         self.top_up_due = True
         self._hand_out(out, task)
-        if isinstance(out, Pending):
+        if isinstance(out, QueuedBatch):
             out = pool.slots.deliver(out)
         return out, samples
 
-    def top_up(self, defer=False, limit=None):
+    def next_to_make(self):
+        """With a maker and a device, lock held, before take_next: the batch the next take_next hands
+        out (prepared now if none is), when it is still to be made (by the caller, once it let go of
+        the lock: BatchMaking.make_ready); else None. It stays first in line until handed out, so a Ctrl-C
+        while it is being made loses nothing. Raises what take_next would (StopIteration at the
+        epoch's end, its caller's cue to end it)."""
+        if self.pool is None or self.pool.closed or self.pool.device is None:
+            return None  # take_next says why
+        self._skip()
+        try:
+            if not self._prepared:
+                self._prepared.append(self._next_result())
+        except StopIteration:
+            self.epoch_done = self.exhausted = True
+            raise
+        head = self._prepared[0][0]
+        return head if isinstance(head, QueuedBatch) and not head.sealed else None
+
+    def _skip(self):
+        """A resumed IterableDataset's batches handed out before the state was taken: taken from the
+        workers and dropped (their copies freed, a maker's batches not made)."""
+        while self._skip_batches:
+            self._skip_batches -= 1
+            out, _, task = self._next_result()
+            self._hand_out(out, task)
+            if isinstance(out, QueuedBatch):
+                if self.making is not None:
+                    self.making.drop(out)
+                self.pool.slots.abandon(out)
+
+    def top_up(self, limit=None):
         """With a device, lock held (the prefetch thread, or next() without it): take the batches
         after the one handed out from the workers and queue their copies, up to prefetch_batches
         (and at most `limit` of them), as far as they are done and their slots page-locked (it never
         waits: next() takes a batch that was not, and page-locks its slot if need be). True when
         it is worth looking again soon: the next batch is done but its slot not yet page-locked, or
         `limit` batches were prepared with room for more. An exception here is raised by next()
-        at the turn of the batch it was preparing. defer: gpu_decode's decodes are left for the
-        caller to run once it let go of the lock (waiting_launches)."""
+        at the turn of the batch it was preparing. A maker's batches are left for the caller to
+        make once it let go of the lock (to_make)."""
         pool = self.pool
         if pool is None or pool.closed:
             return False
@@ -340,7 +369,7 @@ class Feed:
                 task = self._next_task()
                 if task is None:
                     return False  # the epoch's end, or every task sent is prepared: the next come with hand-outs
-                nxt = self._next_result(block=False, defer=defer)
+                nxt = self._next_result(block=False)
                 if nxt is None:
                     return pool.is_done(task)
                 self._prepared.append(nxt)
@@ -351,10 +380,9 @@ class Feed:
             self._prepared.append((RaiseWhenDue(exc), 0, None))
         return False
 
-    def waiting_launches(self):
-        """With the lock held: the ImageLaunch of each prepared batch whose decode is not queued yet."""
-        return [out.launch for out, _, _ in self._prepared
-                if isinstance(out, Pending) and out.launch is not None and out.launch.waiting]
+    def to_make(self):
+        """With the lock held: the prepared batches a maker has still to make, in batch order."""
+        return [out for out, _, _ in self._prepared if isinstance(out, QueuedBatch) and not out.sealed]
 
     def _hand_out(self, out, task):
         """The task's batch goes to the consumer now: log it (state_dict), or raise its error (task

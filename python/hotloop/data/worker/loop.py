@@ -5,7 +5,7 @@ random transforms in `__getitem__` draw the same numbers as they would under tor
 Map-style batches with the default collate are written sample by sample straight into the slot (the
 one host copy); anything else is collated as torch would (without torch's /dev/shm storage) and its
 tensors copied in. Leaves that are not fixed-shape CPU tensors travel in the slot's pickled metadata.
-What it receives and sends is in _messages.py.
+What it receives and sends is in messages.py.
 """
 import dataclasses
 import os
@@ -18,15 +18,15 @@ import torch
 from torch.utils.data.datapipes.datapipe import IterDataPipe
 from torch.utils.data.graph_settings import apply_random_seed
 
-from .. import _C
-from .._torch_compat import DatasetKind, ExceptionWrapper, default_collate, set_worker_info
-from ._batch import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout, sample_plan,
-                     write_fast, write_general)
-from ._messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
+from ... import _C
+from ..._torch_compat import DatasetKind, ExceptionWrapper, default_collate, set_worker_info
+from ..consumer.resume import dataset_state, load_dataset_state
+from ..messages import (Discard, Ended, EpochStarted, Exit, Failed, Fetch, Layout, NewEpoch, Overflow, Place,
                         Result, Setup, SlotBatch, Started, UseRing, WholeBatch)
-from ._resume import dataset_state, load_dataset_state
-from ._rng import rng_state, seed_like_torch, set_rng_state
-from ._rows import SlotRows
+from ..ring.layout import (FastPathDeclined, SlotWriter, collate_no_shm, flatten, leaf_bytes, plan_layout,
+                          sample_plan, write_fast, write_general)
+from .rng import rng_state, seed_like_torch, set_rng_state
+from .rows import SlotRows
 
 
 @dataclasses.dataclass(frozen=True)

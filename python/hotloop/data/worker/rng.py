@@ -6,7 +6,7 @@ import struct
 
 import torch
 
-from .._torch_compat import numpy_worker_seed
+from ..._torch_compat import numpy_worker_seed
 
 def seed_like_torch(base_seed, worker_id):
     seed = base_seed + worker_id

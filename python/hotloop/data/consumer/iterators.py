@@ -1,6 +1,6 @@
 """hotloop.DataLoader's iterators: num_workers=0 (SingleProcessIter, torch's single-process iterator
 plus a local ring for a device) and num_workers > 0 (MultiProcessIter, torch's iterator whose epochs a
-_feed.Feed runs over a worker pool). They are the loader's own layer: they read and update its epoch
+consumer.feed.Feed runs over a worker pool). They are the loader's own layer: they read and update its epoch
 state (state_dict's) and hand the layers below frozen settings and the stats sink."""
 import collections
 import functools
@@ -10,22 +10,20 @@ import time
 import torch
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from .. import input_wait
-from .._torch_compat import (BaseDataLoaderIter, DatasetKind, SingleProcessDataLoaderIter, default_collate,
-                             sharding_worker_init_fn)
-from ._batch import FastPathDeclined, SlotWriter, flatten, leaf_bytes, write_fast, write_general
-from ._config import CopySettings, FeedSettings, PoolSettings
-from ._device import LocalRing, Pending
-from ._feed import Feed
-from ._handout import RaiseWhenDue, batch_samples, host_batch_out
-from ._pool import Pool
-from ._prefetch import Prefetcher
-from ._resume import Plan, dataset_state, epoch_sampler, load_dataset_state, load_sampler_state, sampler_state
-from ._shutdown import forked_copy
-from ._worker import WorkerSpec
-
-PREFETCH_THREAD = True  # with a device, queue the next copies in a thread (tests turn it off to cover both ways)
-PACED_TOP_UPS = True  # gpu_decode's top-ups start later in the consumer's step (_prefetch.TopUpPace)
+from ... import input_wait
+from ..._torch_compat import (BaseDataLoaderIter, DatasetKind, SingleProcessDataLoaderIter, default_collate,
+                              sharding_worker_init_fn)
+from ..at_exit import forked_copy
+from ..prefetch.making import BatchMaking
+from ..prefetch.thread import Prefetcher
+from ..ring.copies import LocalRing, QueuedBatch
+from ..ring.layout import FastPathDeclined, SlotWriter, flatten, leaf_bytes, write_fast, write_general
+from ..settings import CopySettings, FeedSettings, PoolSettings
+from ..worker.loop import WorkerSpec
+from .feed import Feed
+from .handout import RaiseWhenDue, batch_samples, host_batch_out
+from .pool import Pool
+from .resume import Plan, dataset_state, epoch_sampler, load_dataset_state, load_sampler_state, sampler_state
 
 
 class LoaderEpochs:
@@ -75,19 +73,26 @@ def _count_elapsed(it, stats, t0):
 def pool_settings(loader):
     """What a worker pool is given of the loader (its settings as they stand at the pool's start)."""
     return PoolSettings(mp_context=loader.multiprocessing_context or torch.multiprocessing,
-                        num_workers=loader.num_workers, device=loader.device, stage=loader.batch_stage,
-                        batch_size=loader.batch_size, prefetch_factor=loader.prefetch_factor,
+                        num_workers=loader.num_workers, copies=copy_settings(loader), batch_size=loader.batch_size,
+                        prefetch_factor=loader.prefetch_factor,
                         prefetch_batches=loader.prefetch_batches, max_worker_restarts=loader.max_worker_restarts)
+
+
+def copy_settings(loader):
+    """What a copy engine is given of the loader."""
+    maker = loader.batch_maker
+    return CopySettings(device=loader.device, transform=loader.gpu_transform,
+                        pin_slots=maker is None or maker.pins_ring)
 
 
 def _swap_in_worker_side(it, loader) -> bool:
     """What the iterator's workers (or its own thread) index and how they collate it, as the loader's
-    stage has them (gpu_decode: the image path's samples, packed batches). False when that is the
-    dataset and collate_fn as given."""
-    stage = loader.batch_stage
-    if stage is None:
+    batch maker has them (gpu_decode: the image path's samples, packed batches). False when that is
+    the dataset and collate_fn as given."""
+    maker = loader.batch_maker
+    if maker is None:
         return False
-    dataset, collate_fn = stage.worker_side(it._dataset, it._collate_fn)
+    dataset, collate_fn = maker.worker_side(it._dataset, it._collate_fn)
     if dataset is it._dataset and collate_fn is it._collate_fn:
         return False
     it._dataset, it._collate_fn = dataset, collate_fn
@@ -149,7 +154,9 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
                                                                 self._collate_fn, self._drop_last)
         self._loader = loader
         self._last_return = None
-        self._prepared = collections.deque()  # (Pending or batch or RaiseWhenDue, samples), oldest first
+        self._prepared = collections.deque()  # (QueuedBatch or batch or RaiseWhenDue, samples), oldest first
+        maker = loader.batch_maker
+        self._making = BatchMaking(maker) if maker is not None else None  # where its batches are made
         self._exhausted = False
         self._fast = (self._dataset_kind == DatasetKind.Map and self._auto_collation
                       and self._collate_fn is default_collate and not getattr(self._dataset, "__getitems__", None))
@@ -194,7 +201,7 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
                 raise
             finally:
                 self._handed(self._states_now())  # a batch that raised was handed out too
-            batch = host_batch_out(loader.device, loader.batch_stage, batch, False)
+            batch = host_batch_out(loader.device, loader.gpu_transform, self._making, batch, False)
             _record(self._epochs, loader.stats, t0, batch_samples(batch, 1))
         else:
             try:
@@ -212,7 +219,7 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
             self._handed(states)
             if isinstance(batch, RaiseWhenDue):
                 raise batch.exc
-            if isinstance(batch, Pending):
+            if isinstance(batch, QueuedBatch):
                 batch = self._epochs.local_ring.deliver(batch)
             # the next batches are made while the copy of this one runs
             while not self._exhausted and len(self._prepared) < loader.prefetch_batches:
@@ -234,7 +241,7 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
 
     def _produce(self):
         """The next batch: made as torch makes it, written into a slot of the local ring and its copy
-        to the device queued (a Pending), or, when it does not fit the ring, sent to the device as
+        to the device queued (a QueuedBatch), or, when it does not fit the ring, sent to the device as
         the plain path does. Returns (batch, samples)."""
         loader = self._loader
         index = self._next_index()
@@ -256,7 +263,7 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
                         ring.release_slot(slot)
                         raise
                     else:
-                        return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), len(index)
+                        return self._copy(ring, slot, spec, writer.leaves), len(index)
             batch = self._collate_fn(samples)
         else:
             batch = self._dataset_fetcher.fetch(index)
@@ -267,15 +274,27 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
         else:  # an iterable's last batch may be short
             n = len(index) if self._dataset_kind == DatasetKind.Map else batch_samples(batch, 1)
         if tensors and ring is None:
-            ring = epochs.local_ring = LocalRing(CopySettings(loader.device, loader.batch_stage), loader.stats,
-                                                     loader.prefetch_batches, [leaf_bytes(t) for t in tensors])
+            ring = epochs.local_ring = LocalRing(copy_settings(loader), loader.stats, loader.prefetch_batches,
+                                                 [leaf_bytes(t) for t in tensors])
         if tensors and ring.fits(tensors):
             slot = ring.take_slot()
             if slot is not None:
                 writer = SlotWriter(ring.slot(slot), ring.layout)
                 spec = write_general(batch, writer)  # every tensor fits: none stays in the spec
-                return ring.copies.copy_to_device(ring.ring, slot, spec, writer.leaves), n
-        return host_batch_out(loader.device, loader.batch_stage, batch, False), n
+                return self._copy(ring, slot, spec, writer.leaves), n
+        return host_batch_out(loader.device, loader.gpu_transform, self._making, batch, False), n
+
+    def _copy(self, ring, slot, spec, leaves):
+        """The slot's copy to the device queued; a maker's batch made now, as soon as the ring holds
+        it (NOTE [ One way down for a batch ] in prefetch/making.py)."""
+        making = self._making
+        if making is not None:
+            making.copies = ring.copies  # the loader's own ring: the same from batch to batch
+        parts = making.parts_of(spec) if making is not None else None
+        batch = ring.copies.copy_to_device(ring.ring, slot, spec, leaves, parts)
+        if parts is not None:
+            making.make_ready(batch)
+        return batch
 
     def __del__(self):
         if forked_copy(self):
@@ -284,7 +303,7 @@ class SingleProcessIter(_EpochStart, SingleProcessDataLoaderIter):
         epochs = getattr(self, "_epochs", None)
         ring = epochs.local_ring if epochs is not None else None
         for batch, _, _ in getattr(self, "_prepared", ()):
-            if isinstance(batch, Pending) and ring is not None and ring.ring is not None:
+            if isinstance(batch, QueuedBatch) and ring is not None and ring.ring is not None:
                 ring.copies.abandon(batch)
         self._prepared = collections.deque()
 
@@ -300,6 +319,10 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
     last reference to the iterator is then always the one that drops it, and its workers are shut
     down in the consumer's thread before `del it` returns. (When the thread held the iterator for a
     top-up at that moment, the shutdown ran later, in the thread.)"""
+
+    # the seams tests and the bench turn off, to cover (and time) both ways
+    prefetch_thread = True  # with a device, the next copies are queued by a thread (prefetch.thread.Prefetcher)
+    paced_top_ups = True  # a batch maker's top-ups start later in the consumer's step (prefetch.thread.TopUpPace)
 
     def __init__(self, loader, epochs):
         """epochs: the loader's LoaderEpochs."""
@@ -323,7 +346,7 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
         self._loader = loader
         self._prefetch_factor = loader.prefetch_factor
         self._feed = None
-        self._prefetcher = None  # the thread that tops the feed up with a device (_prefetch.py)
+        self._prefetcher = None  # the thread that tops the feed up with a device (prefetch/thread.py)
         self._reset(loader, first_iter=True)
 
     @property
@@ -364,10 +387,13 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
             old.abandon_prepared()  # copies of an abandoned epoch: their slots are freed later
         self._num_yielded = skip
         self._last_return = None
-        stage = loader.batch_stage
-        settings = FeedSettings(self._dataset_kind, self._auto_collation, self._num_workers, self._prefetch_factor,
-                                self._persistent_workers, loader.in_order, self._timeout, self._pin_memory,
-                                loader.prefetch_batches, stage)
+        maker = loader.batch_maker
+        settings = FeedSettings(dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
+                                num_workers=self._num_workers, prefetch_factor=self._prefetch_factor,
+                                persistent_workers=self._persistent_workers, in_order=loader.in_order,
+                                timeout=self._timeout, pin_memory=self._pin_memory,
+                                prefetch_batches=loader.prefetch_batches, transform=loader.gpu_transform,
+                                maker=maker)
         feed = Feed(settings, self._sampler_iter, self._index_sampler, self._hl_sampler_start, pool, plan, skip,
                     loader.stats)
         self._epochs.log = feed.log  # the epoch's log, which state_dict reads
@@ -375,8 +401,8 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
         self._feed = feed
         pool.start_all()  # workers that got no task yet: torch starts every worker at iter() too
         self._workers = pool.workers()  # torch's name, which tools read
-        if pool.device is not None and loader.prefetch_batches > 0 and PREFETCH_THREAD:
-            self._prefetcher = Prefetcher(feed, paced=PACED_TOP_UPS and stage is not None and stage.paced_top_ups)
+        if pool.device is not None and loader.prefetch_batches > 0 and self.prefetch_thread:
+            self._prefetcher = Prefetcher(feed, paced=self.paced_top_ups and maker is not None and maker.paced_top_ups)
 
     def restart(self, loader):
         """The next epoch with the same workers (persistent workers): what torch's DataLoader.__iter__
@@ -392,6 +418,8 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
     def _next_data(self):
         t0 = time.perf_counter()
         feed = self._feed
+        if feed.making is not None and feed.making.copies is not None:
+            self._make_next(feed)
         with feed.lock:
             try:
                 out, samples = feed.take_next()
@@ -415,6 +443,18 @@ class MultiProcessIter(_EpochStart, BaseDataLoaderIter):
         _record(self._epochs, self._loader.stats, t0, samples)
         _count_elapsed(self, self._loader.stats, t0)
         return out
+
+    def _make_next(self, feed):
+        """A maker's batch that next() hands out, made here if the prefetch thread has not made it,
+        outside the lock (NOTE [ One way down for a batch ] in prefetch/making.py). What stops the epoch
+        here is take_next's to raise again."""
+        try:
+            with feed.lock:
+                batch = feed.next_to_make()
+        except StopIteration:
+            return
+        if batch is not None:
+            feed.making.make_ready(batch)
 
     def _shutdown(self):
         feed = getattr(self, "_feed", None)

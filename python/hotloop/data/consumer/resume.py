@@ -9,8 +9,8 @@ import warnings
 
 from torch.utils.data import BatchSampler
 
-from ._messages import Setup
-from ._tasks import TaskKind
+from ..messages import Setup
+from .tasks import TaskKind
 
 
 def stateful(obj) -> bool:

@@ -16,7 +16,7 @@ the values as they were when returned here, where torch's collate stacks the rew
 """
 import torch
 
-from ._batch import plan_layout, row_tensor
+from ..ring.layout import plan_layout, row_tensor
 
 
 class SlotRows:

@@ -1,8 +1,8 @@
 """What both of hotloop.DataLoader's iterators (and the multi-worker feed) do to hand a batch out that
 the ring did not carry: a batch that came whole, made as the ring path would deliver it; the error of
 a batch made ahead, raised when that batch is due; a batch's sample count."""
-from .._torch_compat import pin_memory
-from ._batch import flatten, unflatten
+from ..._torch_compat import pin_memory
+from ..ring.layout import flatten, unflatten
 
 
 class RaiseWhenDue:
@@ -21,17 +21,19 @@ def batch_samples(batch, default):
     return default
 
 
-def host_batch_out(device, stage, batch, pin):
-    """A batch that came whole (num_workers=0, or through a worker's pipe): to the device and/or
-    through the stage (the loader's batch_stage), as the ring path would deliver it."""
-    if stage is not None:
-        batch = stage.whole_batch(batch, device)  # gpu_decode's packed batch, decoded
-    if device is None and stage is None:
+def host_batch_out(device, transform, making, batch, pin):
+    """A batch that came whole (num_workers=0, or through a worker's pipe): made by the loader's
+    BatchMaker (`making`: prefetch.making.BatchMaking, or None) when it is one of its own, to the
+    device and through its LeafTransform, as the ring path would deliver it."""
+    if making is not None:
+        batch = making.make_whole(batch, device)  # gpu_decode's packed batch, decoded
+    if device is None and transform is None:
         return pin_memory(batch) if pin else batch
     tensors = []
     spec = flatten(batch, tensors)
-    # which leaves the stage transforms (gpu_transform's images): ValueError for one it cannot take, or for none
-    images = stage.leaf_outputs((t.dtype, t.shape) for t in tensors) if stage is not None else [False] * len(tensors)
+    # which leaves the transform takes (gpu_transform's images): ValueError for one it cannot take, or for none
+    images = (transform.leaf_outputs((t.dtype, t.shape) for t in tensors) if transform is not None
+              else [False] * len(tensors))
     if device is None and not any(images):
         return pin_memory(batch) if pin else batch
     outs = []
@@ -39,7 +41,7 @@ def host_batch_out(device, stage, batch, pin):
         if device is not None:
             t = t.to(device)
         if image:
-            t = stage.transform(t)
+            t = transform.transform(t)
         elif pin and device is None:
             t = t.pin_memory()
         outs.append(t)

@@ -21,19 +21,18 @@ prepared, so that nvjpeg's CUDA calls fall while the training thread waits for t
 while it launches; and it prepares one batch per run, each at its own paced time (NOTE [ Paced top-ups ]).
 
 Everything it does runs under the epoch's lock, which next() holds too, so the pool and the
-epoch's state never see two threads; all but gpu_decode's launches, which it starts once it let go of
-that lock (_launches.ImageLaunch): nvjpeg holds its thread until a batch is decoded, and next() would
-wait for that with a batch ready to hand out. It does a launch's host work and leaves the decode to
-the launch runner's thread (NOTE [ Decoding ahead ]). It holds the epoch's feed (_feed.Feed), never the
-iterator, and the feed only through a weak reference: the iterator's last reference is the
-consumer's, whose drop stops this thread and shuts the workers down at once, in the consumer's thread.
+epoch's state never see two threads; all but the making of a batch maker's batches (gpu_decode's),
+which it does right after, once it let go of that lock (NOTE [ One way down for a batch ] in
+prefetch/making.py). It holds the epoch's feed (consumer.feed.Feed), never the iterator, and the feed only through a
+weak reference: the iterator's last reference is the consumer's, whose drop stops this thread and
+shuts the workers down at once, in the consumer's thread.
 """
 import collections
 import threading
 import time
 import weakref
 
-from ._shutdown import PREFETCH_THREADS, close_at_exit, forget
+from ..at_exit import PREFETCH_THREADS, close_at_exit, forget
 
 RETRY_S = 0.002  # how soon to look again at a batch that waits for its slot to be page-locked
 PACE_FRACTION = 0.65  # a paced top-up starts this far into the consumer's step (its period)
@@ -51,11 +50,8 @@ PERIOD_WINDOW = 8  # the consumer's step is the shortest of this many gaps betwe
 # before the next next() but one, which wants the batch it prepares. Started at once, the decode
 # falls among the forward's launches; started just early enough to end before the next next(),
 # among the backward's; around two thirds into the step, mostly while the step waits for the GPU.
-# The decode itself runs in the launch runner's thread right after the top-up's host work (NOTE
-# [ Decoding ahead ]): it starts at the paced time all the same. The measured `work` is the host work
-# alone, not the decode: the latest start (two periods less the work) could let a decode end after
-# the next next() but one only in steps shorter than about two decodes, and there the consumer is
-# ahead of the loader: nothing is prepared, and delay() starts the top-up at once.
+# The measured `work` is the whole top-up, the decode included: the latest start is two periods
+# less that work, so that the batch is decoded before the next next() but one.
 #
 # The period is the shortest of the last PERIOD_WINDOW gaps between next() calls: the step as long
 # as nothing slowed it. A moving average would count the steps that decodes slowed, and a paced
@@ -164,15 +160,16 @@ class Prefetcher:
                 t0, ahead = time.perf_counter(), feed.ahead()
                 # paced: one batch per run, each at its paced time: two decoded back to back at the
                 # step's start (the consumer caught up with the prepared ones) slowed its launches
-                again = not self._stopped and feed.top_up(defer=True, limit=1 if self._pace is not None else None)
-                launches = feed.waiting_launches()
+                again = not self._stopped and feed.top_up(limit=1 if self._pace is not None else None)
+                unmade = feed.to_make()
                 prepared = feed.ahead() > ahead
+                making = feed.making
             del feed
-            for launch in launches:  # gpu_decode's launches, outside the lock: next() is not held up
+            for batch in unmade:  # a maker's batches, outside the lock: next() is not held up
                 if self._stopped:
-                    break  # deliver queues what is handed out, the epoch's end skips the rest
-                launch.start()  # the host work here, the decode in the runner's thread (NOTE [ Decoding ahead ])
-            del launches
+                    break  # next() makes what it hands out, the epoch's end drops the rest
+                making.make_ready(batch)
+            del unmade, making
             # top_up's True after a paced run that prepared its one batch: room for the next; else a
             # done batch whose slot waits to be page-locked
             more = again and prepared and self._pace is not None

@@ -1,0 +1,1 @@
+"""The launcher process: one fork of the main process that forks workers 1.. (zygote.py)."""
