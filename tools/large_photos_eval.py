@@ -7,7 +7,8 @@ by the wall clock from iter() to its last batch. Prints each epoch, the medians,
 torch's, and hotloop's loader.stats (decoder, ring_bytes). Uses public names only, so that it runs
 against any hotloop install: run it once with each to compare them on the same files (--root keeps them).
 
-    python tools/large_photos_eval.py --files 48 --workers 2 --rounds 3 --root /tmp/photos-12mp [--device cuda]
+    python tools/large_photos_eval.py --files 48 --workers 2 --rounds 3 --root /tmp/photos-12mp \
+        [--device cuda --backend cpu]
 """
 import argparse
 import io
@@ -68,6 +69,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--root", default="/tmp/hotloop-photos-12mp")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="auto", choices=("auto", "hardware", "cuda", "cpu"))
     args = ap.parse_args()
 
     import torchvision.transforms as T
@@ -82,7 +84,8 @@ def main():
     ways = {
         "torch": lambda: torch.utils.data.DataLoader(ds, batch_size=args.batch, num_workers=args.workers,
                                                      pin_memory=on_gpu),
-        "hotloop": lambda: hotloop.DataLoader(ds, batch_size=args.batch, num_workers=args.workers, gpu_decode=True,
+        "hotloop": lambda: hotloop.DataLoader(ds, batch_size=args.batch, num_workers=args.workers,
+                                              gpu_decode=hotloop.GpuDecode(backend=args.backend),
                                               **({"device": args.device} if on_gpu else {})),
     }
     rates = {name: [] for name in ways}

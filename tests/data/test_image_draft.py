@@ -101,7 +101,8 @@ def assert_within_decode_bounds(ours, theirs):
         assert torch.equal(y, ty) and x.shape == tx.shape
         d = levels(x, tx)
         assert d.max().item() <= DECODE_MAX_LEVELS + 0.01, f"max {d.max().item():.2f} levels"
-        assert d.mean().item() <= DECODE_MEAN_LEVELS, f"mean {d.mean().item():.3f} levels"
+        worst_image = d.mean(dim=(1, 2, 3)).max().item()  # per image: stricter than the GPU tests' per batch
+        assert worst_image <= DECODE_MEAN_LEVELS, f"an image's mean {worst_image:.3f} levels"
 
 
 def records(ds, transform, seed):
@@ -148,7 +149,8 @@ def test_the_validation_transform_on_12_megapixel_photos(tmp_path):
     for kind, window, shape, _, _ in records(ds, EVAL, seed):
         geo = shape[3]
         assert kind == PIXELS and window.shape == (224, 224, 3)
-        assert (geo.box_h, geo.box_w, geo.resized_h, geo.resized_w, geo.out_top, geo.out_left) == (224, 224, 224, 224, 0, 0)
+        assert (geo.box_h, geo.box_w, geo.resized_h, geo.resized_w) == (224, 224, 224, 224)
+        assert (geo.box_top, geo.box_left, geo.out_top, geo.out_left) == (0, 0, 0, 0)
     plan = ImagePlan.of(EVAL)
     assert draft_scale(plan.draw(3000, 4000), 3000, 4000) == 4
 

@@ -35,10 +35,10 @@ ENCODED, PIXELS, DONE = 0, 1, 2
 # (Image.draft), several times cheaper than a full decode for a large photo. Its pixel i covers the
 # full image's [i * s, (i + 1) * s), so a crop box lands on fractional coordinates, which the
 # kernel's integer box cannot hold: rounding the box to whole scaled pixels shifts the output by up
-# to half a scaled pixel and put it tens of levels off torchvision's. So the worker resizes the
+# to half a scaled pixel, tens of levels off torchvision's at edges. So the worker resizes the
 # scaled crop itself, with Pillow's bilinear resize (the kernel's arithmetic) on the exact
 # fractional box, and ships only the output window; the kernel then copies, flips and normalises it.
-# The scaled pixels are an 8-pixel-block low-pass, not the full decode's pixels: the larger the
+# The scaled pixels are a low-pass of each 8 x 8 block, not the full decode's: the larger the
 # scaled crop is against the resized size, the more of the difference the bilinear filter removes.
 # A scale is taken only where the scaled crop is at least DRAFT_MARGIN times the resized size in
 # each dimension (DRAFT_MARGIN_INSIDE where the box has an edge inside the image, as most of
@@ -265,7 +265,8 @@ def _scaled_window(opened, geo, scale, out_size):
     # the box in scaled pixels (fractional), and the whole scaled pixels that hold it
     top, left = geo.box_top / scale, geo.box_left / scale
     bottom, right = (geo.box_top + geo.box_h) / scale, (geo.box_left + geo.box_w) / scale
-    held = (math.floor(left), math.floor(top), min(math.ceil(right), opened.width), min(math.ceil(bottom), opened.height))
+    held = (math.floor(left), math.floor(top),
+            min(math.ceil(right), opened.width), min(math.ceil(bottom), opened.height))
     # the window [out_top, +out_h) x [out_left, +out_w) of the box resized to (resized_h, resized_w)
     per_row, per_col = (bottom - top) / geo.resized_h, (right - left) / geo.resized_w
     y0, x0 = top - held[1] + geo.out_top * per_row, left - held[0] + geo.out_left * per_col
