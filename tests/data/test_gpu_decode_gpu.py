@@ -125,7 +125,8 @@ def test_batches_larger_than_one_ring_registration(tmp_path, backend):
     not cross: on the H200 such batches of 256 made nvjpeg refuse images, then hang, and the CPU
     backend's uploads fail (cudaErrorInvalidValue), where small test batches never did."""
     root = make_folder(str(tmp_path), n=80, sizes=(700, 900))
-    ds = ImageFolder(root, transform=TRAIN_V1(64))
+    # no crop is 4 times 240 pixels: none decodes at a DCT scale, the CPU backend ships whole crop boxes
+    ds = ImageFolder(root, transform=TRAIN_V1(240))
     batch = 40
     sizes = sorted(os.path.getsize(path) for path, _ in ds.samples)
     assert sum(sizes[:batch]) > 8 << 20, "the premise: even the smallest files of a batch fill more than 8 MiB"

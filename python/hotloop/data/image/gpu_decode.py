@@ -10,7 +10,7 @@ import torch
 
 from ..._torch_compat import default_collate
 from .plan import ImagePlan
-from .source import EncodedSamples, ImageSource, collate_encoded
+from .source import EncodedSamples, ImageSource, collate_encoded, shipped_pixel_bytes
 
 BACKENDS = ("auto", "hardware", "cuda", "cpu")
 
@@ -108,17 +108,17 @@ class ImagePipeline:
         """What the workers index: JPEG bytes travel when the decoder is on the GPU, crop boxes'
         pixels when the workers decode (the CPU backend)."""
         gpu = backend in ("hardware", "cuda")
-        self.capacity = _batch_bytes_estimate(self.source, self.batch_size, pixels=not gpu)
+        self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
         return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity)
 
     def collate_fn(self):
         return functools.partial(collate_encoded, capacity=self.capacity or 0)
 
 
-def _batch_bytes_estimate(source, batch_size, pixels):
+def _batch_bytes_estimate(source, batch_size, plan):
     """Bytes a batch's data tensor reserves in the ring, from a sample of an ImageFolder's files:
-    their sizes (os.stat) where JPEG bytes travel, or where pixels travel their images' whole areas
-    (from the headers, PIL reads no pixels: a crop box's upper bound); a batch's mean with a margin, and
+    their sizes (os.stat) where JPEG bytes travel (plan None), or where pixels travel the bytes a
+    worker ships for each under `plan` (source.shipped_pixel_bytes); a batch's mean with a margin, and
     room for how much a sum of that many sizes spreads. 0 (sized from the first batch) for other sources. A batch that does not fit travels
     outside the ring, a slow way: the CPU backend's crops, sized as JPEG bytes, all did, which made
     that backend slower than torch's own pipeline."""
@@ -130,22 +130,13 @@ def _batch_bytes_estimate(source, batch_size, pixels):
     sizes = []
     for path in picks:
         try:
-            sizes.append(_pixel_bytes(path) if pixels else os.stat(path).st_size)
+            sizes.append(shipped_pixel_bytes(path, plan) if plan is not None else os.stat(path).st_size)
         except OSError:  # PIL's UnidentifiedImageError is one
             pass
-    margin = 1.0 if pixels else _SIZE_MARGIN  # a whole image's pixels already bound its crop's
     if len(sizes) < 2:
-        return int(sum(sizes) * batch_size * margin)
+        return int(sum(sizes) * batch_size * _SIZE_MARGIN)
     # a batch's bytes are a sum of batch_size draws: their mean times the batch with the margin, or, for
     # small batches (whose sums spread the most), the mean plus _SIZE_SPREADS standard deviations of the sum
     mean = statistics.fmean(sizes)
     spread = statistics.stdev(sizes) * math.sqrt(batch_size)
-    return int(max(mean * batch_size * margin, mean * batch_size + _SIZE_SPREADS * spread))
-
-
-def _pixel_bytes(path):
-    from PIL import Image
-
-    with Image.open(path) as image:
-        width, height = image.size
-    return width * height * 3
+    return int(max(mean * batch_size * _SIZE_MARGIN, mean * batch_size + _SIZE_SPREADS * spread))

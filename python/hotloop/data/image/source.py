@@ -12,9 +12,12 @@ Per sample, what the GPU path cannot take falls back, in the worker, to the CPU:
 a baseline JPEG the decoder takes (PNG, CMYK, progressive on the hardware decoder, a truncated file)
 is opened by the dataset's own loader, so PIL raises what it raises for the CPU pipeline (naming the
 file), and its pixels, crop box only, go to the GPU kernel; an image the geometry cannot express
-(a CenterCrop larger than the image, which pads) runs the whole transform here.
+(a CenterCrop larger than the image, which pads) runs the whole transform here. Where the workers
+decode a JPEG whose crop box is much larger than the output, they decode it at a DCT scale and
+resize it themselves (NOTE [ Decoding at a DCT scale ]).
 """
 import io
+import math
 
 import numpy as np
 import torch
@@ -27,6 +30,27 @@ MARKER = "hotloop_encoded_images"  # key of the table in a packed batch: how the
 
 # what a table row's kind says its bytes are
 ENCODED, PIXELS, DONE = 0, 1, 2
+# NOTE [ Decoding at a DCT scale ]
+# libjpeg(-turbo), under Pillow, decodes a JPEG at 1/2, 1/4 or 1/8 of its size in the DCT domain
+# (Image.draft), several times cheaper than a full decode for a large photo. Its pixel i covers the
+# full image's [i * s, (i + 1) * s), so a crop box lands on fractional coordinates, which the
+# kernel's integer box cannot hold: rounding the box to whole scaled pixels shifts the output by up
+# to half a scaled pixel, tens of levels off torchvision's at edges. So the worker resizes the
+# scaled crop itself, with Pillow's bilinear resize (the kernel's arithmetic) on the exact
+# fractional box, and ships only the output window; the kernel then copies, flips and normalises it.
+# The scaled pixels are a low-pass of each 8 x 8 block, not the full decode's: the larger the
+# scaled crop is against the resized size, the more of the difference the bilinear filter removes.
+# A scale is taken only where the scaled crop is at least DRAFT_MARGIN times the resized size in
+# each dimension (DRAFT_MARGIN_INSIDE where the box has an edge inside the image, as most of
+# RandomResizedCrop's do: there the scaled pixels straddling the edge mix in pixels torchvision
+# crops away). tests/data/test_image_draft.py holds the result to the bounds the GPU decoders are
+# held to against the CPU pipeline. Only JPEGs PIL decodes to RGB or L take it; CMYK, PNG and the
+# rest decode whole, as before, and any failure of the scaled decode falls back to the dataset's own
+# loader, which decodes as PIL would or raises PIL's error naming the file.
+DRAFT_SCALES = (8, 4, 2)
+DRAFT_MARGIN = 2.0
+DRAFT_MARGIN_INSIDE = 3.0
+_SCALABLE_MODES = ("RGB", "L")  # what PIL decodes a YCbCr or grey JPEG to
 # table columns
 COLUMNS = ("kind", "offset", "length", "src_h", "src_w", "channels", "box_top", "box_left", "box_h", "box_w",
            "resized_h", "resized_w", "out_top", "out_left", "flip", "index")
@@ -71,10 +95,11 @@ class EncodedImageDataset(torch.utils.data.Dataset):
 class ImageSource:
     """How to read one sample's bytes and how the CPU pipeline opens them, for a recognised dataset."""
 
-    def __init__(self, dataset, read, load):
+    def __init__(self, dataset, read, load, pil_open):
         self.dataset = dataset
         self.read = read  # index -> (bytes, target)
         self.load = load  # (bytes, index) -> RGB PIL image, raising as the CPU pipeline would
+        self.pil_open = pil_open  # whether load is Image.open(bytes).convert("RGB"): a scaled decode may stand in
         self.transform = dataset.transform
         self.target_transform = dataset.target_transform
 
@@ -82,7 +107,7 @@ class ImageSource:
     def of(cls, dataset):
         """The source of a dataset hotloop can decode itself, or None (with the reason) if not."""
         if isinstance(dataset, EncodedImageDataset):
-            return cls(dataset, dataset.fetch, dataset.load), None
+            return cls(dataset, dataset.fetch, dataset.load, type(dataset).load is EncodedImageDataset.load), None
         try:
             from torchvision.datasets import DatasetFolder
             from torchvision.datasets.folder import default_loader, pil_loader
@@ -109,7 +134,7 @@ class ImageSource:
             except Exception:
                 return dataset.loader(dataset.samples[index][0])  # PIL's own error, naming the file
 
-        return cls(dataset, read, load), None
+        return cls(dataset, read, load, True), None
 
 
 class EncodedSamples(torch.utils.data.Dataset):
@@ -151,10 +176,11 @@ class EncodedSamples(torch.utils.data.Dataset):
             target = source.target_transform(target)
         before = torch.get_rng_state()
         gpu = self._to_gpu(data)
-        image = None
+        image = opened = None
         if gpu is None:
-            image = source.load(data, index)
-        height, width = gpu[:2] if gpu is not None else (image.height, image.width)
+            opened = _scalable_jpeg(data) if source.pil_open else None
+            image = source.load(data, index) if opened is None else None
+        height, width = gpu[:2] if gpu is not None else (image if image is not None else opened).size[::-1]
         try:
             geo = plan.draw(height, width)
         except NeedsCpu:
@@ -164,11 +190,98 @@ class EncodedSamples(torch.utils.data.Dataset):
             return (DONE, source.transform(image), None, target, index)
         if gpu is not None:
             return (ENCODED, data, (height, width, gpu[2], geo), target, index)
+        if opened is not None:
+            scale = draft_scale(geo, height, width)
+            window = _scaled_window(opened, geo, scale, plan.out_size) if scale > 1 else None
+            if window is not None:
+                return (PIXELS, window, (window.shape[0], window.shape[1], 3, _window_geometry(window, geo)),
+                        target, index)
+            image = source.load(data, index)  # PIL's own decode, or its error naming the file
         # only the crop box travels: the kernel resizes it as it would the whole image's box
         box = image.crop((geo.box_left, geo.box_top, geo.box_left + geo.box_w, geo.box_top + geo.box_h))
         pixels = np.asarray(box, dtype=np.uint8)
         geo.box_top = geo.box_left = 0
         return (PIXELS, pixels, (geo.box_h, geo.box_w, 3, geo), target, index)
+
+
+def _scalable_jpeg(data):
+    """The file opened by PIL (its header read, no pixels) when it is a JPEG PIL decodes to RGB or
+    grey, which a scaled decode may stand in for; else None (the dataset's loader opens it)."""
+    from PIL import Image
+    try:
+        opened = Image.open(io.BytesIO(data))
+    except Exception:
+        return None  # not an image PIL knows: the loader raises its error, naming the file
+    return opened if _scalable(opened) else None
+
+
+def _scalable(opened) -> bool:
+    return opened.format in ("JPEG", "MPO") and opened.mode in _SCALABLE_MODES and len(opened.tile) == 1
+
+
+def shipped_pixel_bytes(path, plan) -> int:
+    """The bytes a worker decoding `path` itself ships for it under `plan`: the output window where
+    it decodes at a DCT scale, else the crop box; none where the transform runs here (its output
+    travels in the batch's "done" tensor).
+    The box is drawn under a fork of torch's generator: the caller's draws are untouched."""
+    from PIL import Image
+    with Image.open(path) as opened:
+        width, height = opened.size
+        scalable = _scalable(opened)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            geo = plan.draw(height, width)
+        except NeedsCpu:
+            return 0
+    if scalable and draft_scale(geo, height, width) > 1:
+        return plan.out_size[0] * plan.out_size[1] * 3
+    return geo.box_h * geo.box_w * 3
+
+
+def draft_scale(geo, height, width) -> int:
+    """The largest DCT scale (8, 4, 2, else 1: none) at which the crop box still has DRAFT_MARGIN
+    (or DRAFT_MARGIN_INSIDE) times the resized size's pixels in each dimension (NOTE [ Decoding at a
+    DCT scale ]). The box is the full image's, drawn before any scaling."""
+    margin_h = DRAFT_MARGIN if geo.box_h == height else DRAFT_MARGIN_INSIDE
+    margin_w = DRAFT_MARGIN if geo.box_w == width else DRAFT_MARGIN_INSIDE
+    for scale in DRAFT_SCALES:
+        if geo.box_h >= scale * margin_h * geo.resized_h and geo.box_w >= scale * margin_w * geo.resized_w:
+            return scale
+    return 1
+
+
+def _scaled_window(opened, geo, scale, out_size):
+    """The output window of the resized crop, uint8 [h, w, 3], from a decode at 1/scale; None where
+    the scaled decode fails or PIL did not take that scale (the caller decodes whole, as before)."""
+    from PIL import Image
+    width, height = opened.size
+    try:
+        opened.draft(opened.mode, (width // scale, height // scale))  # PIL picks the largest scale that fits
+        if opened.size != (-(-width // scale), -(-height // scale)):
+            return None
+        opened.load()
+    except Exception:
+        return None  # truncated, corrupt: the loader's full decode says what PIL says, naming the file
+    # the box in scaled pixels (fractional), and the whole scaled pixels that hold it
+    top, left = geo.box_top / scale, geo.box_left / scale
+    bottom, right = (geo.box_top + geo.box_h) / scale, (geo.box_left + geo.box_w) / scale
+    held = (math.floor(left), math.floor(top),
+            min(math.ceil(right), opened.width), min(math.ceil(bottom), opened.height))
+    # the window [out_top, +out_h) x [out_left, +out_w) of the box resized to (resized_h, resized_w)
+    per_row, per_col = (bottom - top) / geo.resized_h, (right - left) / geo.resized_w
+    y0, x0 = top - held[1] + geo.out_top * per_row, left - held[0] + geo.out_left * per_col
+    out_h, out_w = out_size
+    crop = opened.crop(held).resize((out_w, out_h), Image.Resampling.BILINEAR,
+                                    box=(x0, y0, x0 + out_w * per_col, y0 + out_h * per_row))
+    return np.asarray(crop.convert("RGB") if crop.mode != "RGB" else crop, dtype=np.uint8)
+
+
+def _window_geometry(window, geo):
+    """The kernel's entry for a shipped window: no crop, no resize, the draw's flip."""
+    h, w = window.shape[:2]
+    geo.box_top = geo.box_left = geo.out_top = geo.out_left = 0
+    geo.box_h, geo.resized_h, geo.box_w, geo.resized_w = h, h, w, w
+    return geo
 
 
 def collate_encoded(records, capacity=0):
