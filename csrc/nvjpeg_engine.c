@@ -42,7 +42,7 @@ typedef int DEVICE_GUARD;
    three planes out with a 2D device-to-device copy, three calls where RGB takes one, and the loader
    and the step it fed were slower with it. So every decode asks for NVJPEG_OUTPUT_RGBI. The same
    per-image work runs on streams nvjpeg creates for itself, ordered after the caller's by events: the
-   priority of the stream a decode is given reaches only our own kernel (stage.py's _DecodeStream). */
+   priority of the stream a decode is given reaches only our own kernel (image/maker.py's _DecodeStream). */
 
 /* NOTE [ Two handles ]
    Chroma upsampled by interpolation (NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, libjpeg-turbo's

@@ -70,18 +70,18 @@ class _DecodeStream:
     """Where a batch is decoded: a stream that waits for nothing of the consumer's, into memory of its
     own pool of the caching allocator.
     - It has the default priority: nvjpeg runs its per-image work on streams of its own, which a
-      priority of this one does not reach (NOTE [ RGB out of nvjpeg ] in nvjpeg.c), and a
+      priority of this one does not reach (NOTE [ RGB out of nvjpeg ] in nvjpeg_engine.c), and a
       high-priority decode and side stream did not feed a training step faster.
     - The decode used to run on the side stream, behind a wait for the consumer's stream. There, with
       training steps running in another thread, the loader's thread could hang inside nvjpeg's
       hardware decode (in the bench and in tests/data/test_gpu_decode_beside_step.py); on a stream
       of its own it has not.
     - nvjpeg's hardware backend was reported to write its outputs while the call runs, ignoring the
-      work queued on the stream before it (torchcodec #1634, nvjpeg 12.3 to 13.2). nvjpeg.c waits
+      work queued on the stream before it (torchcodec #1634, nvjpeg 12.3 to 13.2). nvjpeg_engine.c waits
       for that work on the host, which on the side stream would wait for the training step, and
       memory of the consumer's pool may still be in use by the step's queued kernels. The decode
       buffers here are held until the batch's event was seen done (queue's `held`), so the
-      allocator hands one out again only once the kernel that read it is over; nvjpeg.c's wait
+      allocator hands one out again only once the kernel that read it is over; nvjpeg_engine.c's wait
       covers the rest, the earlier decodes.
 
     Its event is a raw handle, destroyed by the process that made it: a loader's worker is forked,

@@ -6,7 +6,7 @@ workers `EncodedSamples` stands in for the dataset: per index it reads the encod
 header (a few microseconds), draws the transform's random parameters as the transform would
 (plan.py), and returns a record; `collate_encoded` packs a batch of records into three tensors
 (a table, the bytes, and finished images) that fit the ring. The main process decodes and resizes
-(stage.py).
+(maker.py).
 
 Per sample, what the GPU path cannot take falls back, in the worker, to the CPU: a file that is not
 a baseline JPEG the decoder takes (PNG, CMYK, progressive on the hardware decoder, a truncated file)
