@@ -29,8 +29,9 @@ STEADY_MIN_BYTES = 16 << 20  # a worker must grow at least this much, first read
 STEADY_MIN_R2 = 0.8          # and grow steadily: the straight line through its PSS explains this share of it
 STEADY_MIN_SAMPLES = 5       # host ticks in the worker's life
 COPY_MIN_BYTES = 16 << 20    # a worker's USS growth from which copy-on-read is named (steady or to a plateau)
-COPY_MIN_SHARE = 0.05        # and at least this share of main's own memory (USS) at its first reading: what
-                             # a fork could have copied
+COPY_MIN_SHARE = 0.05        # and at least this share of main's anonymous memory (RssAnon) as the window opened:
+                             # what a fork could have copied (its USS would count the private pages of the
+                             # libraries it maps, the CUDA ones among them, which no worker copies)
 LOW_AVAILABLE_SHARE = 0.03   # available memory below this share of the total (or LOW_AVAILABLE_BYTES): "near zero"
 LOW_AVAILABLE_BYTES = 256 << 20
 
@@ -147,6 +148,7 @@ class HostWatch:
 
     def start(self):
         self.oom_kills_at_start = oom_kills()
+        self.main_anon = rss_anon()
         if self.sampler is None:
             return
         try:
@@ -213,7 +215,20 @@ def _roles(seen, main_pid, torch_workers, hotloop_fed):
     return roles
 
 
-def processes_of(snapshot, t0, loader_samples, torch_workers=(), hotloop_fed=False):
+def rss_anon(pid="self"):
+    """A process's resident anonymous memory in bytes (RssAnon of /proc/PID/status, a counter the kernel keeps, so
+    reading it walks no page table), where its heap and Python's objects live; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def processes_of(snapshot, t0, loader_samples, torch_workers=(), hotloop_fed=False, main_anon=None):
     """The ProcessMemory of every process the sampler saw, main first. loader_samples: how many samples
     the loop consumed (None where unknown), shared out among the workers by their CPU time: a process
     of the tree that serves no samples (a leftover worker of another loader, a subprocess) uses none.
@@ -236,6 +251,7 @@ def processes_of(snapshot, t0, loader_samples, torch_workers=(), hotloop_fed=Fal
             available_at_exit=p["available_last"] if exited else None,
             low_memory_exit=exited and p["available_last"] < low, command=command, unreadable=p["unreadable"]))
     main = next((p for p in out if p.role == "main"), None)
+    copyable = main_anon if main_anon else (main.first_uss if main is not None else 0)
     workers = [w for w in out if w.is_worker]
     cpu = sum(w.cpu_s for w in workers)
     for w in workers:
@@ -245,7 +261,7 @@ def processes_of(snapshot, t0, loader_samples, torch_workers=(), hotloop_fed=Fal
         w.steady_growth = (w.readings >= STEADY_MIN_SAMPLES and w.growth_bytes >= STEADY_MIN_BYTES
                            and w.growth_bytes_per_s > 0 and (w.steadiness or 0) >= STEADY_MIN_R2)
         w.copied = (w.readings >= 2 and w.growth_bytes >= COPY_MIN_BYTES
-                    and (main is None or w.growth_bytes >= COPY_MIN_SHARE * main.first_uss))
+                    and w.growth_bytes >= COPY_MIN_SHARE * copyable)
     out.sort(key=lambda x: (x.role != "main", x.start_s, x.pid))
     return out
 
@@ -276,7 +292,8 @@ def torch_pinned_peak(torch):
     return None if value is None else int(value)
 
 
-def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None, torch_workers=(), hotloop_fed=False):
+def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None, torch_workers=(), hotloop_fed=False,
+         main_anon=None):
     """Set the host fields of the report `r` (a MemoryReport) from the sampler's snapshot (a window's)."""
     import numpy as np
 
@@ -307,7 +324,7 @@ def fill(r, snapshot, t0, loader_samples, torch, oom_kill_count=None, torch_work
     r.pinned_torch_peak_bytes = torch_pinned_peak(torch)
     samples_per_s = loader_samples / r.duration_s if loader_samples and r.duration_s > 0 else None
     r.loader_samples = loader_samples or None
-    r.host_processes = processes_of(snapshot, t0, loader_samples, torch_workers, hotloop_fed)
+    r.host_processes = processes_of(snapshot, t0, loader_samples, torch_workers, hotloop_fed, main_anon)
     r.host_oom_kills = oom_kill_count
     if oom_kill_count:  # the OOM killer struck: the workers that vanished growing steadily are its likely victims
         for p in r.host_processes:
