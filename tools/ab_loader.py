@@ -38,7 +38,7 @@ def child(args):
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     device = torch.device("cuda")
     dataset = ImageFolder(args.root, transform=image_loop.train_transform())
-    torch_way = args.build == "torch"
+    torch_way = args.build == ["torch"]  # --build is a list (action="append"): the child is given one
 
     def photos_loader(dtype):
         if torch_way:
