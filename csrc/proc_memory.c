@@ -215,7 +215,7 @@ int hl_append_children(int pid, int **pids, size_t *n, size_t *capacity) {
             long child = strtol(p, &end, 10);
             if (end == p)
                 break;
-            if ((*n == *capacity)) {
+            if (*n == *capacity) {
                 size_t grown = *capacity ? *capacity * 2 : 64;
                 int *more = realloc(*pids, grown * sizeof(int));
                 if (more == NULL) {
