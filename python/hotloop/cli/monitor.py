@@ -66,14 +66,18 @@ def _host_columns(host, pid):
     return [f"{h['available'] / 2**20:.0f}", f"{h['swap_used'] / 2**20:.0f}"] + tree
 
 
+def _stamp(t):
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
 def _row(t, index, tl):
-    """one output row from the newest sample of each kind"""
+    """one output row from the newest sample of each kind (GPU_COLUMNS values)"""
     used = reserved = ""
     if len(tl.memory):
         used, reserved = f"{tl.used[-1] / 2**20:.0f}", f"{tl.reserved[-1] / 2**20:.0f}"
     slow = tl.slow[-1] if len(tl.slow) else None
     pcie = tl.pcie[-1] if len(tl.pcie) else None
-    return [time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}", str(index), used, reserved,
+    return [_stamp(t), str(index), used, reserved,
             _value(slow["util_gpu"]) if slow is not None else "",
             _value(slow["util_memory"]) if slow is not None else "",
             _value(slow["power_mw"], 1e-3, 1) if slow is not None else "",
@@ -84,6 +88,9 @@ def _row(t, index, tl):
             _value(pcie["tx_kb_per_s"], 1 / 1024, 0) if pcie is not None else "",
             ",".join(reason_names(int(slow["reasons"]))) if slow is not None else "",
             _value(slow["util_jpeg"]) if slow is not None else ""]
+
+
+GPU_COLUMNS = 14  # what _row gives: time, device, then the GPU's figures; the host's columns follow them
 
 
 class _StopOnSignal:
@@ -207,8 +214,7 @@ def main(args) -> int:
                 print(f"hotloop monitor: --pid {args.pid} exited; logging the machine's memory alone", file=sys.stderr)
             rows = [_row(now, d, Timeline(m.snapshot())) for d, m in zip(devices, monitors)]
             if not monitors:  # no GPU: the host's row, the GPU columns empty
-                rows = [[time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"]
-                        + [""] * 13]
+                rows = [[_stamp(now)] + [""] * (GPU_COLUMNS - 1)]
             for row in rows:
                 row = row + hosted
                 print(line.format(*row[:12], row[13], row[14], row[16], row[12]), flush=True)  # the reasons last

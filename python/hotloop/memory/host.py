@@ -141,6 +141,7 @@ class HostWatch:
         self.window = None
         self.closed = None
         self.torch_workers = set()
+        self.main_anon = None  # main's RssAnon as the window opened: what its workers could copy
         try:
             self.sampler = shared_sampler(interval_ms, capacity, pss_budget)
         except (OSError, ValueError) as e:

@@ -481,7 +481,7 @@ class MemoryMonitor:
         if host is not None:
             fill_host(r, host, self._t0, loader_end["samples"] - self._loader_start["samples"], torch,
                       getattr(self._host, "oom_kills", None), self._host.torch_workers,
-                      loader_end["batches"] > self._loader_start["batches"], getattr(self._host, "main_anon", None))
+                      loader_end["batches"] > self._loader_start["batches"], self._host.main_anon)
         else:
             r.host_unavailable_reason = self._host.reason
         r.timeline = Timeline(None, self._t0, host=host)
