@@ -11,42 +11,12 @@ against any hotloop install: run it once with each to compare them on the same f
         [--device cuda --backend cpu]
 """
 import argparse
-import io
-import os
 import statistics
 import time
 
-import numpy as np
 import torch
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-def write_photos(root, files, size, seed=0):
-    """`files` JPEGs of size (h, w) in two class folders under root, made once (kept when present)."""
-    from PIL import Image
-
-    from hotloop.bench import photos
-
-    if os.path.isdir(root) and sum(len(fs) for _, _, fs in os.walk(root)) == files:
-        return
-    colour, _ = photos.source_photos()
-    sources = [Image.open(p).convert("RGB") for p in colour]
-    rng = np.random.default_rng(seed)
-    h, w = size
-    for c in range(2):
-        os.makedirs(os.path.join(root, f"c{c}"), exist_ok=True)
-    for i in range(files):
-        photo = sources[int(rng.integers(len(sources)))]
-        side = rng.uniform(0.5, 1.0)
-        cw, ch = int(photo.width * side), int(photo.height * side)
-        x, y = int(rng.integers(0, photo.width - cw + 1)), int(rng.integers(0, photo.height - ch + 1))
-        picture = photo.crop((x, y, x + cw, y + ch)).resize((w, h), Image.Resampling.BICUBIC)
-        pixels = np.asarray(picture, dtype=np.float32) + rng.normal(0, 3.0, (h, w, 3)).astype(np.float32)
-        out = io.BytesIO()
-        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
-        with open(os.path.join(root, f"c{i % 2}", f"{i:04d}.jpg"), "wb") as f:
-            f.write(out.getvalue())
 
 
 def epoch(loader, device):
@@ -77,7 +47,9 @@ def main():
 
     import hotloop
 
-    write_photos(args.root, args.files, (3000, 4000))
+    from hotloop.bench.photos import write_large_photos
+
+    write_large_photos(args.root, args.files)
     tf = T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), T.Normalize(MEAN, STD)])
     ds = ImageFolder(args.root, transform=tf)
     on_gpu = args.device != "cpu"

@@ -10,5 +10,7 @@ COMPONENTS = {
     "loader": "hotloop.bench.loader",
     "images": "hotloop.bench.images",
     "photos": "hotloop.bench.image_loop",
+    "photos-engines-off": "hotloop.bench.photo_backends",
+    "photos-12mp": "hotloop.bench.photos_large",
     "startup": "hotloop.bench.startup",
 }

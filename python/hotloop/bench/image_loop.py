@@ -14,6 +14,7 @@ torch's way is its DataLoader with torchvision's RandomResizedCrop(224) + flip +
 in (cores - 1, at most 15) workers, pin_memory, then `.to(device)` and a cast to the model's dtype in
 channels_last; hotloop's is the same dataset and transform with gpu_decode in at most 8 workers.
 """
+import contextlib
 import os
 import shutil
 import statistics
@@ -47,8 +48,8 @@ def train_transform(size=224):
 class TorchWay:
     """torch's DataLoader, its transform in the workers, pinned, then copied and cast as a user's loop does."""
 
-    def __init__(self, dataset, workers, device, dtype):
-        self.loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
+    def __init__(self, dataset, workers, device, dtype, batch_size=BATCH, shuffle=True):
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
                                                   pin_memory=True, drop_last=True)
         self.device, self.dtype = device, dtype
 
@@ -61,11 +62,12 @@ class TorchWay:
             yield x, y.to(self.device, non_blocking=True)
 
 
-def hotloop_way(dataset, workers, device, dtype):
+def hotloop_way(dataset, workers, device, dtype, backend="auto", batch_size=BATCH, shuffle=True):
     import hotloop
 
-    return hotloop.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, drop_last=True,
-                              device=device, gpu_decode=hotloop.GpuDecode(dtype=dtype, channels_last=True))
+    return hotloop.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers, drop_last=True,
+                              device=device, gpu_decode=hotloop.GpuDecode(backend=backend, dtype=dtype,
+                                                                          channels_last=True))
 
 
 def model_step(name, precision, device):
@@ -152,6 +154,27 @@ def median(results, key):
     return statistics.median(r[key] for r in results)
 
 
+def worker_counts():
+    """(torch's workers, hotloop's): the machine's cores less one, at most 15, and at most 8 of those."""
+    torch_workers = min(15, max(1, (os.cpu_count() or 2) - 1))
+    return torch_workers, min(8, torch_workers)
+
+
+@contextlib.contextmanager
+def photo_folder(files):
+    """(an ImageFolder root of `files` distinct photo files, a sentence describing them); removed at the end."""
+    root = tempfile.mkdtemp(prefix="hotloop-bench-photos-")
+    try:
+        t0 = time.perf_counter()
+        made = photos.write_photo_dataset(root, files)
+        yield root, (f"{made['files']} distinct files from real photographs written in {time.perf_counter() - t0:.0f} "
+                     f"s: mean {made['mean_width']:.0f} x {made['mean_height']:.0f} px, "
+                     f"{made['mean_bytes'] / 1e3:.0f} KB; {made['yuv444']} 4:4:4, {made['grey']} grey, "
+                     f"{made['cmyk']} CMYK, {made['png']} PNG")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def rows(ctx):
     if not ctx.is_cuda:
         return  # gpu_decode's figures are the GPU's
@@ -164,15 +187,8 @@ def rows(ctx):
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     device = ctx.device
     files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
-    torch_workers = min(15, max(1, (os.cpu_count() or 2) - 1))
-    ours_workers = min(8, torch_workers)
-    root = tempfile.mkdtemp(prefix="hotloop-bench-photos-")
-    try:
-        t0 = time.perf_counter()
-        made = photos.write_photo_dataset(root, files)
-        data = (f"{made['files']} distinct files from real photographs written in {time.perf_counter() - t0:.0f} s: "
-                f"mean {made['mean_width']:.0f} x {made['mean_height']:.0f} px, {made['mean_bytes'] / 1e3:.0f} KB; "
-                f"{made['yuv444']} 4:4:4, {made['grey']} grey, {made['cmyk']} CMYK, {made['png']} PNG")
+    torch_workers, ours_workers = worker_counts()
+    with photo_folder(files) as (root, data):
         dataset = ImageFolder(root, transform=train_transform())
         counts = f"hotloop {ours_workers} workers, torch {torch_workers}"
 
@@ -221,5 +237,3 @@ def rows(ctx):
                       note=f"{len(dataset) // BATCH} steps from iter() to the last one done")
             del step, x, y
             torch.cuda.empty_cache()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)

@@ -176,3 +176,44 @@ def write_photo_dataset(root, n, classes=100, seed=0, mix: Mix = IMAGENET_MIX, p
         "max_side": max(max(s) for _, s, _ in written),
         "mean_bytes": float(np.mean([b for _, _, b in written])),
     }
+
+
+def _write_large(args):
+    root, first, count, seed, size, folder = args
+    from PIL import Image
+
+    colour, _ = source_photos(folder)
+    rng = np.random.default_rng([seed, first])
+    h, w = size
+    cache = {}
+    for i in range(first, first + count):
+        photo = _load(colour[int(rng.integers(len(colour)))], cache)
+        side = rng.uniform(0.5, 1.0)
+        cw, ch = int(photo.width * side), int(photo.height * side)
+        x, y = int(rng.integers(0, photo.width - cw + 1)), int(rng.integers(0, photo.height - ch + 1))
+        picture = photo.crop((x, y, x + cw, y + ch)).resize((w, h), Image.Resampling.BICUBIC)
+        # a camera's grain: the enlarged crop is otherwise smoother than any photo of that size
+        pixels = np.asarray(picture, dtype=np.float32) + rng.normal(0, 3.0, (h, w, 3)).astype(np.float32)
+        out = io.BytesIO()
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+        with open(os.path.join(root, f"c{i % 2}", f"{i:05d}.jpg"), "wb") as f:
+            f.write(out.getvalue())
+
+
+def write_large_photos(root, files, size=(3000, 4000), seed=0, processes=None, folder=None):
+    """`files` camera-sized 4:2:0 JPEGs of size (h, w) in two class folders under root (an ImageFolder),
+    each an enlarged crop of a photograph with grain: the phone pictures a user's own dataset holds.
+    Kept when root already holds that many files (the same arguments give the same files)."""
+    if os.path.isdir(root) and sum(len(fs) for _, _, fs in os.walk(root)) == files:
+        return
+    source_photos(folder)
+    for c in range(2):
+        os.makedirs(os.path.join(root, f"c{c}"), exist_ok=True)
+    parts = [(os.fspath(root), k, min(16, files - k), seed, size, folder) for k in range(0, files, 16)]
+    processes = processes or os.cpu_count()
+    if processes == 1:
+        for p in parts:
+            _write_large(p)
+    else:
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            pool.map(_write_large, parts)

@@ -1,0 +1,95 @@
+"""Benchmark rows for JPEG training on a GPU without JPEG engines (GeForce cards such as the RTX 4090,
+many workstation and cloud cards), measured on whatever GPU runs them by forcing gpu_decode's backends
+one by one, in the user's loop (image_loop.plain_loop), alternated with torch's loader in one process:
+
+- backend "cpu": the workers decode (with PIL, at a DCT scale where the crop allows) and ship pixels;
+  the crop, resize, flip and normalisation run as one GPU kernel. auto takes it where nvjpeg's
+  hardware decoder cannot open.
+- backend "cuda": nvjpeg decodes on the SMs, beside the training step's kernels.
+- torch's loader with torchvision's transform in (cores - 1, at most 15) workers.
+- backend "hardware": the engines, as a reference for what the cards that have them reach.
+
+Rows: each loader alone (img/s and CPU ms per image of the process tree), then ResNet-18 fp32 and
+ResNet-50 AMP fed by each (steady img/s as % of the model's speed on a resident batch, and epoch time).
+On a GPU without engines the hardware rows are left out. --quick: 2,048 files, one round.
+"""
+import warnings
+
+import torch
+
+from .harness import Row
+from .image_loop import (BATCH, DTYPES, FILES, ROUNDS, STEADY, WARMUP, TorchWay, alternated, hotloop_way, median,
+                         model_step, photo_folder, plain_loop, resident_rate, train_transform, worker_counts)
+
+COMPONENT = "photos-engines-off"
+BACKENDS = ("cpu", "cuda")  # what a GPU without engines can run
+FED_MODELS = (("resnet18", "fp32"), ("resnet50", "fp16"))
+
+
+def engines_present(device) -> bool:
+    """Whether nvjpeg's hardware decoder opens on `device` (False where nvjpeg or the engines are missing)."""
+    from ..data.image.decoder_opening import open_decoder
+
+    decoder, _ = open_decoder(device, "hardware", BATCH)
+    if decoder is None:
+        return False
+    decoder.close()
+    return True
+
+
+def rows(ctx):
+    if not ctx.is_cuda:
+        return  # gpu_decode's GPU backends are the GPU's
+    try:
+        from torchvision.datasets import ImageFolder
+    except ImportError:
+        yield Row(COMPONENT, "needs torchvision", float("nan"), float("nan"), "img/s")
+        return
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    device = ctx.device
+    files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
+    torch_workers, ours_workers = worker_counts()
+    counts = f"hotloop {ours_workers} workers, torch {torch_workers}"
+    backends = BACKENDS + (("hardware",) if engines_present(device) else ())
+    with photo_folder(files) as (root, data):
+        dataset = ImageFolder(root, transform=train_transform())
+        decoders = {}
+
+        def alone(way):
+            name, make = way
+            loader = make(torch.float16)
+            result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
+            if name != "torch":
+                decoders[name] = loader.stats.decoder
+            return result
+
+        ways = {b: (b, lambda dtype, b=b: hotloop_way(dataset, ours_workers, device, dtype, b)) for b in backends}
+        ways["torch"] = ("torch", lambda dtype: TorchWay(dataset, torch_workers, device, dtype))
+        runs = alternated(ways, alone, rounds)
+        ms_per_image = {name: 1e3 * median(r, "cpu_s") / median(r, "images") for name, r in runs.items()}
+        for b in backends:
+            what = "the engines, for reference" if b == "hardware" else "engines off"
+            yield Row(COMPONENT, f"loader alone, backend {b} ({what}), steady img/s", median(runs[b], "rate"),
+                      median(runs["torch"], "rate"), "img/s",
+                      note=f"{data}; {counts}; decoder {decoders[b]!r}; medians of {rounds}, alternated")
+            yield Row(COMPONENT, f"loader alone, backend {b}, CPU ms per image, all processes", ms_per_image[b],
+                      ms_per_image["torch"], "ms", note="user + system time of the main process and its workers "
+                                                        "over the epoch")
+        for name, precision in FED_MODELS:
+            dtype = DTYPES[precision]
+            step = model_step(name, precision, device)
+            x, y = next(iter(TorchWay(dataset, 2, device, dtype)))
+            resident = resident_rate(step, x, y, device, warmup, steady)
+            fed_ways = {b: lambda b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in BACKENDS}
+            fed_ways["torch"] = lambda: TorchWay(dataset, torch_workers, device, dtype)
+            fed = alternated(fed_ways, lambda make: plain_loop(step, make(), device, warmup, steady), rounds)
+            label = f"{name} {precision}"
+            for b in BACKENDS:
+                yield Row(COMPONENT, f"{label} fed, backend {b}, steady, % of resident",
+                          100 * median(fed[b], "rate") / resident, 100 * median(fed["torch"], "rate") / resident,
+                          "%", note=f"resident {resident:.0f} img/s; {counts}; plain loop, wall clock")
+                yield Row(COMPONENT, f"{label} fed, backend {b}, epoch time", median(fed[b], "epoch_s"),
+                          median(fed["torch"], "epoch_s"), "s",
+                          note=f"{len(dataset) // BATCH} steps from iter() to the last one done")
+            del step, x, y
+            torch.cuda.empty_cache()
