@@ -311,21 +311,28 @@ def compare_rounds(hot, ref, higher_is_better):
     return ratio, "no clear difference"
 
 
+def print_table(rows):
+    """The medians of (name, hotloop's values per round, torch's, higher_is_better) rows side by side, with
+    the ratio and compare_rounds' word for each."""
+    n = len(rows[0][1])
+    width = max(22, 2 + max(len(name) for name, *_ in rows))
+    print(f"  {f'median of {n} round' + ('s' if n > 1 else ''):{width}}{'hotloop':>12}{'torch':>12}  "
+          f"{'better when':18}hotloop vs torch (>1x: hotloop better)")
+    for name, h, t, higher in rows:
+        ratio, word = compare_rounds(h, t, higher)
+        print(f"  {name:{width}}{statistics.median(h):12.3f}{statistics.median(t):12.3f}  "
+              f"{('higher' if higher else 'lower') + ' is better':18}"
+              f"{'-' if ratio is None else f'{ratio:.2f}x'} {word}")
+
+
 def _print_summary(shown, timed, cuda):
     hot = [r for r in timed if r.way == "hotloop"]
     ref = [r for r in timed if r.way == "torch"]
-    n = len(hot)
     rows = [("samples/s", [r.samples / r.seconds for r in hot], [r.samples / r.seconds for r in ref], True),
             ("seconds", [r.seconds for r in hot], [r.seconds for r in ref], False),
             ("waiting for data, s", [r.wait_seconds for r in hot], [r.wait_seconds for r in ref], False)]
     print()
-    print(f"  {f'median of {n} round' + ('s' if n > 1 else ''):22}{'hotloop':>12}{'torch':>12}  {'better when':18}"
-          "hotloop vs torch (>1x: hotloop better)")
-    for name, h, t, higher in rows:
-        ratio, word = compare_rounds(h, t, higher)
-        print(f"  {name:22}{statistics.median(h):12.3f}{statistics.median(t):12.3f}  "
-              f"{('higher' if higher else 'lower') + ' is better':18}"
-              f"{'-' if ratio is None else f'{ratio:.2f}x'} {word}")
+    print_table(rows)
     for name, index in (("first loss", 0), ("last loss", -1)):
         print(f"  {name:22}{hot[0].losses[index]:12.3f}{ref[0].losses[index]:12.3f}  (the same data and seed)")
     print("  rounds, loop seconds in the order run: " + " | ".join(
@@ -348,18 +355,18 @@ def _print_summary(shown, timed, cuda):
     print("  " + verdict_line([r.seconds for r in hot], [r.seconds for r in ref]))
 
 
-def verdict_line(h, t):
-    """One line on the loop's seconds per round, hotloop's `h` and torch's `t`: who won and by how much, or
-    that the rounds do not say."""
+def verdict_line(h, t, what="loop"):
+    """One line on the seconds per round of `what` (a loop, an epoch), hotloop's `h` and torch's `t`: who won
+    and by how much, or that the rounds do not say."""
     ratio, word = compare_rounds(h, t, higher_is_better=False)
     where = f"medians of {len(h)} rounds"
     if word == "better":
-        return (f"verdict: hotloop won: its loop ran {ratio:.2f}x as fast as torch's ({where}; every hotloop round "
+        return (f"verdict: hotloop won: its {what} ran {ratio:.2f}x as fast as torch's ({where}; every hotloop round "
                 "faster)")
     if word == "worse":
-        return (f"verdict: torch won: hotloop's loop ran {ratio:.2f}x as fast as torch's, slower ({where}; every torch "
-                "round faster)")
+        return (f"verdict: torch won: hotloop's {what} ran {ratio:.2f}x as fast as torch's, slower ({where}; every "
+                "torch round faster)")
     if word == "no clear difference":
-        return (f"verdict: no clear difference in loop time: the rounds' ranges overlap (hotloop {min(h):.2f}-"
+        return (f"verdict: no clear difference in {what} time: the rounds' ranges overlap (hotloop {min(h):.2f}-"
                 f"{max(h):.2f} s, torch {min(t):.2f}-{max(t):.2f} s)")
     return f"verdict: none from {len(h)} round{'s' if len(h) > 1 else ''} (--rounds {VERDICT_ROUNDS} or more for one)"
