@@ -3,7 +3,8 @@ generated image dataset (nothing downloaded) from the same seed with hotloop's p
 its device copies and Normalize, GradScaler on CUDA, hotloop.optim's AdamW step on the CPU,
 @memory_monitor) and with torch's (DataLoader with pin_memory, normalising ops, torch.amp.GradScaler,
 torch.optim.AdamW). It prints the monitor's report, the loader's and the scaler's figures, the two
-loops side by side (medians of alternated rounds) and a verdict that says whether the rounds agree.
+loops side by side (medians of alternated rounds) and a verdict that says whether the rounds agree. On a
+GPU the JPEG round follows (demo_photos.py), where the loader is what a GPU user waits for.
 
 NOTE [ The demo's timing ]: one loop of each, timed once, gave a verdict that changed from run to run
 on a CPU. What it measured besides the loaders: the first loop (hotloop's) paid the process's
@@ -26,6 +27,8 @@ CLASSES = 10
 
 
 def add_arguments(parser):
+    from . import demo_photos  # imported here, not above: it imports this module
+
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when usable)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per loop (default: 60 on the CPU, "
                                                                  "200 on a GPU)")
@@ -34,10 +37,17 @@ def add_arguments(parser):
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, each one loop of torch's way and one of "
                                                              "hotloop's (default 3; a verdict needs 3 or more)")
+    parser.add_argument("--photos", type=int, default=demo_photos.FILES,
+                        help="on a GPU, then a JPEG round: ResNet-50 fed from a folder of this many photo files it "
+                             f"writes, torch's ImageFolder pipeline against gpu_decode=True (default {demo_photos.FILES}; "
+                             f"0 or --no-photos: none; at least {demo_photos.LEAST_FILES})")
+    parser.add_argument("--no-photos", dest="photos", action="store_const", const=0, help="no JPEG round")
 
 
 def main(args) -> int:
     import torch
+
+    from . import demo_photos
 
     device = _device_or_none(args.device, torch)
     if device is None:
@@ -50,6 +60,10 @@ def main(args) -> int:
         if value < least:
             print(f"hotloop demo: {name}: expected a number >= {least}, got {value}", file=sys.stderr)
             return 2
+    if 0 < args.photos < demo_photos.LEAST_FILES:
+        print(f"hotloop demo: --photos: expected 0 or a number >= {demo_photos.LEAST_FILES}, got {args.photos}",
+              file=sys.stderr)
+        return 2
     name = torch.cuda.get_device_name(device) if cuda else "the CPU"
     print(f"hotloop demo: a small CNN learns {steps} steps of {batch_size} generated 32x32 images on {name}, "
           f"{args.workers} workers, {'float16 autocast' if cuda else 'float32'}, the same seed every loop: hotloop "
@@ -66,6 +80,8 @@ def main(args) -> int:
             label = f"{'hotloop' if way is _hotloop_run else 'torch'} {r + 1}/{args.rounds}"
             timed.append(way(dataset, device, steps, batch_size, args.workers, label))
     _print_summary(shown, timed, cuda)
+    if cuda and args.photos:
+        return demo_photos.run(device, args.photos, args.rounds)
     return 0
 
 
