@@ -100,12 +100,13 @@ def test_the_round_on_the_cpu_times_both_ways_alternated_and_removes_its_files(o
     assert demo_photos.run(CPU, 128, 3, step=step, model="a stand-in", workers=(1, 1)) == 0
     out = capsys.readouterr().out
     assert leftovers(own_tmp) == []
-    assert ("JPEG round: a stand-in learns from 128 photo files in batches of 8 on the CPU: torch's way (ImageFolder, "
-            "PIL's decode, RandomResizedCrop(224) + flip + ToTensor + Normalize in 1 worker, pin_memory, .to(device)) "
-            "against hotloop's (the same dataset, gpu_decode=True, 1 worker), 3 rounds of one epoch (16 steps, 12 timed "
-            "after 4) of each, alternating") in out
-    assert re.search(r"^  files: 128 distinct files from real photographs written in \d+ s: mean \d+ x \d+ px", out, re.M)
-    resident = float(re.search(r"^  the model alone, on one batch already on the CPU: (\d+) img/s", out, re.M).group(1))
+    assert ("JPEG round: a stand-in learns from 128 photo files in batches of 8 on the CPU: torch's way "
+            "(ImageFolder, PIL's decode, RandomResizedCrop(224) + flip + ToTensor + Normalize in 1 worker, pin_memory, "
+            ".to(device)) against hotloop's (the same dataset, gpu_decode=True, 1 worker), 3 rounds of one epoch "
+            "(16 steps, 12 timed after 4) of each, alternating") in out
+    assert re.search(r"^  files: 128 distinct files from real photographs written in \d+ s: mean \d+ x \d+ px", out,
+                     re.M), out
+    resident = float(re.search(r"^  the model alone, on one batch already on the CPU: (\d+) img/s", out, re.M)[1])
     # the resident steps, then 6 epochs of 16 steps over the 100 classes' files
     assert step.calls == RESIDENT_STEPS + 6 * 16 and step.labels == set(range(100))
     assert [e["way"] for e in epochs] == ["torch", "hotloop", "hotloop", "torch", "torch", "hotloop"]
@@ -233,8 +234,9 @@ def test_a_cpu_run_of_the_demo_has_no_jpeg_round(tmp_path):
 def test_the_demo_on_a_gpu_runs_the_jpeg_round(tmp_path):
     pytest.importorskip("torchvision")
     pytest.importorskip("skimage", reason="scikit-image ships the photographs")
-    out = subprocess.run([sys.executable, "-m", "hotloop", "demo", "--photos", "1024", "--rounds", "3", "--steps", "20"],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "TMPDIR": str(tmp_path)})
+    out = subprocess.run([sys.executable, "-m", "hotloop", "demo", "--photos", "1024", "--rounds", "3", "--steps",
+                          "20"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("  verdict: ") == 2, out.stdout  # the small CNN's, then the JPEG round's
     jpeg = out.stdout[out.stdout.index("hotloop demo, JPEG round: "):]

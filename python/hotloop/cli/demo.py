@@ -39,8 +39,8 @@ def add_arguments(parser):
                                                              "hotloop's (default 3; a verdict needs 3 or more)")
     parser.add_argument("--photos", type=int, default=demo_photos.FILES,
                         help="on a GPU, then a JPEG round: ResNet-50 fed from a folder of this many photo files it "
-                             f"writes, torch's ImageFolder pipeline against gpu_decode=True (default {demo_photos.FILES}; "
-                             f"0 or --no-photos: none; at least {demo_photos.LEAST_FILES})")
+                             "writes, torch's ImageFolder pipeline against gpu_decode=True (default "
+                             f"{demo_photos.FILES}; 0 or --no-photos: none; at least {demo_photos.LEAST_FILES})")
     parser.add_argument("--no-photos", dest="photos", action="store_const", const=0, help="no JPEG round")
 
 
