@@ -22,6 +22,7 @@ import hotloop
 from hotloop.data.image.gpu_decode import ImagePipeline
 from hotloop.data.image.plan import ImagePlan
 from hotloop.data.image.source import collate_encoded
+from hotloop.data.image.split import SPLIT_CAP
 
 from ..seeding import derived_seed, seeded_generator
 from .conftest import open_with
@@ -193,14 +194,18 @@ def test_dtype_and_layout(tmp_path, dtype, channels_last):
         assert (x.float() - tx).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("backend", ["cpu", "hardware"])
-def test_the_ring_reserves_room_for_what_the_backend_sends(tmp_path, backend):
+@pytest.mark.parametrize("backend, workers", [("cpu", 2), ("hardware", 0), ("hardware", 2)])
+def test_the_ring_reserves_room_for_what_the_backend_sends(tmp_path, backend, workers):
     """A batch bigger than the ring's reservation travels outside the ring, a slow way: the CPU
-    backend's crop pixels, once reserved as if JPEG bytes, never fit (half torch's speed on an H200)."""
+    backend's crop pixels, once reserved as if JPEG bytes, never fit (half torch's speed on an H200).
+    With a GPU decoder and workers, a batch holds the pixels of the most the workers may decode."""
     root = make_folder(str(tmp_path), n=32, sizes=(100, 300))
     ds = ImageFolder(root, transform=TRAIN_V1(32))
     pipeline = ImagePipeline.make(True, ds, None, 8, "map")
-    samples = pipeline.worker_dataset(backend)
+    samples = pipeline.worker_dataset(backend, workers)
+    assert (pipeline.share is not None) == (backend == "hardware" and workers > 0)
+    if pipeline.share is not None:
+        pipeline.share.set(SPLIT_CAP)
     for first in range(0, len(ds), 8):
         batch = collate_encoded([samples[i] for i in range(first, first + 8)])
         assert batch[0]["data"].numel() <= pipeline.capacity
@@ -265,8 +270,9 @@ def test_jpeg_bytes_path_with_a_stand_in_decoder(tmp_path, monkeypatch, workers)
     assert_batches_close(seeded_batches(loader), theirs, levels=2)  # TRAIN_V2 resizes tensors
     st = loader.stats
     assert st.images_gpu_decoded == decoder.decoded > 0 and st.images_refused == decoder.refused > 0
-    # the CMYK, progressive and PNG files never reach the decoder: the workers decode them
-    assert st.images_cpu_decoded == 3
+    # the CMYK, progressive and PNG files never reach the decoder: the workers decode them, and with
+    # worker processes a share of the JPEGs too (split.py)
+    assert st.images_cpu_decoded == 3 + st.images_split and (st.images_split == 0 or workers > 0)
     assert st.images_gpu_decoded + st.images_refused + st.images_cpu_decoded == len(ds)
 
 

@@ -26,8 +26,9 @@ class BatchMaker:
     def use_device(self, device):
         """The device iter() resolved ("cuda" became the current device): the maker's from now on."""
 
-    def worker_side(self, dataset, collate_fn):
-        """(what the workers index, how they collate it), at iter(), before any worker starts."""
+    def worker_side(self, dataset, collate_fn, workers):
+        """(what the `workers` processes index, how they collate it), at iter(), before any worker
+        starts (0 workers: the loader's own thread)."""
         raise NotImplementedError
 
     # per batch

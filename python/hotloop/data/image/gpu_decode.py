@@ -11,6 +11,7 @@ import torch
 from ..._torch_compat import default_collate
 from .plan import ImagePlan
 from .source import EncodedSamples, ImageSource, collate_encoded, shipped_pixel_bytes
+from .split import SPLIT_CAP, DecodeShare
 
 BACKENDS = ("auto", "hardware", "cuda", "cpu")
 
@@ -82,6 +83,7 @@ class ImagePipeline:
                             "images (no ToTensor / ToDtype): ask for dtype=None or torch.uint8, or convert "
                             "in the transform")
         self.capacity = None  # bytes the first batch reserves in the ring, once the backend is known
+        self.share = None  # split.DecodeShare: the share of the GPU's JPEGs the workers decode, once they run
 
     @classmethod
     def make(cls, value, dataset, collate_fn, batch_size, loader_kind):
@@ -104,12 +106,23 @@ class ImagePipeline:
             return None
         return cls(config, source, plan, batch_size)
 
-    def worker_dataset(self, backend):
-        """What the workers index: JPEG bytes travel when the decoder is on the GPU, crop boxes'
-        pixels when the workers decode (the CPU backend)."""
+    def worker_dataset(self, backend, workers):
+        """What the `workers` processes index: JPEG bytes travel when the decoder is on the GPU, crop
+        boxes' pixels when the workers decode (the CPU backend). With a GPU decoder and worker
+        processes, the workers decode a share of the JPEGs too (NOTE [ Two pools for one batch ] in
+        split.py), and a slot holds that share's pixels besides the JPEG bytes."""
         gpu = backend in ("hardware", "cuda")
-        self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
-        return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity)
+        pixels = _batch_bytes_estimate(self.source, self.batch_size, self.plan)
+        if not gpu:
+            self.capacity, self.share = pixels, None
+        else:
+            jpeg = _batch_bytes_estimate(self.source, self.batch_size, None)
+            if workers > 0 and self.share is None:
+                self.share = DecodeShare()
+            self.share = self.share if workers > 0 else None
+            self.capacity = jpeg + (int(SPLIT_CAP * pixels) if self.share is not None else 0)
+        return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity,
+                              share=self.share)
 
     def collate_fn(self):
         return functools.partial(collate_encoded, capacity=self.capacity or 0)

@@ -12,6 +12,7 @@ import array
 import dataclasses
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from ..batch_maker import BatchMaker, spec_dict, spec_list
 from . import resize as image_resize
 from .decoder_opening import DecoderOpening, open_decoder
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
+from .split import SplitBalance
 
 _K = {name: column(name) for name in COLUMNS}
 # the columns read per image, as plain indices (the loops over a batch's rows run per batch)
@@ -28,6 +30,7 @@ _KIND, _OFFSET, _LENGTH, _SRC_H, _SRC_W = (_K[n] for n in ("kind", "offset", "le
 _BOX_TOP, _BOX_LEFT, _BOX_H, _BOX_W = (_K[n] for n in ("box_top", "box_left", "box_h", "box_w"))
 _RESIZED_H, _RESIZED_W, _OUT_TOP, _OUT_LEFT, _FLIP = (
     _K[n] for n in ("resized_h", "resized_w", "out_top", "out_left", "flip"))
+_WORKER_US, _SPLIT = _K["worker_us"], _K["split"]
 
 
 def encoded_parts(spec):
@@ -57,13 +60,17 @@ class _Prepared:
 
 @dataclasses.dataclass
 class _Tables:
-    """What the decode and the kernel take of a batch, built on the host before anything is queued."""
+    """What the decode and the kernel take of a batch, built on the host before anything is queued;
+    and what the workers spent on its JPEGs, for the split (split.SplitBalance.observe)."""
 
     encoded: list  # the rows nvjpeg decodes, in the order of sources and dests
     sources: bytes  # (host pointer, length) per encoded row
     dests: bytes  # (device pointer, pitch) per encoded row
     entries: bytes  # the kernel's table (pack_entries)
     count: int
+    split: list  # the rows of JPEGs the GPU decoder takes that a worker decoded (split.py)
+    read_seconds: float  # the workers' time on the encoded rows
+    split_seconds: float  # ... and on the split rows
 
 
 class _DecodeStream:
@@ -137,6 +144,8 @@ class ImageMaker(BatchMaker):
         self.reason = None  # why auto did not take the hardware decoder
         self._opening = None  # the decoder opening in the background (open_early), until open()
         self._decoding = None  # the _DecodeStream, made with the first batch on the device
+        self.balance = None  # split.SplitBalance: the workers' share of the JPEGs, while both pools decode
+        self.decoder_failure = None  # the GPU decoder's exception, once it failed: the workers decode since
 
     def open_early(self, device):
         """Start opening the GPU decoder on `device` (where the first iter() is expected to run) in
@@ -194,11 +203,17 @@ class ImageMaker(BatchMaker):
     def use_device(self, device):
         self.device = device
 
-    def worker_side(self, dataset, collate_fn):
+    def worker_side(self, dataset, collate_fn, workers):
         """The workers index the image path's samples and collate them into packed batches; the
         decoder opens first, since what a sample holds (JPEG bytes or pixels) depends on it."""
         backend = self.open()
-        return self.pipeline.worker_dataset(backend), self.pipeline.collate_fn()
+        samples = self.pipeline.worker_dataset(backend, workers)
+        share = self.pipeline.share
+        if self.decoder_failure is not None and share is not None:
+            share.set(1.0)  # a new epoch's workers: the decoder failed in an earlier one
+        elif share is not None and (self.balance is None or self.balance.share is not share):
+            self.balance = SplitBalance(share, workers)
+        return samples, self.pipeline.collate_fn()
 
     def slot_parts(self, spec):
         return encoded_parts(spec)
@@ -233,6 +248,8 @@ class ImageMaker(BatchMaker):
             return None
         if self.backend == "cpu":
             return "cpu (workers decode with PIL)" + (f"; no hardware decoder: {self.reason}" if self.reason else "")
+        if self.decoder_failure is not None:
+            return f"cpu (workers decode with PIL) since nvjpeg {self.backend} failed: {self.decoder_failure}"
         return f"nvjpeg {self.backend} ({self.decoder.library if self.decoder is not None else '?'})"
 
     def prepare(self, table, empty):
@@ -272,16 +289,22 @@ class ImageMaker(BatchMaker):
             # wait for the stream first, and there that is the decode (image_resize's table_host).
             p.host = torch.empty(len(p.rows) * _C.IMAGE_ENTRY_BYTES, dtype=torch.uint8, pin_memory=True)
         base, data_addr = p.buf.data_ptr(), data.data_ptr()
-        encoded, sources, dests, entries = [], array.array("q"), array.array("q"), []
+        encoded, sources, dests, entries, split = [], array.array("q"), array.array("q"), [], []
+        read_us = split_us = 0
         h, w = self.pipeline.plan.out_size
         for k, r in enumerate(p.rows):
             kind = r[_KIND]
             if kind == ENCODED:
                 encoded.append(k)
+                read_us += r[_WORKER_US]
                 sources += array.array("q", (data_addr + r[_OFFSET], r[_LENGTH]))
                 dests += array.array("q", (base + p.places[k], r[_SRC_W] * 3))
             elif kind == PIXELS:
                 self.stats.images_cpu_decoded += 1
+                if r[_SPLIT]:
+                    self.stats.images_split += 1
+                    split.append(k)
+                    split_us += r[_WORKER_US]
             else:  # DONE: a stand-in that reads one pixel; _place_done overwrites its output after the kernel
                 self.stats.images_cpu_pipeline += 1
                 entries.append((base, 3, 1, 1, 0, 0, 1, 1, h, w, 0, 0, 0, 3))
@@ -290,7 +313,8 @@ class ImageMaker(BatchMaker):
                             r[_BOX_H], r[_BOX_W], r[_RESIZED_H], r[_RESIZED_W], r[_OUT_TOP], r[_OUT_LEFT],
                             r[_FLIP], 3))
         self.stats.image_staging_seconds += time.perf_counter() - started
-        return _Tables(encoded, sources.tobytes(), dests.tobytes(), image_resize.pack_entries(entries), len(entries))
+        return _Tables(encoded, sources.tobytes(), dests.tobytes(), image_resize.pack_entries(entries), len(entries),
+                       split, read_us / 1e6, split_us / 1e6)
 
     def queue(self, p, t, data, done, stream):
         """Queue the batch: its decode and uploads (on the _DecodeStream), then its kernel on
@@ -299,10 +323,17 @@ class ImageMaker(BatchMaker):
         table and the decode buffer; None on the CPU) until it has seen the stream pass them (the
         batch's event done)."""
         decoding = self._decoding.handle if self.device is not None else stream
-        self._decode(p, t, data, decoding)
+        decode_seconds = self._decode(p, t, data, decoding)
+        started = time.perf_counter()
         for k, r in enumerate(p.rows):
             if r[_KIND] == PIXELS:
                 self._upload(p.buf, p.places[k], data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]], decoding)
+        if self.balance is not None and decode_seconds is not None:
+            pixels = sum(1 for r in p.rows if r[_KIND] == PIXELS)
+            upload = (time.perf_counter() - started) * len(t.split) / pixels if pixels else 0.0
+            self.balance.observe(len(t.encoded), decode_seconds, len(t.split), upload, t.read_seconds,
+                                 t.split_seconds)
+            self.stats.image_worker_share = self.balance.share.get()
         if self.device is not None:
             self._decoding.hand_over(stream)
         c = self.pipeline
@@ -321,12 +352,15 @@ class ImageMaker(BatchMaker):
         return self.queue(p, self.tables(p, data), data, done, stream)
 
     def _decode(self, p, t, data, stream):
-        """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here."""
+        """nvjpeg decodes the batch's JPEGs in one call; those it refuses, PIL decodes here. The
+        call's seconds; None where nvjpeg did not decode (no JPEGs, or the decoder failed: then PIL
+        decodes them all here, and the workers decode from the next batches on)."""
         if not t.encoded:
-            return
+            return None
         started = time.perf_counter()
-        statuses = self.decoder.decode(t.sources, t.dests, len(t.encoded), stream)
-        self.stats.image_decode_seconds += time.perf_counter() - started
+        statuses = self._decoder_call(t, stream)
+        seconds = time.perf_counter() - started
+        self.stats.image_decode_seconds += seconds
         for k, status in zip(t.encoded, statuses, strict=True):
             if status == 0:
                 self.stats.images_gpu_decoded += 1
@@ -340,6 +374,25 @@ class ImageMaker(BatchMaker):
                 raise RuntimeError(f"gpu_decode: image {r[_K['index']]} decodes to {pixels.shape[:2]}, but its "
                                    f"JPEG header says {(r[_SRC_H], r[_SRC_W])}")
             self._upload(p.buf, p.places[k], torch.from_numpy(pixels).view(-1), stream)
+        return seconds if self.decoder_failure is None else None
+
+    def _decoder_call(self, t, stream):
+        """The GPU decoder's statuses for the batch's JPEGs; all refused (decoded by PIL here) once it
+        has failed. Where the workers share the decode, its first failure hands them every image,
+        with one warning: the epoch goes on (NOTE [ Two pools for one batch ] in split.py)."""
+        if self.decoder_failure is None:
+            try:
+                return self.decoder.decode(t.sources, t.dests, len(t.encoded), stream)
+            except RuntimeError as exc:
+                if self.balance is None:
+                    raise
+                self.decoder_failure = exc
+                self.balance.fail()
+                self.stats.image_worker_share = 1.0
+                self.stats.decoder = self.description
+                warnings.warn(f"hotloop.DataLoader: gpu_decode's {self.backend} decoder failed ({exc}); the workers "
+                              "decode every image from now on (the CPU backend's way)", RuntimeWarning, stacklevel=2)
+        return bytes([_C.JPEG_UNSUPPORTED]) * len(t.encoded)
 
     def _upload(self, buf, place, src, stream):
         """Host bytes into the decode buffer at `place`, on the stream: they are pageable (the slot,

@@ -18,6 +18,7 @@ resize it themselves (NOTE [ Decoding at a DCT scale ]).
 """
 import io
 import math
+import time
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ import torch
 from ... import _C
 from ..._torch_compat import default_collate
 from .plan import NeedsCpu
+from .split import ShareTaker
 
 MARKER = "hotloop_encoded_images"  # key of the table in a packed batch: how the main process knows one
 
@@ -52,8 +54,10 @@ DRAFT_MARGIN = 2.0
 DRAFT_MARGIN_INSIDE = 3.0
 _SCALABLE_MODES = ("RGB", "L")  # what PIL decodes a YCbCr or grey JPEG to
 # table columns
+# worker_us: the worker's time on the sample; split: a JPEG the GPU decoder takes, decoded by the worker
+# (NOTE [ Two pools for one batch ] in split.py)
 COLUMNS = ("kind", "offset", "length", "src_h", "src_w", "channels", "box_top", "box_left", "box_h", "box_w",
-           "resized_h", "resized_w", "out_top", "out_left", "flip", "index")
+           "resized_h", "resized_w", "out_top", "out_left", "flip", "index", "worker_us", "split")
 _COL = {name: k for k, name in enumerate(COLUMNS)}
 
 
@@ -140,12 +144,14 @@ class ImageSource:
 class EncodedSamples(torch.utils.data.Dataset):
     """What the workers index instead of the dataset: records for collate_encoded. `gpu_jpeg` says
     whether JPEG bytes go to the GPU (a decoder runs there) or are decoded here (the CPU backend);
-    `progressive` whether that decoder takes progressive JPEGs."""
+    `progressive` whether that decoder takes progressive JPEGs; `share` (split.DecodeShare, or None)
+    the share of the GPU's JPEGs decoded here instead."""
 
-    def __init__(self, source, plan, gpu_jpeg, progressive, capacity):
+    def __init__(self, source, plan, gpu_jpeg, progressive, capacity, share=None):
         self.source, self.plan = source, plan
         self.gpu_jpeg, self.progressive = gpu_jpeg, progressive
         self.capacity = capacity  # bytes the first batch's data tensor reserves in the ring
+        self.taker = ShareTaker(share) if share is not None and gpu_jpeg else None
 
     def __len__(self):
         return len(self.source.dataset)
@@ -170,12 +176,21 @@ class EncodedSamples(torch.utils.data.Dataset):
         return height, width, components
 
     def __getitem__(self, index):
+        started = time.perf_counter()
+        kind, payload, shape, target, split = self._sample(index)
+        return kind, payload, shape, target, index, time.perf_counter() - started, split
+
+    def _sample(self, index):
+        """(kind, payload, shape, target, split) of one sample: collate_encoded's record, less the index and time."""
         source, plan = self.source, self.plan
         data, target = source.read(index)
         if source.target_transform is not None:
             target = source.target_transform(target)
         before = torch.get_rng_state()
         gpu = self._to_gpu(data)
+        split = gpu is not None and self.taker is not None and self.taker.decode_here()
+        if split:
+            gpu = None  # decoded here, as the CPU backend would
         image = opened = None
         if gpu is None:
             opened = _scalable_jpeg(data) if source.pil_open else None
@@ -187,21 +202,21 @@ class EncodedSamples(torch.utils.data.Dataset):
             torch.set_rng_state(before)  # the transform draws again, from where draw() started
             if image is None:
                 image = source.load(data, index)
-            return (DONE, source.transform(image), None, target, index)
+            return (DONE, source.transform(image), None, target, False)
         if gpu is not None:
-            return (ENCODED, data, (height, width, gpu[2], geo), target, index)
+            return (ENCODED, data, (height, width, gpu[2], geo), target, False)
         if opened is not None:
             scale = draft_scale(geo, height, width)
             window = _scaled_window(opened, geo, scale, plan.out_size) if scale > 1 else None
             if window is not None:
                 return (PIXELS, window, (window.shape[0], window.shape[1], 3, _window_geometry(window, geo)),
-                        target, index)
+                        target, split)
             image = source.load(data, index)  # PIL's own decode, or its error naming the file
         # only the crop box travels: the kernel resizes it as it would the whole image's box
         box = image.crop((geo.box_left, geo.box_top, geo.box_left + geo.box_w, geo.box_top + geo.box_h))
         pixels = np.asarray(box, dtype=np.uint8)
         geo.box_top = geo.box_left = 0
-        return (PIXELS, pixels, (geo.box_h, geo.box_w, 3, geo), target, index)
+        return (PIXELS, pixels, (geo.box_h, geo.box_w, 3, geo), target, split)
 
 
 def _scalable_jpeg(data):
@@ -292,9 +307,10 @@ def collate_encoded(records, capacity=0):
     data = torch.empty(max(total, capacity), dtype=torch.uint8)
     flat = data.numpy()
     done, offset = [], 0
-    for k, (kind, payload, shape, _, index) in enumerate(records):
+    for k, (kind, payload, shape, _, index, seconds, split) in enumerate(records):
         row = rows[k]
         row[_COL["kind"]], row[_COL["index"]] = kind, index
+        row[_COL["worker_us"]], row[_COL["split"]] = round(seconds * 1e6), split
         if kind == DONE:
             row[_COL["offset"]] = len(done)
             done.append(payload)
