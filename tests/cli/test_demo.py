@@ -110,7 +110,7 @@ def test_demo_asked_for_cuda_without_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_demo_on_the_gpu_shows_the_monitor_loader_and_scaler():
-    out = demo("--steps", "40", "--workers", "4")
+    out = demo("--steps", "40", "--workers", "4", "--no-photos")  # the JPEG round: test_demo_photos.py
     assert out.returncode == 0, out.stderr
     assert "host-to-device" in out.stdout
     assert re.search(r"^  scaler \(the monitored loop\): scale \d+, skipped steps \d+", out.stdout, re.M), out.stdout
