@@ -119,7 +119,8 @@ def test_the_share_follows_what_each_pool_spends(tmp_path, monkeypatch, cost):
         for _ in loader:
             pass
     share = loader.stats.image_worker_share
-    assert share == pytest.approx(SPLIT_CAP) if cost else PROBE_SHARE <= share < 2 * PROBE_SHARE
+    # next to nothing: the running averages may hold a pause of the main thread's (a collection, a busy CI machine)
+    assert share == pytest.approx(SPLIT_CAP) if cost else PROBE_SHARE <= share < SPLIT_CAP / 2
 
 
 class FailingDecoder(PilDecoder):
