@@ -175,16 +175,26 @@ def photo_folder(files):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def rows(ctx):
+def cannot_run(ctx, component):
+    """None where the photo rows run here; else the rows to give instead: none off a GPU (gpu_decode's
+    figures are the GPU's), one that says so without torchvision (the pipeline measured is its own)."""
     if not ctx.is_cuda:
-        return  # gpu_decode's figures are the GPU's
+        return []
     try:
-        import torchvision  # noqa: F401  the pipeline being measured is torchvision's
-        from torchvision.datasets import ImageFolder
+        import torchvision  # noqa: F401
     except ImportError:
-        yield Row("photos", "needs torchvision", float("nan"), float("nan"), "img/s")
-        return
+        return [Row(component, "needs torchvision", float("nan"), float("nan"), "img/s")]
     warnings.filterwarnings("ignore", message="This DataLoader will create")
+    return None
+
+
+def rows(ctx):
+    instead = cannot_run(ctx, "photos")
+    if instead is not None:
+        yield from instead
+        return
+    from torchvision.datasets import ImageFolder
+
     device = ctx.device
     files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
     torch_workers, ours_workers = worker_counts()

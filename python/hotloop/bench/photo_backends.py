@@ -13,13 +13,12 @@ Rows: each loader alone (img/s and CPU ms per image of the process tree), then R
 ResNet-50 AMP fed by each (steady img/s as % of the model's speed on a resident batch, and epoch time).
 On a GPU without engines the hardware rows are left out. --quick: 2,048 files, one round.
 """
-import warnings
-
 import torch
 
 from .harness import Row
-from .image_loop import (BATCH, DTYPES, FILES, ROUNDS, STEADY, WARMUP, TorchWay, alternated, hotloop_way, median,
-                         model_step, photo_folder, plain_loop, resident_rate, train_transform, worker_counts)
+from .image_loop import (BATCH, DTYPES, FILES, ROUNDS, STEADY, WARMUP, TorchWay, alternated, cannot_run, hotloop_way,
+                         median, model_step, photo_folder, plain_loop, resident_rate, train_transform,
+                         worker_counts)
 
 COMPONENT = "photos-engines-off"
 BACKENDS = ("cpu", "cuda")  # what a GPU without engines can run
@@ -38,14 +37,12 @@ def engines_present(device) -> bool:
 
 
 def rows(ctx):
-    if not ctx.is_cuda:
-        return  # gpu_decode's GPU backends are the GPU's
-    try:
-        from torchvision.datasets import ImageFolder
-    except ImportError:
-        yield Row(COMPONENT, "needs torchvision", float("nan"), float("nan"), "img/s")
+    instead = cannot_run(ctx, COMPONENT)
+    if instead is not None:
+        yield from instead
         return
-    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    from torchvision.datasets import ImageFolder
+
     device = ctx.device
     files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
     torch_workers, ours_workers = worker_counts()

@@ -13,11 +13,11 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 
 from . import photos
 from .harness import Row
-from .image_loop import MEAN, STD, TorchWay, alternated, hotloop_way, median, plain_loop, worker_counts
+from .image_loop import (MEAN, STD, TorchWay, alternated, cannot_run, hotloop_way, median, plain_loop,
+                         worker_counts)
 from .photo_backends import BACKENDS, engines_present
 
 COMPONENT = "photos-12mp"
@@ -33,16 +33,13 @@ def validation_transform():
 
 
 def rows(ctx):
-    if not ctx.is_cuda:
-        return
-    try:
-        from torchvision.datasets import ImageFolder
-    except ImportError:
-        yield Row(COMPONENT, "needs torchvision", float("nan"), float("nan"), "img/s")
+    instead = cannot_run(ctx, COMPONENT)
+    if instead is not None:
+        yield from instead
         return
     import torch
+    from torchvision.datasets import ImageFolder
 
-    warnings.filterwarnings("ignore", message="This DataLoader will create")
     device = ctx.device
     files, rounds = (96, 1) if ctx.quick else (FILES, ROUNDS)
     batches = files // BATCH

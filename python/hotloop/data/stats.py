@@ -36,7 +36,7 @@ class LoaderStats:
     images_cpu_decoded: int = 0  # images the workers decoded (CPU backend; PNG, CMYK, progressive, truncated files)
     images_refused: int = 0  # images nvjpeg refused, decoded by PIL in the main process instead
     images_cpu_pipeline: int = 0  # images the dataset's own transform made (a CenterCrop larger than the image)
-    images_split: int = 0  # of images_cpu_decoded: JPEGs the GPU decoder takes, decoded by the workers to share the work
+    images_split: int = 0  # of images_cpu_decoded: JPEGs the GPU decoder takes, decoded by workers to share the work
     image_worker_share: float = 0.0  # the share of those JPEGs the workers decode now (image/split.py)
     # gpu_decode: where the main process's time per batch goes, beside the training loop
     image_staging_seconds: float = 0.0  # a batch's host work before its decode: its decode and kernel tables built
