@@ -17,14 +17,14 @@ from .conftest import fake_device
 
 class GatedDecoder:
     """nvjpeg's part played by PIL on the CPU, as test_gpu_decode's PilDecoder; its calls from the `gate_from`-th on say that they
-    started and wait for `release`; the `fail_at`-th raises, as a CUDA error would. It records the
-    thread of each call."""
+    started and wait for `release`; the `fail_at`-th raises `error`. It records the thread of each call."""
 
     library = "PIL, standing in for nvjpeg"
 
     def __init__(self):
         self.gate_from = None
         self.fail_at = None
+        self.error = RuntimeError("stand-in decoder failed")  # what nvjpeg's failures raise
         self.calls = []
         self.entered = threading.Event()
         self.release = threading.Event()
@@ -35,7 +35,7 @@ class GatedDecoder:
             self.entered.set()
             self.release.wait(30)
         if len(self.calls) == self.fail_at:
-            raise RuntimeError("stand-in decoder failed")
+            raise self.error
         src, dst = array.array("q", sources), array.array("q", dests)
         statuses = bytearray()
         for k in range(count):

@@ -111,14 +111,17 @@ def _outcomes(it, n):
 
 def test_an_error_in_a_deferred_decode_is_raised_at_its_batch(tmp_path, fake_cuda, stand_in):
     expected, got, ours, it = _second_epoch(tmp_path, stand_in)
-    stand_in.fail_at = 3  # nvjpeg failing at batch 3, which the prefetch thread decodes
+    stand_in.fail_at = 3  # the decode of batch 3, which the prefetch thread makes, raising
+    # not nvjpeg's RuntimeError, after which the workers decode instead (test_decode_split.py), but an
+    # error of the call itself, as the decoder's ValueError for a bad table
+    stand_in.error = ValueError("stand-in decoder failed")
     got.append([take_batch(it)])
     wait_for(lambda: len(stand_in.calls) >= 3)
     got[1] += _outcomes(it, len(ours) - 1)
     with pytest.raises(StopIteration):
         next(it)
     assert stand_in.calls[1:3] == ["hotloop-prefetch", "hotloop-prefetch"]
-    assert isinstance(got[1][2], RuntimeError) and "stand-in decoder failed" in str(got[1][2])
+    assert isinstance(got[1][2], ValueError) and "stand-in decoder failed" in str(got[1][2])
     assert len(ours._hl_pool.free_slots) == ours._hl_pool.ring.nslots  # the failed batch's slot came back
     assert_batches_close(got[0], expected[0], levels=2)
     assert_batches_close(got[1][:2] + got[1][3:], expected[1][:2] + expected[1][3:], levels=2)  # nothing lost around it
