@@ -141,11 +141,14 @@ def _batch_bytes_estimate(source, batch_size, plan):
     rng = random.Random(0)
     picks = [samples[rng.randrange(len(samples))][0] for _ in range(min(_SIZE_SAMPLE, len(samples)))]
     sizes = []
-    for path in picks:
-        try:
-            sizes.append(shipped_pixel_bytes(path, plan) if plan is not None else os.stat(path).st_size)
-        except OSError:  # PIL's UnidentifiedImageError is one
-            pass
+    # one fork of torch's generator for the whole sample: the caller's draws stay untouched, and each
+    # file's box is a draw of its own (a fork per file would give every file the same draw)
+    with torch.random.fork_rng(devices=[]):
+        for path in picks:
+            try:
+                sizes.append(shipped_pixel_bytes(path, plan) if plan is not None else os.stat(path).st_size)
+            except OSError:  # PIL's UnidentifiedImageError is one
+                pass
     if len(sizes) < 2:
         return int(sum(sizes) * batch_size * _SIZE_MARGIN)
     # a batch's bytes are a sum of batch_size draws: their mean times the batch with the margin, or, for

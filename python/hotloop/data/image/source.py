@@ -238,16 +238,16 @@ def shipped_pixel_bytes(path, plan) -> int:
     """The bytes a worker decoding `path` itself ships for it under `plan`: the output window where
     it decodes at a DCT scale, else the crop box; none where the transform runs here (its output
     travels in the batch's "done" tensor).
-    The box is drawn under a fork of torch's generator: the caller's draws are untouched."""
+    The box is drawn from torch's generator, as the worker draws it: a caller that must keep its own
+    draws forks the generator around its calls."""
     from PIL import Image
     with Image.open(path) as opened:
         width, height = opened.size
         scalable = _scalable(opened)
-    with torch.random.fork_rng(devices=[]):
-        try:
-            geo = plan.draw(height, width)
-        except NeedsCpu:
-            return 0
+    try:
+        geo = plan.draw(height, width)
+    except NeedsCpu:
+        return 0
     if scalable and draft_scale(geo, height, width) > 1:
         return plan.out_size[0] * plan.out_size[1] * 3
     return geo.box_h * geo.box_w * 3
