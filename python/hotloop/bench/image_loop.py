@@ -15,6 +15,7 @@ in (cores - 1, at most 15) workers, pin_memory, then `.to(device)` and a cast to
 channels_last; hotloop's is the same dataset and transform with gpu_decode in at most 8 workers.
 """
 import contextlib
+import functools
 import os
 import shutil
 import statistics
@@ -126,7 +127,35 @@ def plain_loop(step, loader, device, warmup=WARMUP, steady=STEADY):
     epoch = time.perf_counter() - t0
     if t2 is None:
         raise RuntimeError(f"an epoch of {n} batches is shorter than {warmup + steady} steps")
-    return {"first_s": first, "rate": timed_images / (t2 - t1), "epoch_s": epoch, "cpu_s": cpu, "images": images}
+    return {"first_s": first, "rate": timed_images / (t2 - t1), "epoch_s": epoch, "cpu_s": cpu, "images": images,
+            "batches": n}
+
+
+def loader_alone(loader, device, warmup=WARMUP, steady=STEADY):
+    """plain_loop with no step; for hotloop's loader also what its stats say of the epoch: "decoder",
+    and its main process's ms per batch in the decoder's call ("decode_ms") and building the batch's
+    decode and kernel tables ("staging_ms")."""
+    result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
+    stats = getattr(loader, "stats", None)
+    if stats is not None:
+        result["decoder"] = stats.decoder
+        result["decode_ms"] = 1e3 * stats.image_decode_seconds / result["batches"]
+        result["staging_ms"] = 1e3 * stats.image_staging_seconds / result["batches"]
+    return result
+
+
+def model_fed(name, precision, dataset, device, warmup, steady, rounds, ways):
+    """(the model's img/s on a resident batch, {way: [plain_loop's results]}): torchvision's `name` at
+    `precision` (model_step) fed by each loader of ways(dtype) ({way: a function that makes it}), alternated."""
+    dtype = DTYPES[precision]
+    step = model_step(name, precision, device)
+    x, y = next(iter(TorchWay(dataset, 2, device, dtype)))
+    resident = resident_rate(step, x, y, device, warmup, steady)
+    del x, y
+    fed = alternated(ways(dtype), lambda make: plain_loop(step, make(), device, warmup, steady), rounds)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the model's blocks, for the next model's
+    return resident, fed
 
 
 def resident_rate(step, x, y, device, warmup=WARMUP, steady=STEADY):
@@ -175,42 +204,43 @@ def photo_folder(files):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def cannot_run(ctx, component):
-    """None where the photo rows run here; else the rows to give instead: none off a GPU (gpu_decode's
-    figures are the GPU's), one that says so without torchvision (the pipeline measured is its own)."""
-    if not ctx.is_cuda:
-        return []
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        return [Row(component, "needs torchvision", float("nan"), float("nan"), "img/s")]
-    warnings.filterwarnings("ignore", message="This DataLoader will create")
-    return None
+def gpu_photo_rows(component):
+    """A component's rows(ctx) that run only on a GPU (gpu_decode's figures are the GPU's: none off
+    one) and with torchvision (the pipeline measured is its own: a row that says so without it)."""
+    def wrap(rows):
+        @functools.wraps(rows)
+        def gpu_rows(ctx):
+            if not ctx.is_cuda:
+                return
+            try:
+                import torchvision  # noqa: F401
+            except ImportError:
+                yield Row(component, "needs torchvision", float("nan"), float("nan"), "img/s")
+                return
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            yield from rows(ctx)
+        return gpu_rows
+    return wrap
 
 
+def epoch_settings(ctx):
+    """(files, warmup steps, steady steps, rounds) of the photo rows: --quick's smoke sizes, or the full ones."""
+    return (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
+
+
+@gpu_photo_rows("photos")
 def rows(ctx):
-    instead = cannot_run(ctx, "photos")
-    if instead is not None:
-        yield from instead
-        return
     from torchvision.datasets import ImageFolder
 
     device = ctx.device
-    files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
+    files, warmup, steady, rounds = epoch_settings(ctx)
     torch_workers, ours_workers = worker_counts()
     with photo_folder(files) as (root, data):
         dataset = ImageFolder(root, transform=train_transform())
         counts = f"hotloop {ours_workers} workers, torch {torch_workers}"
 
         def alone(make):
-            loader = make(torch.float16)
-            result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
-            stats = getattr(loader, "stats", None)  # hotloop's: where its main process's time went
-            if stats is not None:
-                batches = result["images"] / BATCH
-                result["decode_ms"] = 1e3 * stats.image_decode_seconds / batches
-                result["staging_ms"] = 1e3 * stats.image_staging_seconds / batches
-            return result
+            return loader_alone(make(torch.float16), device, warmup, steady)
 
         runs = alternated({"hotloop": lambda dtype: hotloop_way(dataset, ours_workers, device, dtype),
                            "torch": lambda dtype: TorchWay(dataset, torch_workers, device, dtype)}, alone, rounds)
@@ -229,13 +259,9 @@ def rows(ctx):
                       note=f"loader.stats.{field} over the epoch, per batch; a batch takes {batch_ms:.1f} ms at "
                            "the steady rate")
         for name, precision in MODELS:
-            dtype = DTYPES[precision]
-            step = model_step(name, precision, device)
-            x, y = next(iter(TorchWay(dataset, 2, device, dtype)))
-            resident = resident_rate(step, x, y, device, warmup, steady)
-            fed = alternated({"hotloop": lambda: hotloop_way(dataset, ours_workers, device, dtype),
-                              "torch": lambda: TorchWay(dataset, torch_workers, device, dtype)},
-                             lambda make: plain_loop(step, make(), device, warmup, steady), rounds)
+            resident, fed = model_fed(name, precision, dataset, device, warmup, steady, rounds, lambda dtype: {
+                "hotloop": lambda: hotloop_way(dataset, ours_workers, device, dtype),
+                "torch": lambda: TorchWay(dataset, torch_workers, device, dtype)})
             label = f"{name} {precision}"
             yield Row("photos", f"{label} fed, steady, % of resident", 100 * median(fed["hotloop"], "rate") / resident,
                       100 * median(fed["torch"], "rate") / resident, "%",
@@ -245,5 +271,3 @@ def rows(ctx):
             yield Row("photos", f"{label} fed, epoch time", median(fed["hotloop"], "epoch_s"),
                       median(fed["torch"], "epoch_s"), "s",
                       note=f"{len(dataset) // BATCH} steps from iter() to the last one done")
-            del step, x, y
-            torch.cuda.empty_cache()

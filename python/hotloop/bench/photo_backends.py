@@ -16,9 +16,8 @@ On a GPU without engines the hardware rows are left out. --quick: 2,048 files, o
 import torch
 
 from .harness import Row
-from .image_loop import (BATCH, DTYPES, FILES, ROUNDS, STEADY, WARMUP, TorchWay, alternated, cannot_run, hotloop_way,
-                         median, model_step, photo_folder, plain_loop, resident_rate, train_transform,
-                         worker_counts)
+from .image_loop import (BATCH, TorchWay, alternated, epoch_settings, gpu_photo_rows, hotloop_way, loader_alone,
+                         median, model_fed, photo_folder, train_transform, worker_counts)
 
 COMPONENT = "photos-engines-off"
 BACKENDS = ("cpu", "cuda")  # what a GPU without engines can run
@@ -36,50 +35,36 @@ def engines_present(device) -> bool:
     return True
 
 
+@gpu_photo_rows(COMPONENT)
 def rows(ctx):
-    instead = cannot_run(ctx, COMPONENT)
-    if instead is not None:
-        yield from instead
-        return
     from torchvision.datasets import ImageFolder
 
     device = ctx.device
-    files, warmup, steady, rounds = (2_048, 2, 4, 1) if ctx.quick else (FILES, WARMUP, STEADY, ROUNDS)
+    files, warmup, steady, rounds = epoch_settings(ctx)
     torch_workers, ours_workers = worker_counts()
     counts = f"hotloop {ours_workers} workers, torch {torch_workers}"
     backends = BACKENDS + (("hardware",) if engines_present(device) else ())
     with photo_folder(files) as (root, data):
         dataset = ImageFolder(root, transform=train_transform())
-        decoders = {}
-
-        def alone(way):
-            name, make = way
-            loader = make(torch.float16)
-            result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
-            if name != "torch":
-                decoders[name] = loader.stats.decoder
-            return result
-
-        ways = {b: (b, lambda dtype, b=b: hotloop_way(dataset, ours_workers, device, dtype, b)) for b in backends}
-        ways["torch"] = ("torch", lambda dtype: TorchWay(dataset, torch_workers, device, dtype))
-        runs = alternated(ways, alone, rounds)
+        ways = {b: lambda dtype, b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in backends}
+        ways["torch"] = lambda dtype: TorchWay(dataset, torch_workers, device, dtype)
+        runs = alternated(ways, lambda make: loader_alone(make(torch.float16), device, warmup, steady), rounds)
         ms_per_image = {name: 1e3 * median(r, "cpu_s") / median(r, "images") for name, r in runs.items()}
         for b in backends:
             what = "the engines, for reference" if b == "hardware" else "engines off"
             yield Row(COMPONENT, f"loader alone, backend {b} ({what}), steady img/s", median(runs[b], "rate"),
                       median(runs["torch"], "rate"), "img/s",
-                      note=f"{data}; {counts}; decoder {decoders[b]!r}; medians of {rounds}, alternated")
+                      note=f"{data}; {counts}; decoder {runs[b][0]['decoder']!r}; medians of {rounds}, alternated")
             yield Row(COMPONENT, f"loader alone, backend {b}, CPU ms per image, all processes", ms_per_image[b],
                       ms_per_image["torch"], "ms", note="user + system time of the main process and its workers "
                                                         "over the epoch")
+        def fed_ways(dtype):
+            ways = {b: lambda b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in BACKENDS}
+            ways["torch"] = lambda: TorchWay(dataset, torch_workers, device, dtype)
+            return ways
+
         for name, precision in FED_MODELS:
-            dtype = DTYPES[precision]
-            step = model_step(name, precision, device)
-            x, y = next(iter(TorchWay(dataset, 2, device, dtype)))
-            resident = resident_rate(step, x, y, device, warmup, steady)
-            fed_ways = {b: lambda b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in BACKENDS}
-            fed_ways["torch"] = lambda: TorchWay(dataset, torch_workers, device, dtype)
-            fed = alternated(fed_ways, lambda make: plain_loop(step, make(), device, warmup, steady), rounds)
+            resident, fed = model_fed(name, precision, dataset, device, warmup, steady, rounds, fed_ways)
             label = f"{name} {precision}"
             for b in BACKENDS:
                 yield Row(COMPONENT, f"{label} fed, backend {b}, steady, % of resident",
@@ -88,5 +73,3 @@ def rows(ctx):
                 yield Row(COMPONENT, f"{label} fed, backend {b}, epoch time", median(fed[b], "epoch_s"),
                           median(fed["torch"], "epoch_s"), "s",
                           note=f"{len(dataset) // BATCH} steps from iter() to the last one done")
-            del step, x, y
-            torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ import time
 
 from . import photos
 from .harness import Row
-from .image_loop import (MEAN, STD, TorchWay, alternated, cannot_run, hotloop_way, median, plain_loop,
+from .image_loop import (MEAN, STD, TorchWay, alternated, gpu_photo_rows, hotloop_way, loader_alone, median,
                          worker_counts)
 from .photo_backends import BACKENDS, engines_present
 
@@ -32,11 +32,8 @@ def validation_transform():
     return T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), T.Normalize(MEAN, STD)])
 
 
+@gpu_photo_rows(COMPONENT)
 def rows(ctx):
-    instead = cannot_run(ctx, COMPONENT)
-    if instead is not None:
-        yield from instead
-        return
     import torch
     from torchvision.datasets import ImageFolder
 
@@ -53,27 +50,17 @@ def rows(ctx):
         written = time.perf_counter() - t0
         megabytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs) / files / 1e6
         dataset = ImageFolder(root, transform=validation_transform())
-        decoders = {}
-
-        def measure(way):
-            name, make = way
-            loader = make()
-            result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
-            if name != "torch":
-                decoders[name] = loader.stats.decoder
-            return result
-
-        ways = {b: (b, lambda b=b: hotloop_way(dataset, ours_workers, device, torch.float16, b, BATCH, False))
+        ways = {b: lambda b=b: hotloop_way(dataset, ours_workers, device, torch.float16, b, BATCH, False)
                 for b in backends}
-        ways["torch"] = ("torch", lambda: TorchWay(dataset, torch_workers, device, torch.float16, BATCH, False))
-        runs = alternated(ways, measure, rounds)
+        ways["torch"] = lambda: TorchWay(dataset, torch_workers, device, torch.float16, BATCH, False)
+        runs = alternated(ways, lambda make: loader_alone(make(), device, warmup, steady), rounds)
         pass_rate = {name: median(r, "images") / median(r, "epoch_s") for name, r in runs.items()}
         ms_per_image = {name: 1e3 * median(r, "cpu_s") / median(r, "images") for name, r in runs.items()}
         for b in backends:
             yield Row(COMPONENT, f"validation pass, backend {b}, img/s", pass_rate[b], pass_rate["torch"], "img/s",
                       note=f"{files} files of 4000 x 3000, {megabytes:.1f} MB each, written in {written:.0f} s; "
                            f"batches of {BATCH}; hotloop {ours_workers} workers, torch {torch_workers}; decoder "
-                           f"{decoders[b]!r}; medians of {rounds}, alternated")
+                           f"{runs[b][0]['decoder']!r}; medians of {rounds}, alternated")
             yield Row(COMPONENT, f"validation pass, backend {b}, CPU ms per image, all processes", ms_per_image[b],
                       ms_per_image["torch"], "ms", note="user + system time of the main process and its workers")
     finally:
