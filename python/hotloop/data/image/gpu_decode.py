@@ -112,15 +112,10 @@ class ImagePipeline:
         processes, the workers decode a share of the JPEGs too (NOTE [ Two pools for one batch ] in
         split.py), and a slot holds that share's pixels besides the JPEG bytes."""
         gpu = backend in ("hardware", "cuda")
-        pixels = _batch_bytes_estimate(self.source, self.batch_size, self.plan)
-        if not gpu:
-            self.capacity, self.share = pixels, None
-        else:
-            jpeg = _batch_bytes_estimate(self.source, self.batch_size, None)
-            if workers > 0 and self.share is None:
-                self.share = DecodeShare()
-            self.share = self.share if workers > 0 else None
-            self.capacity = jpeg + (int(SPLIT_CAP * pixels) if self.share is not None else 0)
+        self.share = (self.share or DecodeShare()) if gpu and workers > 0 else None
+        self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
+        if self.share is not None:
+            self.capacity += int(SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
         return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity,
                               share=self.share)
 

@@ -208,11 +208,8 @@ class ImageMaker(BatchMaker):
         decoder opens first, since what a sample holds (JPEG bytes or pixels) depends on it."""
         backend = self.open()
         samples = self.pipeline.worker_dataset(backend, workers)
-        share = self.pipeline.share
-        if self.decoder_failure is not None and share is not None:
-            share.set(1.0)  # a new epoch's workers: the decoder failed in an earlier one
-        elif share is not None and (self.balance is None or self.balance.share is not share):
-            self.balance = SplitBalance(share, workers)
+        if self.pipeline.share is not None and self.balance is None:  # one share for the loader's life
+            self.balance = SplitBalance(self.pipeline.share, workers)
         return samples, self.pipeline.collate_fn()
 
     def slot_parts(self, spec):
@@ -324,13 +321,14 @@ class ImageMaker(BatchMaker):
         batch's event done)."""
         decoding = self._decoding.handle if self.device is not None else stream
         decode_seconds = self._decode(p, t, data, decoding)
-        started = time.perf_counter()
+        started, uploads = time.perf_counter(), 0
         for k, r in enumerate(p.rows):
             if r[_KIND] == PIXELS:
                 self._upload(p.buf, p.places[k], data[r[_OFFSET]:r[_OFFSET] + r[_LENGTH]], decoding)
+                uploads += 1
         if self.balance is not None and decode_seconds is not None:
-            pixels = sum(1 for r in p.rows if r[_KIND] == PIXELS)
-            upload = (time.perf_counter() - started) * len(t.split) / pixels if pixels else 0.0
+            # the split rows' share of the uploads' time (the rest are files the decoder cannot take)
+            upload = (time.perf_counter() - started) * len(t.split) / uploads if uploads else 0.0
             self.balance.observe(len(t.encoded), decode_seconds, len(t.split), upload, t.read_seconds,
                                  t.split_seconds)
             self.stats.image_worker_share = self.balance.share.get()
