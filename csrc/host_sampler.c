@@ -104,6 +104,7 @@ typedef struct hl_host_sampler {
     int main_pid; /* the root of the watched tree: `root`, else this process (as of the thread's start) */
     int root;
     int default_window; /* start()/stop()'s window id, 0 when none */
+    int starting;       /* an open_window() call is starting the thread (read and written with the GIL) */
 
     /* the sampler thread's own */
     int *descendants;
@@ -523,12 +524,10 @@ static void free_window(hl_host_sampler *s, int id) {
     *w = s->windows[--s->windows_n];
 }
 
-/* Open a window: the thread is started on the first (in this process: a forked child starts its own). Without the
-   GIL. The window's id, or -1 with errno set. */
-/* Open a window: the thread is started on the first (in this process: a forked child starts its own). Without the
-   GIL. The window's id, or -1 with errno set. */
-static int open_window(hl_host_sampler *s) {
-    int pid = (int)getpid(), start = !s->sampler.running;
+/* Open a window, starting the thread when `start` (the caller decided, with the GIL: the first window in this
+   process; a forked child starts its own). Without the GIL. The window's id, or -1 with errno set. */
+static int open_window(hl_host_sampler *s, int start) {
+    int pid = (int)getpid();
     if (start) {
         s->main_pid = s->root ? s->root : pid; /* after a fork, the child watches its own tree */
         s->main_cmdline_n = hl_read_proc_cmdline(s->main_pid, s->main_cmdline, sizeof(s->main_cmdline));
@@ -586,9 +585,14 @@ PyDoc_STRVAR(open_window_doc, "open_window() -> int\n\nOpen a window on the samp
 static PyObject *sampler_open_window(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     hl_host_sampler *s = (hl_host_sampler *)self;
     int id;
+    /* decided with the GIL: of two threads opening the process's first windows at once, one starts the thread */
+    int start = !s->sampler.running && !s->starting;
+    s->starting |= start;
     Py_BEGIN_ALLOW_THREADS
-    id = open_window(s);
+    id = open_window(s, start);
     Py_END_ALLOW_THREADS
+    if (start)
+        s->starting = 0;
     if (id < 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     return PyLong_FromLong(id);
@@ -681,7 +685,6 @@ typedef struct {
     size_t table_n;
     window w;   /* a copy of the window's figures (its table is `table`) */
     totals now; /* the sampler's totals at the copy, for a window still open */
-    uint64_t ring_host_dropped, ring_procs_dropped;
 } snapshot_copy;
 
 /* the ring's items inside [t0, t1], copied out */
@@ -776,7 +779,7 @@ static PyObject *window_snapshot(hl_host_sampler *s, int id, double since) {
     totals a = w->at_open, b = w->open ? c.now : w->at_close;
     uint64_t ticks = b.ticks - a.ticks;
     result = Py_BuildValue("{s:O, s:O, s:O, s:O, s:i, s:d, s:d, s:d, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:I, s:d,"
-                           " s:K, s:d, s:K, s:K, s:K, s:d, s:d, s:K, s:K, s:d, s:K, s:d, s:K, s:I, s:O}",
+                           " s:K, s:d, s:K, s:K, s:K, s:d, s:d, s:K, s:d, s:K, s:d, s:K, s:I, s:O}",
                            "host", host, "procs", procs, "processes", processes, "running",
                            w->open ? Py_True : Py_False, "main_pid", s->main_pid, "started", w->opened, "stopped",
                            w->closed, "interval_s", hl_seconds(s->interval_ns), "ticks", (unsigned long long)ticks,
@@ -790,7 +793,7 @@ static PyObject *window_snapshot(hl_host_sampler *s, int id, double since) {
                            (unsigned long long)w->total, "swap_total", (unsigned long long)w->swap_total, "read_s",
                            hl_seconds(b.read_ns - a.read_ns), "scan_s", hl_seconds(b.scan_ns - a.scan_ns),
                            "host_dropped", (unsigned long long)(ticks > c.host_n ? ticks - c.host_n : 0),
-                           "procs_dropped", (unsigned long long)0, "pss_s", hl_seconds(b.round_ns - a.round_ns),
+                           "pss_s", hl_seconds(b.round_ns - a.round_ns),
                            "rounds", (unsigned long long)(b.rounds - a.rounds), "pss_budget", s->pss_budget,
                            "whole_ticks", (unsigned long long)w->whole_ticks, "unreadable_max",
                            (unsigned int)w->unreadable_max, "before", w->before ? Py_True : Py_False);

@@ -28,7 +28,7 @@ static int raise_failure(PyObject *module, const hl_jpeg_failure *f) {
         return hl_cuda_raise_if(module, &f->cuda);
     if (f->call != NULL)
         return hl_raise_nvjpeg(module, f->code, hl_nvjpeg_status_name(f->code), f->detail ? f->detail : "",
-                               f->call, __FILE__, f->line);
+                               f->call, f->file, f->line);
     return 0;
 }
 
@@ -99,8 +99,7 @@ static PyObject *decoder_decode(PyObject *self, PyObject *args) {
         Py_DECREF(result);
         return NULL;
     }
-    hl_jpeg_failure f;
-    memset(&f, 0, sizeof(f));
+    hl_jpeg_failure f = {0};
     unsigned char *status = (unsigned char *)PyBytes_AsString(result);
     memset(status, HL_JPEG_CORRUPT_DATA, (size_t)count);
     Py_BEGIN_ALLOW_THREADS
@@ -123,8 +122,7 @@ static int close_decoder(hl_jpeg_decoder *d, PyObject *module) {
         d->closed = 1;
         return 0;
     }
-    hl_jpeg_failure f;
-    memset(&f, 0, sizeof(f));
+    hl_jpeg_failure f = {0};
     Py_BEGIN_ALLOW_THREADS
     hl_jpeg_engine_close(&d->engine, &f);
     Py_END_ALLOW_THREADS
@@ -276,8 +274,7 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         Py_DECREF(d);
         return PyErr_NoMemory();
     }
-    hl_jpeg_failure f;
-    memset(&f, 0, sizeof(f));
+    hl_jpeg_failure f = {0};
     Py_BEGIN_ALLOW_THREADS
     hl_jpeg_engine_open(&d->engine, &f);
     Py_END_ALLOW_THREADS

@@ -563,6 +563,7 @@ static void monitor_dealloc(PyObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     if (m->ready) {
         Py_BEGIN_ALLOW_THREADS
+        join_threads(m); /* both threads gone before either lock is destroyed: the PCIe thread takes the sampler's */
         hl_sampler_destroy(&m->sampler);
         hl_sampler_destroy(&m->pcie_thread);
         Py_END_ALLOW_THREADS

@@ -52,7 +52,7 @@ typedef int DEVICE_GUARD;
    images have no chroma to upsample, so the flag cannot change their pixels: they go to a second
    handle without it, in a batched call of their own. */
 
-#define NVJPEG_FAILED(f, rc, name) ((f)->code = (rc), (f)->call = (name), (f)->line = __LINE__)
+#define NVJPEG_FAILED(f, rc, name) ((f)->code = (rc), (f)->call = (name), (f)->file = __FILE__, (f)->line = __LINE__)
 
 /* Free what exists, in reverse order of creation; the first failure is kept in `f`. Called without
    the GIL and with the device current. */

@@ -67,6 +67,7 @@ typedef struct {
     hl_cuda_status cuda;
     const char *call;
     const char *detail;
+    const char *file; /* where call failed: the engine's source, not its caller's */
     int line;
     /* bad input found before any work: ValueError naming the image */
     Py_ssize_t bad_index;

@@ -173,21 +173,6 @@ AVX2_INLINE __m256 max_lt8(__m256 old, __m256 next) {
 #define V_NEG negate8
 #define V_MAX_LT max_lt8
 #include "optim_cpu_lanes.h"
-#undef LANES
-#undef VEC
-#undef VEC_INLINE
-#undef VEC_FN
-#undef V_LOAD
-#undef V_STORE
-#undef V_SET1
-#undef V_ADD
-#undef V_SUB
-#undef V_MUL
-#undef V_DIV
-#undef V_FMADD
-#undef V_SQRT
-#undef V_NEG
-#undef V_MAX_LT
 
 /* The same on 16 lanes with AVX-512 (F, BW, VL): half the instructions an element, which the half-width
    dtypes' conversions need to keep up with the memory. A chunk's elements go 16 at a time here, then 8

@@ -101,3 +101,20 @@ VEC_FN int64_t WITH_LANES(sgd_vector)(const hl_sgd_hyper *h, double lr, const hl
                                       int64_t end, float scale, int scale_op) {
     return FOR_DTYPE_PAIR(e, WITH_LANES(sgd_lanes), h, lr, e, begin, end, scale, scale_op);
 }
+
+/* the lane macros are the includer's, for this inclusion only */
+#undef LANES
+#undef VEC
+#undef VEC_INLINE
+#undef VEC_FN
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET1
+#undef V_ADD
+#undef V_SUB
+#undef V_MUL
+#undef V_DIV
+#undef V_FMADD
+#undef V_SQRT
+#undef V_NEG
+#undef V_MAX_LT
