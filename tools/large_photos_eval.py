@@ -3,14 +3,17 @@ torch's DataLoader with the same workers, alternated in one process (issue 58's 
 
 Resize(256) + CenterCrop(224) + ToTensor + Normalize on files of 4000 x 3000 (an enlarged crop of one of
 scikit-image's photographs with a camera's grain, 4:2:0 JPEG), batches of 8, each loader's epoch timed
-by the wall clock from iter() to its last batch. Prints each epoch, the medians, hotloop's rate over
-torch's, and hotloop's loader.stats (decoder, ring_bytes). Uses public names only, so that it runs
-against any hotloop install: run it once with each to compare them on the same files (--root keeps them).
+by the wall clock from iter() to its last batch, the order flipped each round. Prints each epoch, the
+medians, hotloop's rate over torch's, and hotloop's loader.stats (decoder, ring_bytes). The files are
+written by hotloop.bench.photos.write_large_photos and kept under --root; the timing uses public names
+only, so that once the files are there it runs against any hotloop install: run it with each of two to
+compare them on the same files.
 
     python tools/large_photos_eval.py --files 48 --workers 2 --rounds 3 --root /tmp/photos-12mp \
         [--device cuda --backend cpu]
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -47,9 +50,10 @@ def main():
 
     import hotloop
 
-    from hotloop.bench.photos import write_large_photos
+    if not os.path.isdir(args.root) or sum(len(fs) for _, _, fs in os.walk(args.root)) != args.files:
+        from hotloop.bench.photos import write_large_photos
 
-    write_large_photos(args.root, args.files)
+        write_large_photos(args.root, args.files)
     tf = T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), T.Normalize(MEAN, STD)])
     ds = ImageFolder(args.root, transform=tf)
     on_gpu = args.device != "cpu"
@@ -63,7 +67,8 @@ def main():
     rates = {name: [] for name in ways}
     stats = None
     for r in range(args.rounds):
-        for name, make in ways.items():
+        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            make = ways[name]
             loader = make()
             rates[name].append(epoch(loader, args.device))
             print(f"round {r}: {name} {rates[name][-1]:.1f} img/s", flush=True)

@@ -70,7 +70,7 @@ def test_demo_on_the_cpu_alternates_rounds_and_says_which_way_is_better():
     ([1.0, 1.1], [2.0, 2.1], False, 2.05 / 1.05, "too few rounds to say"),
 ])
 def test_compare_rounds_calls_a_difference_only_where_the_rounds_do_not_overlap(hot, ref, higher, ratio, word):
-    from hotloop.cli.demo import compare_rounds
+    from hotloop.cli.rounds import compare_rounds
 
     got_ratio, got_word = compare_rounds(hot, ref, higher)
     assert got_word == word
@@ -78,7 +78,7 @@ def test_compare_rounds_calls_a_difference_only_where_the_rounds_do_not_overlap(
 
 
 def test_verdict_line_says_who_won_and_by_how_much_or_that_the_rounds_overlap():
-    from hotloop.cli.demo import verdict_line
+    from hotloop.cli.rounds import verdict_line
 
     assert verdict_line([1.0, 1.2, 1.1], [1.6, 1.5, 1.7]) == ("verdict: hotloop won: its loop ran 1.45x as fast as "
                                                              "torch's (medians of 3 rounds; every hotloop round faster)")

@@ -6,7 +6,6 @@ import importlib.abc
 import importlib.machinery
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 from hotloop.bench import image_loop, procfs
-from hotloop.cli import build_parser, demo, demo_photos
+from hotloop.cli import build_parser, demo_photos, rounds
 
 from ..seeding import derived_seed
 
@@ -128,7 +127,7 @@ def test_the_round_on_the_cpu_times_both_ways_alternated_and_removes_its_files(o
                                                    abs=6e-4)
     assert re.search(r"^  decoding: hotloop's cpu \(.*\); torch's PIL in its 1 worker$", out, re.M), out
     hot, ref = ([e["epoch_s"] for e in epochs if e["way"] == way] for way in ("hotloop", "torch"))
-    assert out.rstrip().endswith("\n  " + demo.verdict_line(hot, ref, what="epoch"))
+    assert out.rstrip().endswith("\n  " + rounds.verdict_line(hot, ref, what="epoch"))
 
 
 def test_an_error_in_a_step_removes_the_files_and_ends_the_workers(own_tmp, epochs):
@@ -259,7 +258,7 @@ def test_the_demo_on_a_gpu_runs_the_jpeg_round(tmp_path):
     # the verdict is the one the printed epochs give (to their rounding)
     verdict = re.search(r"^  verdict: (hotloop won|torch won|no clear difference in epoch time)", jpeg, re.M)
     assert verdict, jpeg
-    expected = demo.verdict_line(figures["hotloop"], figures["torch"], what="epoch")
+    expected = rounds.verdict_line(figures["hotloop"], figures["torch"], what="epoch")
     if min(abs(a - b) for a in figures["hotloop"] for b in figures["torch"]) > 0.01:
         assert expected.startswith("verdict: " + verdict[1]), (expected, jpeg)
     assert leftovers(tmp_path) == []

@@ -102,7 +102,8 @@ def tree_cpu_seconds():
 def plain_loop(step, loader, device, warmup=WARMUP, steady=STEADY):
     """One epoch of `for x, y in loader: step(x, y)`: {"first_s": iter() to the first batch, "rate": img/s
     over `steady` steps after `warmup`, "epoch_s": iter() to the last step done, "cpu_s": CPU seconds of
-    the process tree over the epoch (read before the workers end), "images": images delivered}."""
+    the process tree over the epoch (read before the workers end), "images": images delivered, "batches": their
+    batches, "cpu_ms": the CPU milliseconds per image}."""
     cpu0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     first = t1 = t2 = cpu = None
@@ -128,7 +129,7 @@ def plain_loop(step, loader, device, warmup=WARMUP, steady=STEADY):
     if t2 is None:
         raise RuntimeError(f"an epoch of {n} batches is shorter than {warmup + steady} steps")
     return {"first_s": first, "rate": timed_images / (t2 - t1), "epoch_s": epoch, "cpu_s": cpu, "images": images,
-            "batches": n}
+            "batches": n, "cpu_ms": 1e3 * cpu / images}
 
 
 def loader_alone(loader, device, warmup=WARMUP, steady=STEADY):
@@ -190,18 +191,25 @@ def worker_counts():
 
 
 @contextlib.contextmanager
+def scratch_folder(prefix):
+    """A new temporary folder, removed at the end however the block ends."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def photo_folder(files):
     """(an ImageFolder root of `files` distinct photo files, a sentence describing them); removed at the end."""
-    root = tempfile.mkdtemp(prefix="hotloop-bench-photos-")
-    try:
+    with scratch_folder("hotloop-bench-photos-") as root:
         t0 = time.perf_counter()
         made = photos.write_photo_dataset(root, files)
         yield root, (f"{made['files']} distinct files from real photographs written in {time.perf_counter() - t0:.0f} "
                      f"s: mean {made['mean_width']:.0f} x {made['mean_height']:.0f} px, "
                      f"{made['mean_bytes'] / 1e3:.0f} KB; {made['yuv444']} 4:4:4, {made['grey']} grey, "
                      f"{made['cmyk']} CMYK, {made['png']} PNG")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def gpu_photo_rows(component):
@@ -247,8 +255,7 @@ def rows(ctx):
         yield Row("photos", "loader alone, fp16 channels_last, steady img/s", median(runs["hotloop"], "rate"),
                   median(runs["torch"], "rate"), "img/s", note=f"{data}; {counts}; medians of {rounds}, alternated")
         yield Row("photos", "loader alone, CPU ms per image, all processes",
-                  1e3 * median(runs["hotloop"], "cpu_s") / median(runs["hotloop"], "images"),
-                  1e3 * median(runs["torch"], "cpu_s") / median(runs["torch"], "images"), "ms",
+                  median(runs["hotloop"], "cpu_ms"), median(runs["torch"], "cpu_ms"), "ms",
                   note="user + system time of the main process and its workers over the epoch")
         # hotloop's alone: a diagnosis of its own rate, with no torch figure to set beside it
         batch_ms = 1e3 * BATCH / median(runs["hotloop"], "rate")

@@ -10,7 +10,8 @@ one by one, in the user's loop (image_loop.plain_loop), alternated with torch's 
 - backend "hardware": the engines, as a reference for what the cards that have them reach.
 
 Rows: each loader alone (img/s and CPU ms per image of the process tree), then ResNet-18 fp32 and
-ResNet-50 AMP fed by each (steady img/s as % of the model's speed on a resident batch, and epoch time).
+ResNet-50 AMP fed by the cpu and cuda backends and by torch's loader (steady img/s as % of the model's
+speed on a resident batch, and epoch time).
 On a GPU without engines the hardware rows are left out. --quick: 2,048 files, one round.
 """
 import torch
@@ -49,7 +50,7 @@ def rows(ctx):
         ways = {b: lambda dtype, b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in backends}
         ways["torch"] = lambda dtype: TorchWay(dataset, torch_workers, device, dtype)
         runs = alternated(ways, lambda make: loader_alone(make(torch.float16), device, warmup, steady), rounds)
-        ms_per_image = {name: 1e3 * median(r, "cpu_s") / median(r, "images") for name, r in runs.items()}
+        ms_per_image = {name: median(r, "cpu_ms") for name, r in runs.items()}
         for b in backends:
             what = "the engines, for reference" if b == "hardware" else "engines off"
             yield Row(COMPONENT, f"loader alone, backend {b} ({what}), steady img/s", median(runs[b], "rate"),

@@ -150,6 +150,15 @@ def _write_part(args):
     return written
 
 
+def _run_parts(write, parts, processes):
+    """[write(part) for part in parts], by `processes` forked processes (all cores by default; 1: here)."""
+    processes = processes or os.cpu_count()
+    if processes == 1:
+        return [write(p) for p in parts]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return pool.map(write, parts)
+
+
 def write_photo_dataset(root, n, classes=100, seed=0, mix: Mix = IMAGENET_MIX, processes=None, folder=None) -> dict:
     """n distinct files in `classes` class folders under root (an ImageFolder), written by `processes`
     processes (all cores by default); the same (n, classes, seed, mix) give the same files. Returns a
@@ -158,13 +167,7 @@ def write_photo_dataset(root, n, classes=100, seed=0, mix: Mix = IMAGENET_MIX, p
     for c in range(classes):
         os.makedirs(os.path.join(root, f"n{c:04d}"), exist_ok=True)
     parts = [(os.fspath(root), k, min(256, n - k), seed, classes, mix, folder) for k in range(0, n, 256)]
-    processes = processes or os.cpu_count()
-    if processes == 1:
-        results = [_write_part(p) for p in parts]
-    else:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            results = pool.map(_write_part, parts)
-    written = [w for part in results for w in part]
+    written = [w for part in _run_parts(_write_part, parts, processes) for w in part]
     return {
         "files": len(written),
         "png": sum(k.png for k, _, _ in written),
@@ -210,10 +213,4 @@ def write_large_photos(root, files, size=(3000, 4000), seed=0, processes=None, f
     for c in range(2):
         os.makedirs(os.path.join(root, f"c{c}"), exist_ok=True)
     parts = [(os.fspath(root), k, min(16, files - k), seed, size, folder) for k in range(0, files, 16)]
-    processes = processes or os.cpu_count()
-    if processes == 1:
-        for p in parts:
-            _write_large(p)
-    else:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            pool.map(_write_large, parts)
+    _run_parts(_write_large, parts, processes)

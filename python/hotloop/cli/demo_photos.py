@@ -15,11 +15,11 @@ process and its workers per image (what the decoding costs the machine) and the 
 Each loader is made once, before the resident rate is measured, so gpu_decode's decoder opens in the
 background meanwhile, as it does in a script that builds its model after its loader; each round then runs
 one epoch of each, the order flipped each round (NOTE [ The demo's timing ] in demo.py), and the verdict
-on the epochs' seconds is demo.py's: a winner only where every round of one way beat every round of the
+on the epochs' seconds is rounds.py's: a winner only where every round of one way beat every round of the
 other. The pipelines and the timing are the photo bench's (bench/image_loop.py)."""
 import sys
 
-from . import demo
+from .rounds import print_table, verdict_line
 
 FILES = 4096
 LEAST_STEPS = 12  # an epoch's steps: a few to start the workers and fill the queues, the rest timed
@@ -102,7 +102,7 @@ def run(device, files, rounds, step=None, model=MODEL, workers=None) -> int:
 
             def epoch(name):
                 got = image_loop.plain_loop(step, ways[name], device, warmup, steady)
-                got.update(way=name, fed=100 * got["rate"] / resident, cpu_ms=1e3 * got["cpu_s"] / got["images"])
+                got.update(way=name, fed=100 * got["rate"] / resident)
                 epochs.append(got)
                 print(f"  round {(len(epochs) + 1) // 2}/{rounds} {name + ':':8} epoch {got['epoch_s']:.2f} s, fed "
                       f"{got['fed']:.1f} % of resident, CPU {got['cpu_ms']:.2f} ms per image, first batch "
@@ -127,11 +127,11 @@ def _print_summary(epochs, decoder, torch_workers):
     hot = [e for e in epochs if e["way"] == "hotloop"]
     ref = [e for e in epochs if e["way"] == "torch"]
     print()
-    demo.print_table([(name, [e[key] for e in hot], [e[key] for e in ref], higher) for name, key, higher in (
+    print_table([(name, [e[key] for e in hot], [e[key] for e in ref], higher) for name, key, higher in (
         ("epoch time, s", "epoch_s", False), ("fed share, % of resident", "fed", True),
         ("CPU ms per image", "cpu_ms", False), ("time to first batch, s", "first_s", False))])
     print(f"  decoding: hotloop's {decoder}; torch's PIL in its {_workers(torch_workers)}")
-    print("  " + demo.verdict_line([e["epoch_s"] for e in hot], [e["epoch_s"] for e in ref], what="epoch"), flush=True)
+    print("  " + verdict_line([e["epoch_s"] for e in hot], [e["epoch_s"] for e in ref], what="epoch"), flush=True)
 
 
 def _workers(n):

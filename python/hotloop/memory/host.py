@@ -76,17 +76,22 @@ class ProcessMemory:
         return self.role in ("worker", "torch worker")
 
 
+def _proc_number(path, key):
+    """The first number on the line of a /proc file that starts with `key`; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def oom_kills():
     """The kernel's count of OOM kills since boot (/proc/vmstat oom_kill, Linux 4.13+); None where it
     cannot be read. A worker that died of SIGKILL while this rose was most likely the OOM killer's."""
-    try:
-        with open("/proc/vmstat") as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
+    return _proc_number("/proc/vmstat", "oom_kill ")
 
 
 def death_by_oom(exitcode, kills_before) -> str:
@@ -219,14 +224,8 @@ def _roles(seen, main_pid, torch_workers, hotloop_fed):
 def rss_anon(pid="self"):
     """A process's resident anonymous memory in bytes (RssAnon of /proc/PID/status, a counter the kernel keeps, so
     reading it walks no page table), where its heap and Python's objects live; None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    kib = _proc_number(f"/proc/{pid}/status", "RssAnon:")
+    return None if kib is None else kib * 1024
 
 
 def processes_of(snapshot, t0, loader_samples, torch_workers=(), hotloop_fed=False, main_anon=None):

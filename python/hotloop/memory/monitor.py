@@ -53,6 +53,7 @@ _no_gpu_said = False
 # NVML samplers, kept per process and settings: made once (opening NVML and finding the device is the slow part),
 # started and stopped by each monitor; a monitor nested in another, or in another thread, takes one of its own.
 _nvml_pool = {}
+_nvml_refusals = {}  # pool key -> why NVML did not open for it: not tried again at every entry
 _pool_lock = threading.Lock()
 
 # NOTE [ Nested torch peaks ]
@@ -246,7 +247,13 @@ class MemoryMonitor:
                           self.slow_interval_ms, self.pcie_interval_ms, self.capacity)
         self.nvml_reason = None
         if self._sampler is None:
-            self._sampler = _take_sampler(self._pool_key, lambda: self._open_sampler(nvml_device))
+            with _pool_lock:
+                self.nvml_reason = _nvml_refusals.get(self._pool_key)
+            if self.nvml_reason is None:
+                self._sampler = _take_sampler(self._pool_key, lambda: self._open_sampler(nvml_device))
+                if self._sampler is None:
+                    with _pool_lock:
+                        _nvml_refusals[self._pool_key] = self.nvml_reason
         torch = self.torch
         self._torch_start = None
         self._torch_peaks = {"allocated": 0, "reserved": 0}

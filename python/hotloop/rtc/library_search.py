@@ -119,15 +119,15 @@ def checked(candidate, owners=None, companions=None, passed=None):
     return candidate._replace(skipped=f"not opened: {why}") if why else candidate
 
 
-def chosen_path(variable: str, companions=None):
+def chosen_path(variable: str, companions=None, check=True):
     """The absolute path $`variable` names, or None when unset. RuntimeError when it (or a file beside it
     whose name begins with `companions`) fails NOTE [ Trusted files ]: a library the user chose is never
-    replaced by another without saying so."""
+    replaced by another without saying so. check=False leaves that check to the caller."""
     value = os.environ.get(variable, "").strip()
     if not value:
         return None
     path = os.path.abspath(value)
-    why = refusal(path, companions=companions)
+    why = refusal(path, companions=companions) if check else None
     if why:
         raise RuntimeError(f"{variable}={value} is not opened: {why}. Only a library no one else can write is "
                            "opened (NOTE [ Trusted files ] in hotloop/rtc/file_trust.py): chmod go-w it and its "

@@ -108,10 +108,8 @@ def nvrtc_search(driver_version=..., checked: bool = True) -> NvrtcSearch:
     leaves NOTE [ Trusted files ] to the caller: find_nvrtc checks a library only as it opens it."""
     if driver_version is ...:
         driver_version = driver_cuda_version()
-    if checked:
-        chosen = library_search.chosen_path("HOTLOOP_NVRTC", BUILTINS)  # RuntimeError where others can write it
-    else:
-        chosen = os.path.abspath(os.environ["HOTLOOP_NVRTC"]) if os.environ.get("HOTLOOP_NVRTC", "").strip() else None
+    # RuntimeError where others can write it, when checked
+    chosen = library_search.chosen_path("HOTLOOP_NVRTC", BUILTINS, check=checked)
     if chosen:  # the user's choice, with no fallback: a mistake in it must show
         return NvrtcSearch([NvrtcCandidate(chosen, "HOTLOOP_NVRTC", _major_of(chosen))], ["HOTLOOP_NVRTC=" + chosen])
     looked = ["HOTLOOP_NVRTC (unset)"]
