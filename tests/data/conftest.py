@@ -171,10 +171,13 @@ def alive(pid):
         return False
 
 
-def wait_for(condition, seconds=20.0):
+def wait_for(condition, seconds=20.0, what=None):
+    """Poll condition() until true; after `seconds`, fail saying what was waited for and, where `what` is
+    callable, what it returns then (the state that did not come)."""
     deadline = time.monotonic() + seconds
     while not condition():
-        assert time.monotonic() < deadline, f"still not so after {seconds} s"
+        said = "" if what is None else f": {what() if callable(what) else what}"
+        assert time.monotonic() < deadline, f"still not so after {seconds} s{said}"
         time.sleep(0.005)
 
 

@@ -48,7 +48,7 @@ def _second_epoch(tmp_path, stand_in):
     got = [[(x.clone(), y.clone()) for x, y in ours]]  # the first epoch makes the ring
     stand_in.calls.clear()
     it = iter(ours)
-    wait_for(lambda: _first_tasks_done(it, 3))
+    wait_for(lambda: _first_tasks_done(it, 3), what="the workers' first three batches of the second epoch")
     return expected, got, ours, it
 
 
@@ -78,7 +78,7 @@ def test_ctrl_c_while_next_waits_for_a_decode_loses_no_batch(tmp_path, fake_cuda
     expected, got, ours, it = _second_epoch(tmp_path, stand_in)
     stand_in.gate_from = 2  # batch 2's decode, in the prefetch thread, waits
     got.append([take_batch(it)])
-    wait_for(stand_in.entered.is_set)
+    wait_for(stand_in.entered.is_set, what=lambda: f"the decoder's calls so far, by thread: {stand_in.calls}")
     # Ctrl-C as in a terminal, also where the tests run in a background job (which inherits SIGINT ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))

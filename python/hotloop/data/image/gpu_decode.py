@@ -11,7 +11,7 @@ import torch
 from ..._torch_compat import default_collate
 from .plan import ImagePlan
 from .source import EncodedSamples, ImageSource, collate_encoded, shipped_pixel_bytes
-from .split import SPLIT_CAP, DecodeShare
+from . import split
 
 BACKENDS = ("auto", "hardware", "cuda", "cpu")
 
@@ -84,6 +84,7 @@ class ImagePipeline:
                             "in the transform")
         self.capacity = None  # bytes the first batch reserves in the ring, once the backend is known
         self.share = None  # split.DecodeShare: the share of the GPU's JPEGs the workers decode, once they run
+        self._sized_for = None  # (backend, whether workers share the decode) that capacity was sampled for
 
     @classmethod
     def make(cls, value, dataset, collate_fn, batch_size, loader_kind):
@@ -112,12 +113,16 @@ class ImagePipeline:
         processes, the workers decode a share of the JPEGs too (NOTE [ Two pools for one batch ] in
         split.py), and a slot holds that share's pixels besides the JPEG bytes."""
         gpu = backend in ("hardware", "cuda")
-        self.share = (self.share or DecodeShare()) if gpu and workers > 0 else None
-        self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
-        if self.share is not None:
-            self.capacity += int(SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
+        if gpu and workers > 0 and self.share is None:
+            self.share = split.DecodeShare()  # the loader's for good: its balance (maker.py) sets it
+        share = self.share if gpu and workers > 0 else None
+        if self._sized_for != (backend, share is not None):  # a sample of the files, once, not at every epoch
+            self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
+            if share is not None:
+                self.capacity += int(split.SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
+            self._sized_for = (backend, share is not None)
         return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity,
-                              share=self.share)
+                              share=share)
 
     def collate_fn(self):
         return functools.partial(collate_encoded, capacity=self.capacity or 0)

@@ -145,7 +145,7 @@ class ImageMaker(BatchMaker):
         self._opening = None  # the decoder opening in the background (open_early), until open()
         self._decoding = None  # the _DecodeStream, made with the first batch on the device
         self.balance = None  # split.SplitBalance: the workers' share of the JPEGs, while both pools decode
-        self.decoder_failure = None  # the GPU decoder's exception, once it failed: the workers decode since
+        self.decoder_failure = None  # what the GPU decoder's failure said: the workers decode since (backend "cpu")
 
     def open_early(self, device):
         """Start opening the GPU decoder on `device` (where the first iter() is expected to run) in
@@ -208,8 +208,10 @@ class ImageMaker(BatchMaker):
         decoder opens first, since what a sample holds (JPEG bytes or pixels) depends on it."""
         backend = self.open()
         samples = self.pipeline.worker_dataset(backend, workers)
-        if self.pipeline.share is not None and self.balance is None:  # one share for the loader's life
-            self.balance = SplitBalance(self.pipeline.share, workers)
+        if samples.taker is not None:  # the workers share the decode: one share and balance for the loader's life
+            if self.balance is None:
+                self.balance = SplitBalance(self.pipeline.share, workers)
+            self.balance.workers = workers
         return samples, self.pipeline.collate_fn()
 
     def slot_parts(self, spec):
@@ -244,9 +246,8 @@ class ImageMaker(BatchMaker):
         if self.backend is None:
             return None
         if self.backend == "cpu":
-            return "cpu (workers decode with PIL)" + (f"; no hardware decoder: {self.reason}" if self.reason else "")
-        if self.decoder_failure is not None:
-            return f"cpu (workers decode with PIL) since nvjpeg {self.backend} failed: {self.decoder_failure}"
+            since = f" since {self.decoder_failure}" if self.decoder_failure else ""
+            return f"cpu (workers decode with PIL){since}" + (f"; no hardware decoder: {self.reason}" if self.reason else "")
         return f"nvjpeg {self.backend} ({self.decoder.library if self.decoder is not None else '?'})"
 
     def prepare(self, table, empty):
@@ -384,12 +385,13 @@ class ImageMaker(BatchMaker):
             except RuntimeError as exc:
                 if self.balance is None:
                     raise
-                self.decoder_failure = exc
+                self.decoder_failure = f"nvjpeg {self.backend} failed: {exc}"
                 self.balance.fail()
-                self.stats.image_worker_share = 1.0
-                self.stats.decoder = self.description
                 warnings.warn(f"hotloop.DataLoader: gpu_decode's {self.backend} decoder failed ({exc}); the workers "
                               "decode every image from now on (the CPU backend's way)", RuntimeWarning, stacklevel=2)
+                self.backend = "cpu"  # later epochs: the CPU backend's workers and ring reservation
+                self.stats.image_worker_share = 1.0
+                self.stats.decoder = self.description
         return bytes([_C.JPEG_UNSUPPORTED]) * len(t.encoded)
 
     def _upload(self, buf, place, src, stream):

@@ -6,7 +6,8 @@ workers `EncodedSamples` stands in for the dataset: per index it reads the encod
 header (a few microseconds), draws the transform's random parameters as the transform would
 (plan.py), and returns a record; `collate_encoded` packs a batch of records into three tensors
 (a table, the bytes, and finished images) that fit the ring. The main process decodes and resizes
-(maker.py).
+(maker.py); with worker processes, the workers decode a share of the JPEGs themselves (NOTE [ Two
+pools for one batch ] in split.py).
 
 Per sample, what the GPU path cannot take falls back, in the worker, to the CPU: a file that is not
 a baseline JPEG the decoder takes (PNG, CMYK, progressive on the hardware decoder, a truncated file)
@@ -211,7 +212,9 @@ class EncodedSamples(torch.utils.data.Dataset):
             if window is not None:
                 return (PIXELS, window, (window.shape[0], window.shape[1], 3, _window_geometry(window, geo)),
                         target, split)
-            image = source.load(data, index)  # PIL's own decode, or its error naming the file
+            image = _whole(opened) if scale == 1 else None  # opened as load opens it: not parsed again
+            if image is None:
+                image = source.load(data, index)  # PIL's own decode, or its error naming the file
         # only the crop box travels: the kernel resizes it as it would the whole image's box
         box = image.crop((geo.box_left, geo.box_top, geo.box_left + geo.box_w, geo.box_top + geo.box_h))
         pixels = np.asarray(box, dtype=np.uint8)
@@ -228,6 +231,15 @@ def _scalable_jpeg(data):
     except Exception:
         return None  # not an image PIL knows: the loader raises its error, naming the file
     return opened if _scalable(opened) else None
+
+
+def _whole(opened):
+    """The opened JPEG decoded whole, as source.load would (Image.open(bytes).convert("RGB")); None where
+    that fails, so that the dataset's own loader raises its error, naming the file."""
+    try:
+        return opened.convert("RGB")
+    except Exception:
+        return None
 
 
 def _scalable(opened) -> bool:

@@ -14,23 +14,23 @@ one at which both pools take as long per batch, from what each measured on the b
   draw of an image it ships as JPEG bytes (c_read), the same plus the decode of one it decodes (c_cpu).
 
 With `workers` processes and a share x of a batch of B, the main thread spends B ((1 - x) c_gpu +
-x c_upload) and the workers B ((1 - x) c_read + x c_cpu) / workers. Where c_upload < c_gpu the first
-falls with x and the second rises, so the slower of the two is least where they are equal, at
-    x = (c_gpu - c_read / workers) / (c_gpu - c_upload + (c_cpu - c_read) / workers),
-held to [PROBE_SHARE, SPLIT_CAP]; where c_upload >= c_gpu (the slot's pageable pixels cost the main
-thread as much to upload as the decoder's call per image) nothing is gained, and the share stays at
-PROBE_SHARE. PROBE_SHARE keeps a few images a batch on the workers, so that c_cpu
-stays measured. SPLIT_CAP bounds the pixels a batch ships (the ring's slots are sized for it:
+x c_upload) and the workers B ((1 - x) c_read + x c_cpu) / workers. The share is the x in
+[PROBE_SHARE, SPLIT_CAP] at which the slower of the two takes least: usually (c_upload < c_gpu, the
+first falling with x; c_cpu > c_read, the second rising) where they are equal,
+    x = (c_gpu - c_read / workers) / (c_gpu - c_upload + (c_cpu - c_read) / workers);
+where the slot's pageable pixels cost the main thread as much to upload as the decoder's call per
+image, PROBE_SHARE: nothing is gained. PROBE_SHARE keeps a few images a batch on the workers, so that
+c_cpu stays measured. SPLIT_CAP bounds the pixels a batch ships (the ring's slots are sized for it:
 gpu_decode.py). Each figure is a running average, so the share follows a change (the training step
 taking more of the GPU, a slower file system) over a few dozen batches.
 
-The share lives in one double of shared memory (inherited by forked workers, passed to spawned ones
-as they start); each worker takes every (1 / x)-th image it could ship as JPEG bytes, by an error
-accumulator, so the random draws (crop, flip) stay the transform's: who decodes changes nothing else.
+The share lives in one double of shared memory, which forked workers inherit; each worker takes every
+(1 / x)-th image it could ship as JPEG bytes, by an error accumulator, so the random draws (crop, flip)
+stay the transform's: who decodes changes nothing else.
 
-Should the GPU decoder fail (an nvjpeg error mid-epoch), the share becomes 1 for good: the workers
-decode everything, as with the CPU backend, and the batches already on their way decode with PIL in
-the main process (maker.py), after one warning.
+Should the GPU decoder fail (an nvjpeg error mid-epoch), the share becomes 1: the workers decode
+everything, and the batches already on their way decode with PIL in the main process (maker.py), after
+one warning; later epochs run the CPU backend.
 """
 import multiprocessing
 
@@ -112,12 +112,17 @@ class SplitBalance:
 
 
 def balanced_share(c_gpu, c_upload, c_read, c_cpu, workers, current):
-    """The share at which the main thread and the workers spend as long per batch, within
-    [PROBE_SHARE, SPLIT_CAP]; `current` while a figure is not measured yet."""
+    """The share in [PROBE_SHARE, SPLIT_CAP] at which the slower of the main thread and the workers takes
+    least per batch (the smaller share of equals); `current` while a figure is not measured yet."""
     if None in (c_gpu, c_upload, c_read, c_cpu):
         return current
-    if c_upload >= c_gpu:  # an image the workers decode costs the main thread no less: nothing to gain
-        return PROBE_SHARE
-    # the main thread's time falls with x and the workers' rises: the slower of the two is least where they meet
+
+    def slower(x):
+        return max((1 - x) * c_gpu + x * c_upload, ((1 - x) * c_read + x * c_cpu) / workers)
+
+    # both times are straight lines in x: the least of their maximum is at a bound or where they cross
+    shares = [PROBE_SHARE, SPLIT_CAP]
     denominator = c_gpu - c_upload + (c_cpu - c_read) / workers
-    return min(SPLIT_CAP, max(PROBE_SHARE, (c_gpu - c_read / workers) / denominator))
+    if denominator != 0:
+        shares.append(min(SPLIT_CAP, max(PROBE_SHARE, (c_gpu - c_read / workers) / denominator)))
+    return min(shares, key=lambda x: (slower(x), x))
