@@ -62,21 +62,25 @@ def test_list_dataset_gets_copy_on_read_advice_with_the_figures_proc_gives(no_gp
 def test_copy_on_read_is_weighed_against_what_workers_can_copy_not_mapped_files(no_gpu, tmp_path):
     """A CUDA process's USS holds the private pages of the libraries it maps (file pages no other
     process maps), which no worker copies. Here a file mapped and read stands in for them: it makes
-    main's USS several times the list's size, so the workers' copies, against USS, would fall under
-    the advice's share; against main's anonymous memory, where the list lives, they do not."""
+    main's USS large enough that the workers' copies, against USS, fall under the advice's share;
+    against main's anonymous memory, where the list lives, they do not. Both sizes follow main's
+    anonymous memory as the test starts (a long test session holds more of it)."""
     import mmap
 
+    anon = host_module.rss_anon()
+    # a list of about a sixth of main's anonymous memory: each worker, copying the half it reads, copies
+    # over COPY_MIN_SHARE of main's anonymous memory with the list; a mapped file twice that memory
+    # keeps the copies under COPY_MIN_SHARE of main's USS
+    n = max(1200, int(anon / 6 / (Samples.PER * 32)))  # a float in a list: its object and its slot
     path = tmp_path / "mapped-library-stand-in"
     with open(path, "wb") as f:
-        f.truncate(768 * MiB)
+        f.truncate(max(768 * MiB, 2 * anon) // 4096 * 4096)
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     try:
         assert int(np.frombuffer(mapped, dtype=np.uint8)[::4096].sum()) == 0  # every page read: resident here
         assert smaps_rollup(os.getpid())["Private_Clean"] >= 700 * MiB  # in main's USS, not its RssAnon
-        # two epochs: the copy is done in the first, so the workers plateau (copied), not grow (steady_growth)
-        r, text, rows, dl = run("list", "hotloop", epochs=2, n=1200, persistent=True)
-        del dl
+        r, text, rows, _ = run("list", "hotloop", n=n)
         workers = [p for p in r.host_processes if p.is_worker]
         assert len(workers) == 2 and all(p.copied for p in workers), text
         assert any("copy-on-read" in a for a in r.advice), text

@@ -92,7 +92,7 @@ def _swap_in_worker_side(it, loader) -> bool:
     maker = loader.batch_maker
     if maker is None:
         return False
-    dataset, collate_fn = maker.worker_side(it._dataset, it._collate_fn, it._num_workers)
+    dataset, collate_fn = maker.worker_side(it._dataset, it._collate_fn, loader.num_workers)
     if dataset is it._dataset and collate_fn is it._collate_fn:
         return False
     it._dataset, it._collate_fn = dataset, collate_fn
