@@ -6,7 +6,7 @@ crops. When the decoder's call is what the loop waits for (the main thread block
 whole batch: maker.py), the workers' cores sit idle, and where the loop waits for the workers, the
 decoder does. So the workers decode a share of the JPEGs themselves, as the CPU backend does (at a
 DCT scale where the crop allows), and ship pixels; the rest go to the GPU decoder. Which share: the
-one at which both pools take as long per batch, from what each measured on the batches before:
+one at which the slower pool takes least per batch, from what each measured on the batches before:
 
 - the main thread, per image the decoder took: the decoder's call (c_gpu); per image a worker
   decoded: the upload of its pixels from the slot (c_upload);
@@ -84,8 +84,8 @@ class _Average:
 
 
 class SplitBalance:
-    """The main process's side: per batch, what each pool spent (observe); sets the share at which
-    both take as long (NOTE [ Two pools for one batch ])."""
+    """The main process's side: per batch, what each pool spent (observe); sets the share at which the
+    slower pool takes least (NOTE [ Two pools for one batch ])."""
 
     def __init__(self, share: DecodeShare, workers: int):
         self.share, self.workers = share, max(1, workers)
