@@ -93,6 +93,27 @@ def test_split_batches_equal_torchs_each_image_decoded_once(tmp_path, monkeypatc
     assert st.image_worker_share == 0.5
 
 
+def test_worker_decode_false_leaves_every_jpeg_to_the_decoder(tmp_path, monkeypatch, half_split):
+    decoder = PilDecoder()
+    open_with(monkeypatch, decoder)
+    ds = ImageFolder(make_folder(str(tmp_path), n=24), transform=TRAIN_V2(28))
+    seed = random.randrange(2**31)
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
+                                            generator=torch.Generator().manual_seed(seed)))
+    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
+                                gpu_decode=hotloop.GpuDecode(worker_decode=False),
+                                generator=torch.Generator().manual_seed(seed))
+    assert_batches_close(seeded_batches(loader), theirs, levels=2)
+    st = loader.stats
+    assert st.images_split == 0 and st.image_worker_share == 0.0
+    assert st.images_gpu_decoded == decoder.decoded == len(ds) - st.images_refused - st.images_cpu_decoded
+
+
+def test_worker_decode_must_be_a_bool():
+    with pytest.raises(TypeError, match="worker_decode to be a bool"):
+        hotloop.GpuDecode(worker_decode="no")
+
+
 class CostlyDecoder(PilDecoder):
     """PilDecoder that costs `seconds` per image besides (or, with decode=False, only that, its
     pixels left as they are: for a test of the share alone)."""

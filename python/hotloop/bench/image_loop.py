@@ -8,7 +8,8 @@ feeding it for a whole epoch, twice, alternated: the time to the first batch fro
 img/s after WARMUP steps (as % of resident), and the epoch's time from iter() to its last step done.
 Before the models: each loader alone (no step; the GPU's queued copies and decodes are waited for at
 the ends of the timed window), and the CPU seconds per image of the main process and its workers over
-that epoch. --quick: 2,048 files, 2 + 4 steps, one round (a smoke run).
+that epoch; beside them gpu_decode with worker_decode=False, the GPU decoder taking every JPEG it can
+(on a GPU with JPEG engines: the engines alone). --quick: 2,048 files, 2 + 4 steps, one round (a smoke run).
 
 torch's way is its DataLoader with torchvision's RandomResizedCrop(224) + flip + ToTensor + Normalize
 in (cores - 1, at most 15) workers, pin_memory, then `.to(device)` and a cast to the model's dtype in
@@ -63,12 +64,13 @@ class TorchWay:
             yield x, y.to(self.device, non_blocking=True)
 
 
-def hotloop_way(dataset, workers, device, dtype, backend="auto", batch_size=BATCH, shuffle=True):
+def hotloop_way(dataset, workers, device, dtype, backend="auto", batch_size=BATCH, shuffle=True, worker_decode=True):
     import hotloop
 
     return hotloop.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers, drop_last=True,
                               device=device, gpu_decode=hotloop.GpuDecode(backend=backend, dtype=dtype,
-                                                                          channels_last=True))
+                                                                          channels_last=True,
+                                                                          worker_decode=worker_decode))
 
 
 def model_step(name, precision, device):
@@ -135,11 +137,13 @@ def plain_loop(step, loader, device, warmup=WARMUP, steady=STEADY):
 def loader_alone(loader, device, warmup=WARMUP, steady=STEADY):
     """plain_loop with no step; for hotloop's loader also what its stats say of the epoch: "decoder",
     and its main process's ms per batch in the decoder's call ("decode_ms") and building the batch's
-    decode and kernel tables ("staging_ms")."""
+    decode and kernel tables ("staging_ms"), and the share of the GPU decoder's JPEGs the workers
+    decoded at the end ("worker_share")."""
     result = plain_loop(lambda x, y: None, loader, device, warmup, steady)
     stats = getattr(loader, "stats", None)
     if stats is not None:
         result["decoder"] = stats.decoder
+        result["worker_share"] = stats.image_worker_share
         result["decode_ms"] = 1e3 * stats.image_decode_seconds / result["batches"]
         result["staging_ms"] = 1e3 * stats.image_staging_seconds / result["batches"]
     return result
@@ -251,9 +255,19 @@ def rows(ctx):
             return loader_alone(make(torch.float16), device, warmup, steady)
 
         runs = alternated({"hotloop": lambda dtype: hotloop_way(dataset, ours_workers, device, dtype),
+                           "decoder alone": lambda dtype: hotloop_way(dataset, ours_workers, device, dtype,
+                                                                      worker_decode=False),
                            "torch": lambda dtype: TorchWay(dataset, torch_workers, device, dtype)}, alone, rounds)
         yield Row("photos", "loader alone, fp16 channels_last, steady img/s", median(runs["hotloop"], "rate"),
-                  median(runs["torch"], "rate"), "img/s", note=f"{data}; {counts}; medians of {rounds}, alternated")
+                  median(runs["torch"], "rate"), "img/s",
+                  note=f"{data}; {counts}; decoder {runs['hotloop'][0]['decoder']!r}, the workers' share of its "
+                       f"JPEGs {median(runs['hotloop'], 'worker_share'):.3f} at the end; medians of {rounds}, "
+                       "alternated")
+        alone_rate = median(runs["decoder alone"], "rate")
+        yield Row("photos", "loader alone, the GPU decoder alone (worker_decode=False), steady img/s", alone_rate,
+                  median(runs["torch"], "rate"), "img/s",
+                  note=f"gpu_decode's default (the workers decoding a share) is "
+                       f"{median(runs['hotloop'], 'rate') / alone_rate:.2f}x this, in the same alternation")
         yield Row("photos", "loader alone, CPU ms per image, all processes",
                   median(runs["hotloop"], "cpu_ms"), median(runs["torch"], "cpu_ms"), "ms",
                   note="user + system time of the main process and its workers over the epoch")

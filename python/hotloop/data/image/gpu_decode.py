@@ -40,19 +40,26 @@ class GpuDecode:
         ToTensor); float16 or bfloat16 halve the bytes (autocast takes them as they are).
     channels_last: images in channels_last memory format (what a convolutional net under AMP
         runs fastest on), else contiguous NCHW as torch's pipeline makes them.
+    worker_decode: with a GPU decoder and worker processes, whether the workers also decode a share
+        of the JPEGs, sized to what each pool delivered on the batches before (NOTE [ Two pools for
+        one batch ] in split.py). False: the GPU decoder takes every JPEG it can.
     """
 
-    def __init__(self, backend="auto", dtype=None, channels_last=False):
+    def __init__(self, backend="auto", dtype=None, channels_last=False, worker_decode=True):
         if backend not in BACKENDS:
             raise ValueError(f"GpuDecode: expected backend in {BACKENDS}, got {backend!r}")
         if dtype not in (None, torch.float32, torch.float16, torch.bfloat16, torch.uint8):
             raise TypeError(f"GpuDecode: expected dtype None, float32, float16, bfloat16 or uint8, got {dtype}")
         if not isinstance(channels_last, bool):
             raise TypeError(f"GpuDecode: expected channels_last to be a bool, got {type(channels_last).__name__}")
+        if not isinstance(worker_decode, bool):
+            raise TypeError(f"GpuDecode: expected worker_decode to be a bool, got {type(worker_decode).__name__}")
         self.backend, self.dtype, self.channels_last = backend, dtype, channels_last
+        self.worker_decode = worker_decode
 
     def __repr__(self):
-        return f"GpuDecode(backend={self.backend!r}, dtype={self.dtype}, channels_last={self.channels_last})"
+        return (f"GpuDecode(backend={self.backend!r}, dtype={self.dtype}, channels_last={self.channels_last}, "
+                f"worker_decode={self.worker_decode})")
 
     @classmethod
     def from_argument(cls, value):
@@ -113,9 +120,10 @@ class ImagePipeline:
         processes, the workers decode a share of the JPEGs too (NOTE [ Two pools for one batch ] in
         split.py), and a slot holds that share's pixels besides the JPEG bytes."""
         gpu = backend in ("hardware", "cuda")
-        if gpu and workers > 0 and self.share is None:
+        shared = gpu and workers > 0 and self.config.worker_decode
+        if shared and self.share is None:
             self.share = split.DecodeShare()  # the loader's for good: its balance (maker.py) sets it
-        share = self.share if gpu and workers > 0 else None
+        share = self.share if shared else None
         if self._sized_for != (backend, share is not None):  # a sample of the files, once, not at every epoch
             self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
             if share is not None:
