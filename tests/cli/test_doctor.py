@@ -232,3 +232,36 @@ def test_monitor_piped_into_a_reader_that_stops(fake_nvml_library):
     finally:
         proc.kill()
     assert proc.returncode != 0 and "Traceback" not in err and len(err.strip().splitlines()) <= 1, err
+
+
+class _OpenedDecoder:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("engines", [True, False])
+def test_doctor_says_which_jpeg_decoder_gpu_decode_takes(monkeypatch, engines):
+    import torch
+
+    from hotloop.cli import doctor
+    from hotloop.data.image import decoder_opening
+
+    opened = _OpenedDecoder()
+    asked = []
+
+    def open_decoder(device, backend, max_batch):
+        asked.append((device, backend))
+        return (opened, None) if engines else (None, RuntimeError("nvjpeg: no hardware JPEG decoder on this GPU"))
+
+    monkeypatch.setattr(decoder_opening, "open_decoder", open_decoder)
+    d = doctor.Doctor()
+    d.jpeg_decode("gpu 0", torch.device("cuda", 0))
+    check = d.checks[-1]
+    assert asked == [(torch.device("cuda", 0), "hardware")]
+    assert check.name == "gpu 0 JPEG decode" and check.status == "PASS"
+    if engines:
+        assert "JPEG engines (backend 'hardware')" in check.value and opened.closed
+    else:
+        assert "backend 'cpu'" in check.value and "no hardware JPEG decoder on this GPU" in check.value

@@ -123,6 +123,8 @@ class Doctor:
             else:
                 self.add(f"{tag} device", "PASS", name)
             self.pcie(tag, i, info, torch if tindex is not None else None, tindex)
+            if tindex is not None:
+                self.jpeg_decode(tag, torch.device("cuda", tindex))
             self.power(tag, info)
             self.thermal(tag, info)
             pm = info["persistence_mode"]
@@ -213,6 +215,21 @@ class Doctor:
                          "(run on the CPU next to the GPU) and IOMMU settings")
             else:
                 self.add(f"{tag} H2D bandwidth", "PASS", value)
+
+    def jpeg_decode(self, tag, device):
+        """Which decoder hotloop.DataLoader(gpu_decode=True) takes on `device`: the JPEG engines where
+        nvjpeg's hardware decoder opens there, else the workers (NOTE [ Decoding beside the training
+        step ] in data/image/gpu_decode.py)."""
+        from ..data.image.decoder_opening import open_decoder
+
+        decoder, refusal = open_decoder(device, "hardware", 1)
+        if decoder is not None:
+            decoder.close()
+            self.add(f"{tag} JPEG decode", "PASS", "gpu_decode takes nvjpeg's JPEG engines (backend 'hardware'); "
+                     "the workers decode a share of each batch beside them")
+        else:
+            self.add(f"{tag} JPEG decode", "PASS", f"gpu_decode takes backend 'cpu': the workers decode with PIL, "
+                     f"the GPU crops, resizes and normalises; no JPEG engines here ({refusal})")
 
     def power(self, tag, info):
         draw, limit, default = info["power_mw"], info["power_limit_mw"], info["power_default_limit_mw"]
