@@ -172,11 +172,15 @@ def test_report_on_a_dataloader_with_workers_feeding_a_cuda_model(loader):
     settle()
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(),
                                 torch.nn.LazyLinear(10)).cuda()
-    dl = loader(_Strings(400_000), batch_size=1024, num_workers=2, shuffle=True, persistent_workers=True)
+    # 4 M strings, 300 batches: a worker copies the list's pages over many of the sampler's ticks, as with a
+    # real dataset's per-sample cost. With a small list and samples this cheap, a fast host's worker copies
+    # it all within its first tick, before the sampler's first reading of it, and no growth is seen.
+    dl = loader(_Strings(4_000_000), batch_size=1024, num_workers=2, shuffle=True, persistent_workers=True)
     with hotloop.MemoryMonitor(report=None, host_pss_budget=0.5) as mon:
-        for _ in range(2):
-            for x in dl:
-                model(x.cuda(non_blocking=True)).sum().backward()
+        for i, x in enumerate(dl):
+            model(x.cuda(non_blocking=True)).sum().backward()
+            if i == 300:
+                break
         torch.cuda.synchronize()
     r = mon.report()
     print(r)
