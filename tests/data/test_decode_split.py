@@ -83,7 +83,8 @@ def test_split_batches_equal_torchs_each_image_decoded_once(tmp_path, monkeypatc
     seed = random.randrange(2**31)
     theirs = seeded_batches(TorchDataLoader(ds, batch_size=8, shuffle=True, num_workers=workers,
                                             generator=torch.Generator().manual_seed(seed)))
-    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers, gpu_decode=True,
+    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers,
+                                gpu_decode=hotloop.GpuDecode(worker_decode=True),
                                 generator=torch.Generator().manual_seed(seed))
     assert_batches_close(seeded_batches(loader), theirs, levels=2)  # order, labels and pixels as torch's
     st = loader.stats
@@ -93,15 +94,16 @@ def test_split_batches_equal_torchs_each_image_decoded_once(tmp_path, monkeypatc
     assert st.image_worker_share == 0.5
 
 
-def test_worker_decode_false_leaves_every_jpeg_to_the_decoder(tmp_path, monkeypatch, half_split):
+@pytest.mark.parametrize("gpu_decode", [True, hotloop.GpuDecode(worker_decode=False)])
+def test_worker_decode_false_leaves_every_jpeg_to_the_decoder(tmp_path, monkeypatch, half_split, gpu_decode):
+    """The default: whatever the share's bounds, the decoder takes every JPEG."""
     decoder = PilDecoder()
     open_with(monkeypatch, decoder)
     ds = ImageFolder(make_folder(str(tmp_path), n=24), transform=TRAIN_V2(28))
     seed = random.randrange(2**31)
     theirs = seeded_batches(TorchDataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
                                             generator=torch.Generator().manual_seed(seed)))
-    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2,
-                                gpu_decode=hotloop.GpuDecode(worker_decode=False),
+    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=2, gpu_decode=gpu_decode,
                                 generator=torch.Generator().manual_seed(seed))
     assert_batches_close(seeded_batches(loader), theirs, levels=2)
     st = loader.stats
@@ -137,7 +139,7 @@ def test_the_share_follows_what_each_pool_spends(tmp_path, monkeypatch, cost):
     the workers' decode hands them the most they may take."""
     open_with(monkeypatch, CostlyDecoder(cost, decode=False))
     ds = ImageFolder(make_folder(str(tmp_path), n=96), transform=TRAIN_V2(28))
-    loader = hotloop.DataLoader(ds, batch_size=16, num_workers=2, gpu_decode=True)
+    loader = hotloop.DataLoader(ds, batch_size=16, num_workers=2, gpu_decode=hotloop.GpuDecode(worker_decode=True))
     for _ in range(3):
         for _ in loader:
             pass
@@ -160,16 +162,19 @@ class FailingDecoder(PilDecoder):
         return super().decode(sources, dests, count, stream)
 
 
+@pytest.mark.parametrize("worker_decode", [False, True])
 @pytest.mark.parametrize("workers, persistent", [(0, False), (2, True), (2, False)])
-def test_a_decoder_failing_mid_epoch(tmp_path, monkeypatch, workers, persistent):
+def test_a_decoder_failing_mid_epoch(tmp_path, monkeypatch, workers, persistent, worker_decode):
     """With workers, the epoch completes as torch's would, after one warning, and the workers decode
     everything from then on: the next epoch never calls the decoder, and new workers run the CPU
-    backend; without workers, the error is raised."""
+    backend; without workers, the error is raised. The same whether the workers shared the decode
+    before or not."""
     decoder = FailingDecoder(fail_at=2)
     open_with(monkeypatch, decoder)
     ds = ImageFolder(make_folder(str(tmp_path), n=40), transform=TRAIN_V2(28))
     seed = random.randrange(2**31)
-    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers, gpu_decode=True,
+    loader = hotloop.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers,
+                                gpu_decode=hotloop.GpuDecode(worker_decode=worker_decode),
                                 generator=torch.Generator().manual_seed(seed), persistent_workers=persistent)
     if workers == 0:
         with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):

@@ -225,8 +225,7 @@ class Doctor:
         decoder, refusal = open_decoder(device, "hardware", 1)
         if decoder is not None:
             decoder.close()
-            self.add(f"{tag} JPEG decode", "PASS", "gpu_decode takes nvjpeg's JPEG engines (backend 'hardware'); "
-                     "the workers decode a share of each batch beside them")
+            self.add(f"{tag} JPEG decode", "PASS", "gpu_decode takes nvjpeg's JPEG engines (backend 'hardware')")
         else:
             self.add(f"{tag} JPEG decode", "PASS", f"gpu_decode takes backend 'cpu': the workers decode with PIL, "
                      f"the GPU crops, resizes and normalises; no JPEG engines here ({refusal})")

@@ -42,10 +42,13 @@ class GpuDecode:
         runs fastest on), else contiguous NCHW as torch's pipeline makes them.
     worker_decode: with a GPU decoder and worker processes, whether the workers also decode a share
         of the JPEGs, sized to what each pool delivered on the batches before (NOTE [ Two pools for
-        one batch ] in split.py). False: the GPU decoder takes every JPEG it can.
+        one batch ] in split.py). Off by default: on the GPU machine's photo bench the share the
+        balance chose lowered the loader's rate against the decoder alone (docs/results, the photos
+        rows). Off, the GPU decoder takes every JPEG it can; should it fail mid-epoch, the workers
+        still take over, as with the split.
     """
 
-    def __init__(self, backend="auto", dtype=None, channels_last=False, worker_decode=True):
+    def __init__(self, backend="auto", dtype=None, channels_last=False, worker_decode=False):
         if backend not in BACKENDS:
             raise ValueError(f"GpuDecode: expected backend in {BACKENDS}, got {backend!r}")
         if dtype not in (None, torch.float32, torch.float16, torch.bfloat16, torch.uint8):
@@ -116,19 +119,22 @@ class ImagePipeline:
 
     def worker_dataset(self, backend, workers):
         """What the `workers` processes index: JPEG bytes travel when the decoder is on the GPU, crop
-        boxes' pixels when the workers decode (the CPU backend). With a GPU decoder and worker
-        processes, the workers decode a share of the JPEGs too (NOTE [ Two pools for one batch ] in
-        split.py), and a slot holds that share's pixels besides the JPEG bytes."""
+        boxes' pixels when the workers decode (the CPU backend). With a GPU decoder, worker processes
+        and worker_decode, the workers decode a share of the JPEGs too (NOTE [ Two pools for one
+        batch ] in split.py), and a slot holds that share's pixels besides the JPEG bytes; without
+        worker_decode the share is there at 0, for the workers to take over should the decoder fail."""
         gpu = backend in ("hardware", "cuda")
-        shared = gpu and workers > 0 and self.config.worker_decode
+        shared = gpu and workers > 0  # with worker_decode=False the share stays 0 until the decoder fails
+        splits = shared and self.config.worker_decode
         if shared and self.share is None:
-            self.share = split.DecodeShare()  # the loader's for good: its balance (maker.py) sets it
+            # the loader's for good: its balance (maker.py) sets it
+            self.share = split.DecodeShare(split.PROBE_SHARE if splits else 0.0)
         share = self.share if shared else None
-        if self._sized_for != (backend, share is not None):  # a sample of the files, once, not at every epoch
+        if self._sized_for != (backend, splits):  # a sample of the files, once, not at every epoch
             self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)
-            if share is not None:
+            if splits:
                 self.capacity += int(split.SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
-            self._sized_for = (backend, share is not None)
+            self._sized_for = (backend, splits)
         return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity,
                               share=share)
 

@@ -210,7 +210,7 @@ class ImageMaker(BatchMaker):
         samples = self.pipeline.worker_dataset(backend, workers)
         if samples.taker is not None:  # the workers share the decode: one share and balance for the loader's life
             if self.balance is None:
-                self.balance = SplitBalance(self.pipeline.share, workers)
+                self.balance = SplitBalance(self.pipeline.share, workers, self.pipeline.config.worker_decode)
             self.balance.workers = workers
         return samples, self.pipeline.collate_fn()
 

@@ -6,8 +6,8 @@ workers `EncodedSamples` stands in for the dataset: per index it reads the encod
 header (a few microseconds), draws the transform's random parameters as the transform would
 (plan.py), and returns a record; `collate_encoded` packs a batch of records into three tensors
 (a table, the bytes, and finished images) that fit the ring. The main process decodes and resizes
-(maker.py); with worker processes, the workers decode a share of the JPEGs themselves (NOTE [ Two
-pools for one batch ] in split.py).
+(maker.py); with worker processes and GpuDecode(worker_decode=True), the workers decode a share of
+the JPEGs themselves (NOTE [ Two pools for one batch ] in split.py).
 
 Per sample, what the GPU path cannot take falls back, in the worker, to the CPU: a file that is not
 a baseline JPEG the decoder takes (PNG, CMYK, progressive on the hardware decoder, a truncated file)

@@ -4,8 +4,9 @@ NOTE [ Two pools for one batch ]
 With a GPU decoder, every JPEG it takes used to go to it, and the workers only read bytes and drew
 crops. When the decoder's call is what the loop waits for (the main thread blocks in nvjpeg for the
 whole batch: maker.py), the workers' cores sit idle, and where the loop waits for the workers, the
-decoder does. So the workers decode a share of the JPEGs themselves, as the CPU backend does (at a
-DCT scale where the crop allows), and ship pixels; the rest go to the GPU decoder. Which share: the
+decoder does. So, with GpuDecode(worker_decode=True), the workers decode a share of the JPEGs
+themselves, as the CPU backend does (at a DCT scale where the crop allows), and ship pixels; the rest
+go to the GPU decoder. (Off by default: docs/gpu-decode.md says what it did on the GPU.) Which share: the
 one at which the slower pool takes least per batch, from what each measured on the batches before:
 
 - the main thread, per image the decoder took: the decoder's call (c_gpu); per image a worker
@@ -28,7 +29,8 @@ The share lives in one double of shared memory, which forked workers inherit; ea
 (1 / x)-th image it could ship as JPEG bytes, by an error accumulator, so the random draws (crop, flip)
 stay the transform's: who decodes changes nothing else.
 
-Should the GPU decoder fail (an nvjpeg error mid-epoch), the share becomes 1: the workers decode
+Should the GPU decoder fail (an nvjpeg error mid-epoch), the share becomes 1 (without worker_decode it
+is there too, held at 0 until then): the workers decode
 everything, and the batches already on their way decode with PIL in the main process (maker.py), after
 one warning; later epochs run the CPU backend.
 """
@@ -40,10 +42,12 @@ AVERAGE_WEIGHT = 0.1  # weight of the newest batch in the running averages
 
 
 class DecodeShare:
-    """The share of JPEGs the workers decode: set by the main process, read by workers per sample."""
+    """The share of JPEGs the workers decode: set by the main process, read by workers per sample.
+    `start`: PROBE_SHARE where the balance adapts it; 0.0 where the GPU decoder takes every JPEG until
+    it fails (GpuDecode(worker_decode=False))."""
 
-    def __init__(self):
-        self._value = multiprocessing.RawValue("d", PROBE_SHARE)
+    def __init__(self, start=PROBE_SHARE):
+        self._value = multiprocessing.RawValue("d", start)
 
     def get(self) -> float:
         return self._value.value
@@ -87,16 +91,17 @@ class SplitBalance:
     """The main process's side: per batch, what each pool spent (observe); sets the share at which the
     slower pool takes least (NOTE [ Two pools for one batch ])."""
 
-    def __init__(self, share: DecodeShare, workers: int):
-        self.share, self.workers = share, max(1, workers)
+    def __init__(self, share: DecodeShare, workers: int, adapt=True):
+        self.share, self.workers, self.adapt = share, max(1, workers), adapt
         self.gpu, self.upload, self.read, self.cpu = _Average(), _Average(), _Average(), _Average()
         self.failed = False
 
     def observe(self, gpu_images, gpu_seconds, worker_images, upload_seconds, read_seconds, cpu_seconds):
         """One batch: `gpu_images` decoded by the GPU decoder in `gpu_seconds` of its call, whose
         workers spent `read_seconds` on them; `worker_images` decoded by the workers in `cpu_seconds`
-        of theirs, uploaded here in `upload_seconds`."""
-        if self.failed:
+        of theirs, uploaded here in `upload_seconds`. A balance that does not adapt keeps its share
+        (0: the workers decode only once the decoder has failed)."""
+        if self.failed or not self.adapt:
             return
         self.gpu.add(gpu_seconds, gpu_images)
         self.read.add(read_seconds, gpu_images)
