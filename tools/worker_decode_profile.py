@@ -29,7 +29,8 @@ def main():
     root = tempfile.mkdtemp(prefix="hotloop-worker-profile-")
     try:
         photos.write_photo_dataset(root, args.files, classes=8)
-        transform = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+        transform = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(),
+                               T.Normalize(MEAN, STD)])
         dataset = ImageFolder(root, transform=transform)
         samples = ImagePipeline.make(True, dataset, None, 64, "map").worker_dataset("cpu", 0)
         n = len(samples)
