@@ -64,7 +64,8 @@ class TorchWay:
             yield x, y.to(self.device, non_blocking=True)
 
 
-def hotloop_way(dataset, workers, device, dtype, backend="auto", batch_size=BATCH, shuffle=True, worker_decode=True):
+def hotloop_way(dataset, workers, device, dtype, backend="auto", batch_size=BATCH, shuffle=True,
+                worker_decode=False):
     import hotloop
 
     return hotloop.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers, drop_last=True,

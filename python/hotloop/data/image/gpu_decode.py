@@ -43,9 +43,9 @@ class GpuDecode:
     worker_decode: with a GPU decoder and worker processes, whether the workers also decode a share
         of the JPEGs, sized to what each pool delivered on the batches before (NOTE [ Two pools for
         one batch ] in split.py). Off by default: on the GPU machine's photo bench the share the
-        balance chose lowered the loader's rate against the decoder alone (docs/results, the photos
-        rows). Off, the GPU decoder takes every JPEG it can; should it fail mid-epoch, the workers
-        still take over, as with the split.
+        balance chose lowered the loader's rate against the decoder alone (docs/gpu-decode.md). Off,
+        the GPU decoder takes every JPEG it can; should it fail mid-epoch, the workers still take
+        over, as with the split.
     """
 
     def __init__(self, backend="auto", dtype=None, channels_last=False, worker_decode=False):
