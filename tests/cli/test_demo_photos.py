@@ -148,6 +148,9 @@ CTRL_C = textwrap.dedent("""
     from hotloop.bench import procfs
     from hotloop.cli import demo_photos
     warnings.simplefilter("ignore")
+    # Python's own Ctrl-C handler, as a terminal's python has it: a test run as a background job inherits
+    # SIGINT ignored, and the signal below would then do nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     calls = []
     def step(x, y):
         calls.append(len(y))
