@@ -127,8 +127,7 @@ class ImagePipeline:
         shared = gpu and workers > 0  # with worker_decode=False the share stays 0 until the decoder fails
         splits = shared and self.config.worker_decode
         if shared and self.share is None:
-            # the loader's for good: its balance (maker.py) sets it
-            self.share = split.DecodeShare(split.PROBE_SHARE if splits else 0.0)
+            self.share = split.DecodeShare()  # the loader's for good: its balance (maker.py) sets it
         share = self.share if shared else None
         if self._sized_for != (backend, splits):  # a sample of the files, once, not at every epoch
             self.capacity = _batch_bytes_estimate(self.source, self.batch_size, self.plan if not gpu else None)

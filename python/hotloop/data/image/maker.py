@@ -208,7 +208,8 @@ class ImageMaker(BatchMaker):
         decoder opens first, since what a sample holds (JPEG bytes or pixels) depends on it."""
         backend = self.open()
         samples = self.pipeline.worker_dataset(backend, workers)
-        if samples.taker is not None:  # the workers share the decode: one share and balance for the loader's life
+        # a share for the workers (the split's, or held at 0 for a failing decoder): one balance for the loader's life
+        if samples.taker is not None:
             if self.balance is None:
                 self.balance = SplitBalance(self.pipeline.share, workers, self.pipeline.config.worker_decode)
             self.balance.workers = workers
@@ -247,7 +248,8 @@ class ImageMaker(BatchMaker):
             return None
         if self.backend == "cpu":
             since = f" since {self.decoder_failure}" if self.decoder_failure else ""
-            return f"cpu (workers decode with PIL){since}" + (f"; no hardware decoder: {self.reason}" if self.reason else "")
+            reason = f"; no hardware decoder: {self.reason}" if self.reason else ""
+            return f"cpu (workers decode with PIL){since}{reason}"
         return f"nvjpeg {self.backend} ({self.decoder.library if self.decoder is not None else '?'})"
 
     def prepare(self, table, empty):

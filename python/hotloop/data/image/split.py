@@ -42,12 +42,11 @@ AVERAGE_WEIGHT = 0.1  # weight of the newest batch in the running averages
 
 
 class DecodeShare:
-    """The share of JPEGs the workers decode: set by the main process, read by workers per sample.
-    `start`: PROBE_SHARE where the balance adapts it; 0.0 where the GPU decoder takes every JPEG until
-    it fails (GpuDecode(worker_decode=False))."""
+    """The share of JPEGs the workers decode: set by the main process (SplitBalance), read by workers
+    per sample."""
 
-    def __init__(self, start=PROBE_SHARE):
-        self._value = multiprocessing.RawValue("d", start)
+    def __init__(self):
+        self._value = multiprocessing.RawValue("d", PROBE_SHARE)
 
     def get(self) -> float:
         return self._value.value
@@ -89,18 +88,20 @@ class _Average:
 
 class SplitBalance:
     """The main process's side: per batch, what each pool spent (observe); sets the share at which the
-    slower pool takes least (NOTE [ Two pools for one batch ])."""
+    slower pool takes least (NOTE [ Two pools for one batch ]). One that does not `adapt` holds the
+    share at 0 (GpuDecode(worker_decode=False)) until the decoder fails."""
 
     def __init__(self, share: DecodeShare, workers: int, adapt=True):
         self.share, self.workers, self.adapt = share, max(1, workers), adapt
         self.gpu, self.upload, self.read, self.cpu = _Average(), _Average(), _Average(), _Average()
         self.failed = False
+        if not adapt:
+            share.set(0.0)
 
     def observe(self, gpu_images, gpu_seconds, worker_images, upload_seconds, read_seconds, cpu_seconds):
         """One batch: `gpu_images` decoded by the GPU decoder in `gpu_seconds` of its call, whose
         workers spent `read_seconds` on them; `worker_images` decoded by the workers in `cpu_seconds`
-        of theirs, uploaded here in `upload_seconds`. A balance that does not adapt keeps its share
-        (0: the workers decode only once the decoder has failed)."""
+        of theirs, uploaded here in `upload_seconds`."""
         if self.failed or not self.adapt:
             return
         self.gpu.add(gpu_seconds, gpu_images)
