@@ -2,12 +2,13 @@
 #include "nvjpeg_engine.h"
 #include "cuda.h"
 
+#include <sched.h> /* sched_getaffinity (setup.py defines _GNU_SOURCE) */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-static const char *const backend_names[] = {"hardware", "cuda"};
+static const char *const backend_names[] = {"hardware", "cuda", "hybrid"};
 
 typedef struct {
     PyObject_HEAD
@@ -207,6 +208,33 @@ static int set_size_order(PyObject *self, PyObject *value, void *Py_UNUSED(closu
     return set_flag(value, &((hl_jpeg_decoder *)self)->engine.size_order, "size_order");
 }
 
+static PyObject *get_threads(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((hl_jpeg_decoder *)self)->engine.threads);
+}
+
+static int set_threads(PyObject *self, PyObject *value, void *Py_UNUSED(closure)) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "JpegDecoder.threads cannot be deleted");
+        return -1;
+    }
+    long threads = PyLong_AsLong(value);
+    if (threads == -1 && PyErr_Occurred())
+        return -1;
+    if (threads < 1 || threads > HL_JPEG_MAX_LANES) {
+        PyErr_Format(PyExc_ValueError, "JpegDecoder.threads: expected 1 to %d, got %ld", HL_JPEG_MAX_LANES, threads);
+        return -1;
+    }
+    ((hl_jpeg_decoder *)self)->engine.threads = (int)threads;
+    return 0;
+}
+
+/* the CPUs this process may run on, at most HL_JPEG_MAX_LANES: the hybrid backend's threads by default */
+static int available_cpus(void) {
+    cpu_set_t set;
+    int count = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    return count < 1 ? 1 : count > HL_JPEG_MAX_LANES ? HL_JPEG_MAX_LANES : count;
+}
+
 static PyObject *get_engines(PyObject *self, void *Py_UNUSED(closure)) {
     hl_jpeg_decoder *d = (hl_jpeg_decoder *)self;
     if (d->engine.engines == 0)
@@ -215,7 +243,8 @@ static PyObject *get_engines(PyObject *self, void *Py_UNUSED(closure)) {
 }
 
 static PyGetSetDef decoder_getset[] = {
-    {"backend", get_backend, NULL, "\"hardware\" (the JPEG engines) or \"cuda\" (the SMs)", NULL},
+    {"backend", get_backend, NULL,
+     "\"hardware\" (the JPEG engines), \"cuda\" (the SMs) or \"hybrid\" (host threads and the SMs)", NULL},
     {"library", get_library, NULL, "the nvjpeg library in use (the path it was opened by)", NULL},
     {"version", get_version, NULL, "nvjpeg's (major, minor, patch)", NULL},
     {"device", get_device, NULL, "the CUDA device it decodes on", NULL},
@@ -227,6 +256,8 @@ static PyGetSetDef decoder_getset[] = {
      "size nvjpeg's buffers ahead for the largest image seen (nvjpegDecodeBatchedPreAllocate)", NULL},
     {"size_order", get_size_order, set_size_order,
      "hand each batch's images to the decoder largest first (on by default for the hardware backend)", NULL},
+    {"threads", get_threads, set_threads,
+     "hybrid backend: the most host threads a decode() decodes Huffman codes on, the caller's included", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -239,19 +270,25 @@ static PyMethodDef decoder_methods[] = {
 };
 
 static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"paths", "device", "backend", "max_batch", "interpolate", NULL};
+    static char *keywords[] = {"paths", "device", "backend", "max_batch", "interpolate", "threads", NULL};
     PyObject *paths, *module = PyType_GetModule(type);
-    int device, max_batch, interpolate = 1;
+    int device, max_batch, interpolate = 1, threads = 0;
     const char *backend_name;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oisi|$p:JpegDecoder", keywords, &paths, &device, &backend_name,
-                                     &max_batch, &interpolate))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oisi|$pi:JpegDecoder", keywords, &paths, &device, &backend_name,
+                                     &max_batch, &interpolate, &threads))
         return NULL;
     int backend = strcmp(backend_name, "hardware") == 0 ? HL_JPEG_HARDWARE
                 : strcmp(backend_name, "cuda") == 0   ? HL_JPEG_CUDA
+                : strcmp(backend_name, "hybrid") == 0 ? HL_JPEG_HYBRID
                                                       : -1;
     if (backend < 0) {
-        PyErr_Format(PyExc_ValueError, "JpegDecoder: backend: expected \"hardware\" or \"cuda\", got \"%s\"",
-                     backend_name);
+        PyErr_Format(PyExc_ValueError,
+                     "JpegDecoder: backend: expected \"hardware\", \"cuda\" or \"hybrid\", got \"%s\"", backend_name);
+        return NULL;
+    }
+    if (threads < 0 || threads > HL_JPEG_MAX_LANES) {
+        PyErr_Format(PyExc_ValueError, "JpegDecoder: threads: expected 1 to %d (0: the CPUs available), got %d",
+                     HL_JPEG_MAX_LANES, threads);
         return NULL;
     }
     if (max_batch < 1 || max_batch > 65536) {
@@ -274,6 +311,7 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         Py_DECREF(d);
         return PyErr_NoMemory();
     }
+    d->engine.threads = threads > 0 ? threads : available_cpus();
     hl_jpeg_failure f = {0};
     Py_BEGIN_ALLOW_THREADS
     hl_jpeg_engine_open(&d->engine, &f);
@@ -303,12 +341,13 @@ static void decoder_dealloc(PyObject *self) {
 }
 
 PyDoc_STRVAR(decoder_doc,
-             "JpegDecoder(paths, device, backend, max_batch, *, interpolate=True)\n\n"
+             "JpegDecoder(paths, device, backend, max_batch, *, interpolate=True, threads=0)\n\n"
              "Batched JPEG decoding to RGB interleaved on the GPU with nvjpeg, opened at run time from the first\n"
              "of `paths` that loads. backend \"hardware\": the JPEG engines (baseline JPEGs; nvjpeg says which);\n"
              "hotloop.NvjpegError saying \"no hardware JPEG decoder\" on a GPU without them. backend \"cuda\":\n"
              "nvjpeg's GPU-hybrid batched decoder on the SMs, progressive JPEGs one by one with Huffman decoding\n"
-             "on the CPU. interpolate: subsampled chroma upsampled by interpolation, as libjpeg-turbo (PIL) does:\n"
+             "on the CPU. backend \"hybrid\": nvjpeg's hybrid decoder, Huffman codes decoded on up to `threads`\n"
+             "host threads (0: one per CPU available), the rest on the SMs. interpolate: subsampled chroma upsampled by interpolation, as libjpeg-turbo (PIL) does:\n"
              "pixels within 1 (hardware) or 3 (cuda) of PIL's; False, or an nvjpeg without the option:\n"
              "replicated, up to ~70 off at colour edges. Made on `device`, the current device left\n"
              "as it was. One thread at a time: a second thread calling decode() meanwhile gets RuntimeError;\n"

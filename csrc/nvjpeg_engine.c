@@ -2,37 +2,11 @@
 #include "nvjpeg_engine.h"
 #include "cuda.h"
 #include "jpeg_header.h"
+#include "nvjpeg_cuda.h"
+#include "nvjpeg_hybrid.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-/* ---------------------------------------------------------------------------------------------
-   CUDA events through the driver API (the runtime's handles are the driver's, so they mix with
-   the streams torch and nvjpeg use). Without CUDA in the build no decoder is ever made. */
-
-#ifdef HOTLOOP_WITH_CUDA
-static int event_create(void **event) { return hl_cu.cuEventCreate((CUevent *)event, CU_EVENT_DISABLE_TIMING); }
-static int event_destroy(void *event) { return hl_cu.cuEventDestroy((CUevent)event); }
-static int event_record(void *event, hl_stream_t stream) { return hl_cu.cuEventRecord((CUevent)event, (CUstream)stream); }
-static int event_synchronize(void *event) { return hl_cu.cuEventSynchronize((CUevent)event); }
-static int stream_wait(hl_stream_t stream, void *event) {
-    return hl_cu.cuStreamWaitEvent((CUstream)stream, (CUevent)event, 0);
-}
-static int stream_synchronize(hl_stream_t stream) { return hl_cu.cuStreamSynchronize((CUstream)stream); }
-#define DEVICE_GUARD hl_device_guard
-#define DEVICE_ENTER(guard, device, status) hl_device_enter(guard, device, status)
-#define DEVICE_LEAVE(guard, status) hl_device_leave(guard, status)
-#else
-static int event_create(void **event) { *event = NULL; return 100; /* CUDA_ERROR_NO_DEVICE */ }
-static int event_destroy(void *event) { (void)event; return 0; }
-static int event_record(void *event, hl_stream_t stream) { (void)event; (void)stream; return 100; }
-static int event_synchronize(void *event) { (void)event; return 0; }
-static int stream_wait(hl_stream_t stream, void *event) { (void)stream; (void)event; return 100; }
-static int stream_synchronize(hl_stream_t stream) { (void)stream; return 100; }
-typedef int DEVICE_GUARD;
-#define DEVICE_ENTER(guard, device, status) ((void)(guard), (void)(device), (void)(status))
-#define DEVICE_LEAVE(guard, status) ((void)(guard), (void)(status))
-#endif
 
 /* NOTE [ RGB out of nvjpeg ]
    The hardware backend's engines write each image into nvjpeg's own memory, and nvjpeg then brings it
@@ -62,6 +36,12 @@ static void release_all(hl_jpeg_engine *d, hl_jpeg_failure *f) {
     /* the last decode's work must be over before its buffers go (a targeted wait, not a device sync) */
     if (d->done_pending)
         HL_CUDA(&f->cuda, event_synchronize(d->done));
+    if (d->lanes.lib != NULL) {
+        const char *call = NULL;
+        if ((rc = hl_jpeg_lanes_close(&d->lanes, &f->cuda, &call)) != 0 && f->call == NULL)
+            NVJPEG_FAILED(f, rc, call);
+        d->lanes.lib = NULL;
+    }
     for (int k = 0; k < 2; k++) {
         if (d->pinned_free[k] != NULL)
             HL_CUDA(&f->cuda, event_destroy(d->pinned_free[k]));
@@ -122,7 +102,9 @@ static void release_all(hl_jpeg_engine *d, hl_jpeg_failure *f) {
 
 static void create_all(hl_jpeg_engine *d, hl_jpeg_failure *f) {
     const hl_nvjpeg *n = d->lib;
-    int backend = d->backend == HL_JPEG_HARDWARE ? NVJPEG_BACKEND_HARDWARE : NVJPEG_BACKEND_GPU_HYBRID;
+    int backend = d->backend == HL_JPEG_HARDWARE ? NVJPEG_BACKEND_HARDWARE
+                : d->backend == HL_JPEG_HYBRID   ? NVJPEG_BACKEND_HYBRID
+                                                 : NVJPEG_BACKEND_GPU_HYBRID;
     nvjpegStatus_t rc = NVJPEG_STATUS_INVALID_PARAMETER;
     if (d->interpolate)
         rc = n->create_ex(backend, NULL, NULL, NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, &d->handle);
@@ -131,6 +113,13 @@ static void create_all(hl_jpeg_engine *d, hl_jpeg_failure *f) {
         rc = n->create_ex(backend, NULL, NULL, NVJPEG_FLAGS_DEFAULT, &d->handle);
     }
     TRY(f, rc, "nvjpegCreateEx");
+    if (d->backend == HL_JPEG_HYBRID) { /* NOTE [ Hybrid lanes ] (nvjpeg_hybrid.c): no batched state */
+        const char *call = NULL;
+        HL_CUDA(&f->cuda, event_create(&d->done));
+        if (f->cuda.code == 0 && (rc = hl_jpeg_lanes_open(&d->lanes, n, d->handle, &call)) != 0)
+            NVJPEG_FAILED(f, rc, call);
+        return;
+    }
     d->batched.handle = d->handle;
     TRY(f, n->state_create(d->handle, &d->batched.state), "nvjpegJpegStateCreate");
     TRY(f, n->batched_initialize(d->handle, d->batched.state, d->max_batch, 1, NVJPEG_OUTPUT_RGBI),
@@ -303,6 +292,21 @@ static int decode_batch(hl_jpeg_engine *d, hl_jpeg_batched *b, decode_call *c, c
     return decode_batch(d, b, c, order + half, count - half);
 }
 
+/* The images order[0..count) on the hybrid backend's lanes (NOTE [ Hybrid lanes ] in nvjpeg_hybrid.c).
+   0, or -1 on a CUDA failure (kept in c->f). */
+static int decode_lanes(hl_jpeg_engine *d, decode_call *c, const int *order, int count) {
+    for (int k = 0; k < count; k++) {
+        d->jobs[k].data = source_of(c, order[k]);
+        d->jobs[k].length = (size_t)c->src[2 * order[k] + 1];
+        d->jobs[k].image = image_of(c, order[k]);
+    }
+    hl_jpeg_lanes_decode(&d->lanes, d->device, d->jobs, count, c->stream, d->threads, d->rcs, d->calls, &c->f->cuda);
+    for (int k = 0; k < count; k++)
+        c->status[order[k]] = d->rcs[k] == NVJPEG_STATUS_SUCCESS ? HL_JPEG_DECODED
+                                                                 : leaf_status(c, d->rcs[k], d->calls[k]);
+    return c->f->cuda.code != 0 ? -1 : 0;
+}
+
 /* whether a colour JPEG's chroma is subsampled (4:2:0, 4:2:2...): upsampling it is where the
    interpolation flag acts */
 static int chroma_upsampled(const hl_jpeg_info *info) {
@@ -417,7 +421,7 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
                 order[count - 1 - plain++] = i; /* NOTE [ Two handles ] */
             else
                 order[batched++] = i;
-        } else if (info.process == HL_JPEG_PROGRESSIVE) {
+        } else if (info.process == HL_JPEG_PROGRESSIVE && d->backend == HL_JPEG_CUDA) {
             order[count - 1 - singles++] = i; /* from the end: the batched ones fill the front */
         } else {
             order[batched++] = i;
@@ -444,7 +448,9 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
         if (f->cuda.code != 0)
             return;
     }
-    if (batched > 0 && decode_batch(d, &d->batched, c, order, batched) < 0)
+    if (batched > 0 && d->backend == HL_JPEG_HYBRID && decode_lanes(d, c, order, batched) < 0)
+        return;
+    if (batched > 0 && d->backend != HL_JPEG_HYBRID && decode_batch(d, &d->batched, c, order, batched) < 0)
         return;
     if (plain > 0 && decode_batch(d, &d->plain, c, order + count - plain, plain) < 0)
         return;
@@ -479,6 +485,8 @@ int hl_jpeg_engine_init(hl_jpeg_engine *e, const hl_nvjpeg *lib, int device, int
     e->max_batch = max_batch;
     e->interpolate = interpolate;
     e->size_order = e->preallocate = backend == HL_JPEG_HARDWARE; /* NOTE [ Largest first ] */
+    e->size_order |= backend == HL_JPEG_HYBRID; /* the threads finish together (NOTE [ Hybrid lanes ]) */
+    e->threads = 1;
     e->data = calloc((size_t)max_batch, sizeof(*e->data));
     e->lengths = calloc((size_t)max_batch, sizeof(*e->lengths));
     e->images = calloc((size_t)max_batch, sizeof(*e->images));
@@ -486,8 +494,11 @@ int hl_jpeg_engine_init(hl_jpeg_engine *e, const hl_nvjpeg *lib, int device, int
     e->widths = calloc((size_t)max_batch, sizeof(*e->widths));
     e->heights = calloc((size_t)max_batch, sizeof(*e->heights));
     e->keys = calloc((size_t)max_batch, sizeof(*e->keys));
+    e->jobs = calloc((size_t)max_batch, sizeof(*e->jobs));
+    e->rcs = calloc((size_t)max_batch, sizeof(*e->rcs));
+    e->calls = calloc((size_t)max_batch, sizeof(*e->calls));
     return e->data == NULL || e->lengths == NULL || e->images == NULL || e->order == NULL || e->widths == NULL ||
-                   e->heights == NULL || e->keys == NULL
+                   e->heights == NULL || e->keys == NULL || e->jobs == NULL || e->rcs == NULL || e->calls == NULL
                ? -1
                : 0;
 }
@@ -500,12 +511,18 @@ void hl_jpeg_engine_free(hl_jpeg_engine *e) {
     free(e->widths);
     free(e->heights);
     free(e->keys);
+    free(e->jobs);
+    free(e->rcs);
+    free(e->calls);
     e->data = NULL;
     e->lengths = NULL;
     e->images = NULL;
     e->order = NULL;
     e->widths = e->heights = NULL;
     e->keys = NULL;
+    e->jobs = NULL;
+    e->rcs = NULL;
+    e->calls = NULL;
 }
 
 void hl_jpeg_engine_open(hl_jpeg_engine *e, hl_jpeg_failure *f) {

@@ -4,14 +4,16 @@
 
 #include "module.h"
 #include "nvjpeg.h"
+#include "nvjpeg_hybrid.h"
 
 #include <stdint.h>
 
 /* one status byte per image in what a decode returns */
 enum { HL_JPEG_DECODED = 0, HL_JPEG_UNSUPPORTED = 1, HL_JPEG_CORRUPT_DATA = 2 };
 
-/* which of nvjpeg's backends an engine decodes with */
-enum { HL_JPEG_HARDWARE = 0, HL_JPEG_CUDA = 1 };
+/* which of nvjpeg's backends an engine decodes with: the JPEG engines; the SMs (Huffman codes included);
+   the host's threads and the SMs (NOTE [ Hybrid lanes ] in nvjpeg_hybrid.c) */
+enum { HL_JPEG_HARDWARE = 0, HL_JPEG_CUDA = 1, HL_JPEG_HYBRID = 2 };
 
 /* a handle's batched decoder */
 typedef struct {
@@ -52,6 +54,9 @@ typedef struct {
     hl_stream_t last_stream;
     int done_pending;
 
+    hl_jpeg_lanes lanes; /* hybrid backend */
+    int threads;         /* hybrid backend: the most host threads a decode uses, the caller's included */
+
     /* per-image scratch, max_batch long; malloc'd: used without the GIL */
     const unsigned char **data;
     size_t *lengths;
@@ -59,6 +64,9 @@ typedef struct {
     int *order;
     int *widths, *heights; /* each image's, from its header */
     long long *keys;       /* size_order's sort keys */
+    hl_jpeg_job *jobs;     /* hybrid: the images in decode order, and what nvjpeg said of each */
+    nvjpegStatus_t *rcs;
+    const char **calls;
 } hl_jpeg_engine;
 
 /* The first failure of an engine call, raised by the caller once the GIL is back. */

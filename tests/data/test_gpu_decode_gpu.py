@@ -69,7 +69,7 @@ def _each_image_decoded_once(st, n):
     assert st.images_gpu_decoded + st.images_split == n and st.images_cpu_decoded == st.images_split
 
 
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 @pytest.mark.parametrize("make", [TRAIN_V1, EVAL_V2])
 def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     root = make_folder(str(tmp_path), n=40, sizes=(60, 400))
@@ -81,7 +81,7 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     _each_image_decoded_once(st, len(ds))
 
 
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_batches_the_prefetch_thread_makes_match_the_cpu_pipeline(tmp_path, backend, monkeypatch):
     """A consumer that takes its time ("the training step"): the prefetch thread makes the batches,
     outside the epoch's lock (NOTE [ One way down for a batch ] in data/prefetch/making.py)."""
@@ -127,7 +127,7 @@ def test_cpu_backend_on_the_gpu_is_within_one_level(tmp_path):
     assert_batches_close(ours, theirs)
 
 
-@pytest.mark.parametrize("backend", ["hardware", "cuda", "cpu"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid", "cpu"])
 def test_batches_larger_than_one_ring_registration(tmp_path, backend):
     """A batch's bytes span several of the ring's 8 MiB page-locked registrations, which one DMA may
     not cross: on the H200 such batches of 256 made nvjpeg refuse images, then hang, and the CPU

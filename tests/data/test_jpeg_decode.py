@@ -379,6 +379,9 @@ def test_decoder_arguments_checked_first():
         _C.JpegDecoder(["x"], 0, "cuda", 0)
     with pytest.raises(TypeError):
         _C.JpegDecoder(["x"], 0, "cuda", 8, True)  # interpolate is keyword-only
+    for threads in (-1, 65):
+        with pytest.raises(ValueError, match="threads: expected 1 to 64"):
+            _C.JpegDecoder(["x"], 0, "hybrid", 8, threads=threads)
 
 
 @pytest.mark.skipif(hotloop.cuda_available(), reason="checks the refusal without a GPU")
@@ -459,15 +462,17 @@ def check_written(batch, decoder, first, statuses):
 
 KINDS = ["420", "444", "422", "grey", "progressive"]
 # what PIL decodes that each backend decodes (else JPEG_UNSUPPORTED), as seen on the H200: the engines
-# refuse progressive JPEGs (nvjpegDecodeBatchedSupported), the cuda backend takes them one by one
-EXPECTED = {"hardware": {"420", "444", "422", "grey"}, "cuda": set(KINDS)}
+# refuse progressive JPEGs (nvjpegDecodeBatchedSupported), the cuda backend takes them one by one, the
+# hybrid backend's decoder takes every kind
+EXPECTED = {"hardware": {"420", "444", "422", "grey"}, "cuda": set(KINDS), "hybrid": set(KINDS)}
 # (max abs, mean abs) difference from PIL's decode allowed, by (backend, interpolate). Measured on the
 # H200, 64 images of each kind, nvjpeg 13.0.1 against PIL's libjpeg-turbo, the worst kind:
 #   interpolated chroma (the default): hardware max 1, mean 0.0001 (4:4:4 and grey exact);
 #                                      cuda max 3, mean 0.035 (progressive the same)
 #   replicated chroma:                 hardware max 60, mean 3.3; cuda max 74, mean 3.0 (4:2:0, 4:2:2)
-BOUNDS = {("hardware", True): (4, 0.05), ("cuda", True): (8, 0.25),
-          ("hardware", False): (160, 8.0), ("cuda", False): (160, 8.0)}
+# The hybrid backend is held to the cuda backend's bounds.
+BOUNDS = {("hardware", True): (4, 0.05), ("cuda", True): (8, 0.25), ("hybrid", True): (8, 0.25),
+          ("hardware", False): (160, 8.0), ("cuda", False): (160, 8.0), ("hybrid", False): (160, 8.0)}
 
 
 def within(backend, worst, mean, interpolate=True):
@@ -477,7 +482,7 @@ def within(backend, worst, mean, interpolate=True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("interpolate", [True, False], ids=["interpolate", "replicate"])
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_decode_batch_against_pil(backend, interpolate):
     rng = np.random.default_rng(derived_seed())
     kinds = [KINDS[i % len(KINDS)] for i in range(64)]
@@ -550,7 +555,36 @@ def test_engine_order_and_preallocation_change_no_pixel(max_batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+def test_hybrid_threads_change_no_pixel():
+    """The hybrid backend's images decoded on 1, 3 or every CPU's thread (NOTE [ Hybrid lanes ] in
+    nvjpeg_hybrid.c), largest first or in the caller's order: each lands in its own output, pixel for
+    pixel the same, progressive ones included."""
+    rng = np.random.default_rng(derived_seed())
+    kinds = [KINDS[i % len(KINDS)] for i in range(96)]
+    rng.shuffle(kinds)
+    blobs = [make_jpeg(rng, int(rng.integers(8, 900)), int(rng.integers(8, 900)), k) for k in kinds]
+    decoder = open_decoder("hybrid", 96)
+    assert decoder.size_order and not decoder.preallocate
+    assert decoder.threads == min(len(os.sched_getaffinity(0)), 64)
+    batch = Batch(blobs)
+    seen = {}
+    for threads, size_order in ((1, False), (3, True), (decoder.threads, True), (decoder.threads, False)):
+        decoder.threads, decoder.size_order = threads, size_order
+        statuses, images, _, _ = batch.decode(decoder)
+        assert statuses == [_C.JPEG_DECODED] * len(blobs)
+        seen[threads, size_order] = images
+    for key, images in seen.items():
+        for i, (got, want) in enumerate(zip(images, seen[1, False], strict=True)):
+            assert np.array_equal(got, want), (key, i, kinds[i])
+    for got, data in zip(seen[1, False], blobs, strict=True):
+        assert within("hybrid", *differences(got, data))
+    with pytest.raises(ValueError, match="threads: expected 1 to 64"):
+        decoder.threads = 0
+    decoder.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_unsupported_and_corrupt_images_keep_the_others(backend):
     rng = np.random.default_rng(derived_seed())
     good = [make_jpeg(rng, int(rng.integers(32, 300)), int(rng.integers(32, 300))) for _ in range(12)]
@@ -593,7 +627,7 @@ def test_unsupported_and_corrupt_images_keep_the_others(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_decode_checks_and_lifecycle(backend):
     rng = np.random.default_rng(derived_seed())
     blobs = [make_jpeg(rng, 50, 70) for _ in range(3)]
@@ -635,7 +669,7 @@ def test_decode_checks_and_lifecycle(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_decode_comes_after_the_work_queued_before_it(backend):
     """The decode's writes come after what the stream had to do first, a wait for another stream
     included: here reads of the outputs queued behind ~100 ms of GPU time see the poison, not pixels.
@@ -663,7 +697,7 @@ def test_decode_comes_after_the_work_queued_before_it(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_back_to_back_decodes_each_keep_their_images(backend):
     """Calls queued one after another on one stream, the host never waiting between them (as the
     loader's thread queues batch after batch): each call's images are its own, every one as PIL's."""
@@ -689,7 +723,7 @@ def test_back_to_back_decodes_each_keep_their_images(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_throughput_report(backend):
     """Not a benchmark gate: the figures for the report (256 PIL-made 500x375 q90 JPEGs, ~74 KB)."""
     rng = np.random.default_rng(derived_seed())
@@ -738,7 +772,7 @@ def test_throughput_report(backend):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_very_large_image(backend):
     rng = np.random.default_rng(derived_seed())
     h = w = 10000
@@ -765,7 +799,7 @@ def test_very_large_image(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_no_leak_over_50_decoders(backend):
     rng = np.random.default_rng(derived_seed())
     batch = Batch([make_jpeg(rng, 120, 160), make_jpeg(rng, 90, 60, "progressive")])
@@ -790,7 +824,7 @@ def test_no_leak_over_50_decoders(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["hardware", "cuda"])
+@pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])
 def test_a_forked_copy_leaves_the_decoder_to_its_parent(backend):
     """A DataLoader worker forked while a decoder lives (torch's, in the H200 suite) garbage-collected
     its copy; nvjpeg's destroy calls there threw and aborted the worker. The copy is let go of, and a

@@ -6,11 +6,13 @@ one by one, in the user's loop (image_loop.plain_loop), alternated with torch's 
   the crop, resize, flip and normalisation run as one GPU kernel. auto takes it where nvjpeg's
   hardware decoder cannot open.
 - backend "cuda": nvjpeg decodes on the SMs, beside the training step's kernels.
+- backend "hybrid": nvjpeg's Huffman decoding on the main process's threads, the IDCT and colour on the
+  SMs (NOTE [ Hybrid lanes ] in csrc/nvjpeg_hybrid.c).
 - torch's loader with torchvision's transform in (cores - 1, at most 15) workers.
 - backend "hardware": the engines, as a reference for what the cards that have them reach.
 
 Rows: each loader alone (img/s and CPU ms per image of the process tree), then ResNet-18 fp32 and
-ResNet-50 AMP fed by the cpu and cuda backends and by torch's loader (steady img/s as % of the model's
+ResNet-50 AMP fed by each of these backends and by torch's loader (steady img/s as % of the model's
 speed on a resident batch, and epoch time).
 On a GPU without engines the hardware rows are left out. --quick: 2,048 files, one round.
 """
@@ -21,7 +23,7 @@ from .image_loop import (BATCH, TorchWay, alternated, epoch_settings, gpu_photo_
                          median, model_fed, photo_folder, train_transform, worker_counts)
 
 COMPONENT = "photos-engines-off"
-BACKENDS = ("cpu", "cuda")  # what a GPU without engines can run
+BACKENDS = ("cpu", "cuda", "hybrid")  # what a GPU without engines can run
 FED_MODELS = (("resnet18", "fp32"), ("resnet50", "fp16"))
 
 

@@ -13,7 +13,8 @@ from .plan import ImagePlan
 from .source import EncodedSamples, ImageSource, collate_encoded, shipped_pixel_bytes
 from . import split
 
-BACKENDS = ("auto", "hardware", "cuda", "cpu")
+BACKENDS = ("auto", "hardware", "cuda", "hybrid", "cpu")
+GPU_BACKENDS = ("hardware", "cuda", "hybrid")  # nvjpeg's: JpegDecoder's backend names
 
 # NOTE [ Decoding beside the training step ]
 # nvjpeg's CUDA backend decodes on the SMs, in kernels that run beside the training step's own and
@@ -33,8 +34,9 @@ class GpuDecode:
 
     backend: "auto" (default): nvjpeg's hardware JPEG decoders where the GPU has them (A100, H100,
         H200, ...), else decoding in the workers with PIL: the GPU's SMs are left to training
-        (NOTE [ Decoding beside the training step ]). "hardware", "cuda" (nvjpeg on
-        the SMs) or "cpu" (the workers decode) force one; a forced GPU backend that cannot run raises.
+        (NOTE [ Decoding beside the training step ]). "hardware", "cuda" (nvjpeg on the SMs),
+        "hybrid" (nvjpeg's Huffman decoding on the main process's threads, the rest on the SMs) or
+        "cpu" (the workers decode) force one; a forced GPU backend that cannot run raises.
         Whatever the backend, the crop, resize, flip and normalisation run as one GPU kernel.
     dtype: the images' dtype: None (the default) is what the transform makes (float32 after
         ToTensor); float16 or bfloat16 halve the bytes (autocast takes them as they are).
@@ -123,7 +125,7 @@ class ImagePipeline:
         and worker_decode, the workers decode a share of the JPEGs too (NOTE [ Two pools for one
         batch ] in split.py), and a slot holds that share's pixels besides the JPEG bytes; without
         worker_decode the share is there at 0, for the workers to take over should the decoder fail."""
-        gpu = backend in ("hardware", "cuda")
+        gpu = backend in GPU_BACKENDS
         shared = gpu and workers > 0  # with worker_decode=False the share stays 0 until the decoder fails
         splits = shared and self.config.worker_decode
         if shared and self.share is None:
@@ -134,7 +136,7 @@ class ImagePipeline:
             if splits:
                 self.capacity += int(split.SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
             self._sized_for = (backend, splits)
-        return EncodedSamples(self.source, self.plan, gpu, progressive=backend == "cuda", capacity=self.capacity,
+        return EncodedSamples(self.source, self.plan, gpu, progressive=backend in ("cuda", "hybrid"), capacity=self.capacity,
                               share=share)
 
     def collate_fn(self):

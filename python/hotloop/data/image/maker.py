@@ -21,6 +21,7 @@ from ... import _C, cuda_queues
 from ..batch_maker import BatchMaker, spec_dict, spec_list
 from . import resize as image_resize
 from .decoder_opening import DecoderOpening, open_decoder
+from .gpu_decode import GPU_BACKENDS
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 from .split import SplitBalance
 
@@ -140,7 +141,7 @@ class ImageMaker(BatchMaker):
         self.stats = stats  # the loader's LoaderStats: the images_* counts and decoder
         self.device = device  # torch.device("cuda", n) or None
         self.decoder = None
-        self.backend = None  # "hardware", "cuda" or "cpu" once opened
+        self.backend = None  # "hardware", "cuda", "hybrid" or "cpu" once opened
         self.reason = None  # why auto did not take the hardware decoder
         self._opening = None  # the decoder opening in the background (open_early), until open()
         self._decoding = None  # the _DecodeStream, made with the first batch on the device
@@ -156,7 +157,8 @@ class ImageMaker(BatchMaker):
         self._opening = DecoderOpening(device, self._gpu_backend(), self.pipeline.batch_size)
 
     def _gpu_backend(self):
-        return "cuda" if self.pipeline.config.backend == "cuda" else "hardware"
+        wanted = self.pipeline.config.backend
+        return wanted if wanted in ("cuda", "hybrid") else "hardware"
 
     def open(self):
         if self.backend is not None:
@@ -165,7 +167,7 @@ class ImageMaker(BatchMaker):
         wanted = self.pipeline.config.backend
         if self.device is None or wanted == "cpu":
             self.backend = "cpu"
-            if self.device is None and wanted in ("hardware", "cuda"):
+            if self.device is None and wanted in GPU_BACKENDS:
                 raise ValueError(f"DataLoader: gpu_decode backend {wanted!r} needs device='cuda'")
             self.stats.decoder = self.description
             return self.backend
