@@ -198,10 +198,11 @@ def test_dtype_and_layout(tmp_path, dtype, channels_last):
 def test_the_ring_reserves_room_for_what_the_backend_sends(tmp_path, backend, workers):
     """A batch bigger than the ring's reservation travels outside the ring, a slow way: the CPU
     backend's crop pixels, once reserved as if JPEG bytes, never fit (half torch's speed on an H200).
-    With a GPU decoder and workers, a batch holds the pixels of the most the workers may decode."""
+    With a GPU decoder, workers and worker_decode, a batch holds the pixels of the most the workers may
+    decode (without worker_decode they decode none while the decoder works)."""
     root = make_folder(str(tmp_path), n=32, sizes=(100, 300))
     ds = ImageFolder(root, transform=TRAIN_V1(32))
-    pipeline = ImagePipeline.make(True, ds, None, 8, "map")
+    pipeline = ImagePipeline.make(hotloop.GpuDecode(worker_decode=True), ds, None, 8, "map")
     samples = pipeline.worker_dataset(backend, workers)
     assert (pipeline.share is not None) == (backend == "hardware" and workers > 0)
     if pipeline.share is not None:
