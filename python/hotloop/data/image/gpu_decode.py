@@ -23,6 +23,7 @@ GPU_BACKENDS = ("hardware", "cuda", "hybrid")  # nvjpeg's: JpegDecoder's backend
 # decode uses the host's cores. So "auto" takes the hardware decoder where the GPU has one and
 # otherwise decodes in the workers, never on the SMs; "cuda" is there for whoever asks for it.
 # Cited by GpuDecode's docstring and maker.ImageMaker.open.
+AUTO_WITHOUT_ENGINES = "cpu"  # what "auto" takes where nvjpeg's hardware decoder does not open
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
 _SIZE_MARGIN = 1.5  # the first batch reserves at least this many times a mean batch's JPEG bytes in the ring
 _SIZE_SPREADS = 4.0  # ... and at least this many standard deviations of a batch's bytes above their mean

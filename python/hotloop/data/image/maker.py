@@ -21,7 +21,7 @@ from ... import _C, cuda_queues
 from ..batch_maker import BatchMaker, spec_dict, spec_list
 from . import resize as image_resize
 from .decoder_opening import DecoderOpening, open_decoder
-from .gpu_decode import GPU_BACKENDS
+from .gpu_decode import AUTO_WITHOUT_ENGINES, GPU_BACKENDS
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 from .split import SplitBalance
 
@@ -142,7 +142,7 @@ class ImageMaker(BatchMaker):
         self.device = device  # torch.device("cuda", n) or None
         self.decoder = None
         self.backend = None  # "hardware", "cuda", "hybrid" or "cpu" once opened
-        self.reason = None  # why auto did not take the hardware decoder
+        self.reason = None  # why auto did not take the hardware decoder (and the next one, if refused too)
         self._opening = None  # the decoder opening in the background (open_early), until open()
         self._decoding = None  # the _DecodeStream, made with the first batch on the device
         self.balance = None  # split.SplitBalance: the workers' share of the JPEGs, while both pools decode
@@ -178,14 +178,21 @@ class ImageMaker(BatchMaker):
             if opening is not None:
                 opening.close()  # made for the device that was current then; the epoch runs on another
             self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
-        if refusal is None:
+        if refusal is not None and wanted == "auto":
+            # no JPEG engines: NOTE [ Decoding beside the training step ] (gpu_decode.py)
+            self.reason = str(refusal)
+            backend = AUTO_WITHOUT_ENGINES
+            if backend != "cpu":
+                self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
+                if refusal is not None:
+                    backend, self.reason = "cpu", f"{self.reason}; nvjpeg {AUTO_WITHOUT_ENGINES}: {refusal}"
             self.backend = backend
-            cuda_queues.warn_if_narrow("gpu_decode")  # NOTE [ Hardware queues ] in cuda_queues.py
-        elif wanted != "auto":
+        elif refusal is not None:
             raise refusal
         else:
-            # not the SMs: NOTE [ Decoding beside the training step ] (gpu_decode.py)
-            self.backend, self.reason = "cpu", str(refusal)
+            self.backend = backend
+        if self.backend != "cpu":
+            cuda_queues.warn_if_narrow("gpu_decode")  # NOTE [ Hardware queues ] in cuda_queues.py
         self.stats.decoder = self.description
         return self.backend
 
@@ -252,7 +259,10 @@ class ImageMaker(BatchMaker):
             since = f" since {self.decoder_failure}" if self.decoder_failure else ""
             reason = f"; no hardware decoder: {self.reason}" if self.reason else ""
             return f"cpu (workers decode with PIL){since}{reason}"
-        return f"nvjpeg {self.backend} ({self.decoder.library if self.decoder is not None else '?'})"
+        library = self.decoder.library if self.decoder is not None else "?"
+        threads = f", {self.decoder.threads} threads" if self.backend == "hybrid" and self.decoder is not None else ""
+        reason = f"; no hardware decoder: {self.reason}" if self.reason else ""
+        return f"nvjpeg {self.backend} ({library}{threads}){reason}"
 
     def prepare(self, table, empty):
         """Read the batch's table and allocate what it needs (output, decode buffer, entry table) on
