@@ -241,27 +241,42 @@ class _OpenedDecoder:
         self.closed = True
 
 
-@pytest.mark.parametrize("engines", [True, False])
-def test_doctor_says_which_jpeg_decoder_gpu_decode_takes(monkeypatch, engines):
+@pytest.mark.parametrize("engines, without", [(True, "hybrid"), (False, "cpu"), (False, "hybrid"), (False, None)])
+def test_doctor_says_which_jpeg_decoder_gpu_decode_takes(monkeypatch, engines, without):
+    """Without engines: what auto takes next (gpu_decode.AUTO_WITHOUT_ENGINES), or the workers where that
+    does not open either (None: refused)."""
     import torch
 
     from hotloop.cli import doctor
-    from hotloop.data.image import decoder_opening
+    from hotloop.data.image import decoder_opening, gpu_decode
 
     opened = _OpenedDecoder()
+    opened.threads = 7
     asked = []
 
     def open_decoder(device, backend, max_batch):
         asked.append((device, backend))
-        return (opened, None) if engines else (None, RuntimeError("nvjpeg: no hardware JPEG decoder on this GPU"))
+        if backend == "hardware" and not engines:
+            return None, RuntimeError("nvjpeg: no hardware JPEG decoder on this GPU")
+        if backend == "hybrid" and without is None:
+            return None, RuntimeError("nvjpeg: no hybrid today")
+        return opened, None
 
     monkeypatch.setattr(decoder_opening, "open_decoder", open_decoder)
+    monkeypatch.setattr(gpu_decode, "AUTO_WITHOUT_ENGINES", without or "hybrid")
     d = doctor.Doctor()
-    d.jpeg_decode("gpu 0", torch.device("cuda", 0))
+    gpu = torch.device("cuda", 0)
+    d.jpeg_decode("gpu 0", gpu)
     check = d.checks[-1]
-    assert asked == [(torch.device("cuda", 0), "hardware")]
     assert check.name == "gpu 0 JPEG decode" and check.status == "PASS"
     if engines:
+        assert asked == [(gpu, "hardware")]
         assert "JPEG engines (backend 'hardware')" in check.value and opened.closed
+    elif without == "hybrid":
+        assert asked == [(gpu, "hardware"), (gpu, "hybrid")] and opened.closed
+        assert "backend 'hybrid'" in check.value and "on 7 threads" in check.value
+        assert "no hardware JPEG decoder on this GPU" in check.value
     else:
+        assert asked == [(gpu, "hardware")] + ([(gpu, "hybrid")] if without is None else [])
         assert "backend 'cpu'" in check.value and "no hardware JPEG decoder on this GPU" in check.value
+        assert ("no hybrid today" in check.value) == (without is None)

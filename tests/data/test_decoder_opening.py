@@ -13,6 +13,7 @@ import hotloop
 from hotloop import _C
 from hotloop.data import dataloader
 from hotloop.data.image.gpu_decode import ImagePipeline
+from hotloop.data.image import maker as image_maker
 from hotloop.data.image.maker import ImageMaker
 from hotloop.data.stats import LoaderStats
 
@@ -27,12 +28,14 @@ class SlowDecoder:
 
     made = []
     refuse = None
+    refuse_only = None  # the one backend refused, where set
 
     def __init__(self, paths, device, backend, max_batch):
         time.sleep(OPEN_S)
-        if SlowDecoder.refuse is not None:
+        if SlowDecoder.refuse is not None and SlowDecoder.refuse_only in (None, backend):
             raise SlowDecoder.refuse
         self.device, self.backend, self.max_batch = device, backend, max_batch
+        self.threads = 3
         self.thread = threading.current_thread().name
         self.closed = False
         self.library = "stand-in"
@@ -44,7 +47,7 @@ class SlowDecoder:
 
 @pytest.fixture
 def slow_decoder(monkeypatch):
-    SlowDecoder.made, SlowDecoder.refuse = [], None
+    SlowDecoder.made, SlowDecoder.refuse, SlowDecoder.refuse_only = [], None, None
     monkeypatch.setattr(_C, "JpegDecoder", SlowDecoder)
     return SlowDecoder
 
@@ -107,6 +110,25 @@ def test_a_refusal_in_the_background_is_the_one_open_would_meet(tmp_path, slow_d
         return
     assert maker.open() == "cpu"  # auto: the workers decode, and stats say why
     assert "no hardware JPEG decoder" in maker.stats.decoder
+
+
+@pytest.mark.parametrize("hybrid_opens", [True, False])
+def test_auto_without_engines_takes_the_next_backend(tmp_path, slow_decoder, monkeypatch, hybrid_opens):
+    """auto where the hardware decoder is refused: AUTO_WITHOUT_ENGINES ("hybrid" here) where it opens,
+    else the workers, with every refusal in the stats."""
+    monkeypatch.setattr(image_maker, "AUTO_WITHOUT_ENGINES", "hybrid")
+    slow_decoder.refuse = _C.NvjpegError("nvjpegCreateEx: NVJPEG_STATUS_ARCH_MISMATCH (no hardware JPEG decoder)")
+    slow_decoder.refuse_only = "hardware" if hybrid_opens else None
+    maker = _maker(tmp_path)
+    maker.open_early(torch.device("cuda", 0))
+    if hybrid_opens:
+        assert maker.open() == "hybrid"
+        [decoder] = slow_decoder.made
+        assert maker.decoder is decoder and decoder.backend == "hybrid"
+        assert maker.stats.decoder.startswith("nvjpeg hybrid (stand-in, 3 threads); no hardware decoder: nvjpegCreateEx")
+    else:
+        assert maker.open() == "cpu" and maker.decoder is None and not slow_decoder.made
+        assert "no hardware JPEG decoder" in maker.stats.decoder and "nvjpeg hybrid:" in maker.stats.decoder
 
 
 def test_other_errors_reach_open_unchanged(tmp_path, monkeypatch):
