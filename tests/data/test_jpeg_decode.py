@@ -577,7 +577,7 @@ def test_hybrid_threads_change_no_pixel():
         for i, (got, want) in enumerate(zip(images, seen[1, False], strict=True)):
             assert np.array_equal(got, want), (key, i, kinds[i])
     for got, data in zip(seen[1, False], blobs, strict=True):
-        assert within("hybrid", *differences(got, data))
+        assert within("hybrid", *differences(got, data), decoder.interpolate)
     with pytest.raises(ValueError, match="threads: expected 1 to 64"):
         decoder.threads = 0
     decoder.close()
