@@ -3,11 +3,12 @@ many workstation and cloud cards), measured on whatever GPU runs them by forcing
 one by one, in the user's loop (image_loop.plain_loop), alternated with torch's loader in one process:
 
 - backend "cpu": the workers decode (with PIL, at a DCT scale where the crop allows) and ship pixels;
-  the crop, resize, flip and normalisation run as one GPU kernel. auto takes it where nvjpeg's
-  hardware decoder cannot open.
+  the crop, resize, flip and normalisation run as one GPU kernel. auto takes it where nvjpeg does not
+  open at all.
 - backend "cuda": nvjpeg decodes on the SMs, beside the training step's kernels.
 - backend "hybrid": nvjpeg's Huffman decoding on the main process's threads, the IDCT and colour on the
-  SMs (NOTE [ Hybrid lanes ] in csrc/nvjpeg_hybrid.c).
+  SMs (NOTE [ Hybrid lanes ] in csrc/nvjpeg_hybrid.c). auto takes it where nvjpeg's hardware decoder
+  cannot open.
 - torch's loader with torchvision's transform in (cores - 1, at most 15) workers.
 - backend "hardware": the engines, as a reference for what the cards that have them reach.
 

@@ -2,8 +2,9 @@
 user's own phone pictures are): torchvision's Resize(256) + CenterCrop(224) + ToTensor + Normalize,
 torch's DataLoader in (cores - 1, at most 15) workers against hotloop.DataLoader(gpu_decode=...) in at
 most 8, in the user's loop (image_loop.plain_loop with no step: a pass that only reads), alternated in
-one process. Each of gpu_decode's backends is forced in turn: "cpu" is what auto takes on a GPU without
-JPEG engines; "hardware", the engines, where the GPU has them.
+one process. Each of gpu_decode's backends is forced in turn: "hybrid" is what auto takes on a GPU
+without JPEG engines; "cpu", the workers' decode at a DCT scale; "hardware", the engines, where the GPU
+has them.
 
 The figure is the whole pass's rate, from iter() to the last batch on the GPU (worker start
 included, as a user's validation pass pays it), and the CPU ms per image of the process tree.

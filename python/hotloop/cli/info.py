@@ -72,14 +72,25 @@ def _nvjpeg() -> dict:
 
 
 def _jpeg_decoder(device) -> str:
-    """The backend gpu_decode's "auto" takes on this GPU: its hardware JPEG decoders, or the workers."""
+    """The backend gpu_decode's "auto" takes on this GPU: its hardware JPEG decoders, else
+    AUTO_WITHOUT_ENGINES where it opens, else the workers."""
+    from ..data.image.gpu_decode import AUTO_WITHOUT_ENGINES
     from ..data.image.nvjpeg import nvjpeg_library_candidates
 
     try:
         _C.JpegDecoder(nvjpeg_library_candidates(), device, "hardware", 1).close()
     except RuntimeError as exc:
-        return f"workers (no hardware JPEG decoder: {str(exc).splitlines()[0]})"
-    return "nvjpeg hardware"
+        why = f"no hardware JPEG decoder: {str(exc).splitlines()[0]}"
+    else:
+        return "nvjpeg hardware"
+    if AUTO_WITHOUT_ENGINES != "cpu":
+        try:
+            _C.JpegDecoder(nvjpeg_library_candidates(), device, AUTO_WITHOUT_ENGINES, 1).close()
+        except RuntimeError as exc:
+            why += f"; nvjpeg {AUTO_WITHOUT_ENGINES}: {str(exc).splitlines()[0]}"
+        else:
+            return f"nvjpeg {AUTO_WITHOUT_ENGINES} ({why})"
+    return f"workers ({why})"
 
 
 def cuda_version_text(version):

@@ -17,13 +17,18 @@ BACKENDS = ("auto", "hardware", "cuda", "hybrid", "cpu")
 GPU_BACKENDS = ("hardware", "cuda", "hybrid")  # nvjpeg's: JpegDecoder's backend names
 
 # NOTE [ Decoding beside the training step ]
-# nvjpeg's CUDA backend decodes on the SMs, in kernels that run beside the training step's own and
-# take SMs and memory bandwidth from them: a step slows while a batch decodes next to it. The
-# hardware backend uses the GPU's JPEG engines, which the step does not use, and the workers' PIL
-# decode uses the host's cores. So "auto" takes the hardware decoder where the GPU has one and
-# otherwise decodes in the workers, never on the SMs; "cuda" is there for whoever asks for it.
-# Cited by GpuDecode's docstring and maker.ImageMaker.open.
-AUTO_WITHOUT_ENGINES = "cpu"  # what "auto" takes where nvjpeg's hardware decoder does not open
+# nvjpeg's CUDA backend decodes everything on the SMs, the Huffman codes included, in kernels that run
+# beside the training step's own and take SMs and memory bandwidth from them: a step slows while a
+# batch decodes next to it. The hardware backend uses the GPU's JPEG engines, which the step does not
+# use. The hybrid backend decodes the Huffman codes, most of a decode's work, on the main process's
+# threads (NOTE [ Hybrid lanes ] in csrc/nvjpeg_hybrid.c) and leaves the SMs only the IDCT and the
+# colour conversion. So "auto" takes the engines where the GPU has them, else the hybrid backend, else
+# (no nvjpeg) the workers' PIL decode. With the engines switched off, the photo bench
+# (bench/photo_backends.py, docs/gpu-decode.md) measured the hybrid backend ahead of the workers' decode
+# and of torch's loader alone and feeding ResNet-18 and ResNet-50, and the cuda backend behind both fed:
+# the step lost less to the hybrid's kernels than it gained from batches that came sooner. "cuda" is
+# there for whoever asks for it. Cited by GpuDecode's docstring and maker.ImageMaker.open.
+AUTO_WITHOUT_ENGINES = "hybrid"  # what "auto" takes where nvjpeg's hardware decoder does not open
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
 _SIZE_MARGIN = 1.5  # the first batch reserves at least this many times a mean batch's JPEG bytes in the ring
 _SIZE_SPREADS = 4.0  # ... and at least this many standard deviations of a batch's bytes above their mean
@@ -34,8 +39,9 @@ class GpuDecode:
     GpuDecode()).
 
     backend: "auto" (default): nvjpeg's hardware JPEG decoders where the GPU has them (A100, H100,
-        H200, ...), else decoding in the workers with PIL: the GPU's SMs are left to training
-        (NOTE [ Decoding beside the training step ]). "hardware", "cuda" (nvjpeg on the SMs),
+        H200, ...), else "hybrid" (GeForce cards such as the RTX 4090, and others without engines),
+        else, without nvjpeg, decoding in the workers with PIL (NOTE [ Decoding beside the training
+        step ]). "hardware", "cuda" (nvjpeg on the SMs),
         "hybrid" (nvjpeg's Huffman decoding on the main process's threads, the rest on the SMs) or
         "cpu" (the workers decode) force one; a forced GPU backend that cannot run raises.
         Whatever the backend, the crop, resize, flip and normalisation run as one GPU kernel.
