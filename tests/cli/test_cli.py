@@ -102,3 +102,29 @@ def test_bench_without_torch():
             "sys.exit(main(['bench', 'components', '--quick']))")
     p = run_failing("-c", code, code=2)
     assert "torch" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("opens", [("hardware", "hybrid"), ("hybrid",), ()])
+def test_info_names_the_decoder_auto_takes(monkeypatch, opens):
+    """info's per-GPU JPEG decoder is gpu_decode auto's: the engines, else the hybrid backend, else the
+    workers, with every refusal said (nvjpeg stood in for: no GPU here)."""
+    from hotloop import _C
+    from hotloop.cli import info
+
+    class StandIn:
+        def __init__(self, paths, device, backend, max_batch):
+            if backend not in opens:
+                raise _C.NvjpegError(f"nvjpegCreateEx: no {backend} today\nsecond line")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(_C, "JpegDecoder", StandIn)
+    said = info._jpeg_decoder(0)
+    if "hardware" in opens:
+        assert said == "nvjpeg hardware"
+    elif opens:
+        assert said == "nvjpeg hybrid (no hardware JPEG decoder: nvjpegCreateEx: no hardware today)"
+    else:
+        assert said == ("workers (no hardware JPEG decoder: nvjpegCreateEx: no hardware today; nvjpeg hybrid: "
+                        "nvjpegCreateEx: no hybrid today)")
