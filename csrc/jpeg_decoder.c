@@ -347,8 +347,9 @@ PyDoc_STRVAR(decoder_doc,
              "hotloop.NvjpegError saying \"no hardware JPEG decoder\" on a GPU without them. backend \"cuda\":\n"
              "nvjpeg's GPU-hybrid batched decoder on the SMs, progressive JPEGs one by one with Huffman decoding\n"
              "on the CPU. backend \"hybrid\": nvjpeg's hybrid decoder, Huffman codes decoded on up to `threads`\n"
-             "host threads (0: one per CPU available), the rest on the SMs. interpolate: subsampled chroma upsampled by interpolation, as libjpeg-turbo (PIL) does:\n"
-             "pixels within 1 (hardware) or 3 (cuda) of PIL's; False, or an nvjpeg without the option:\n"
+             "host threads (0: one per CPU available), the rest on the SMs. interpolate: subsampled chroma\n"
+             "upsampled by interpolation, as libjpeg-turbo (PIL) does: pixels within 1 (hardware) or 3 (cuda)\n"
+             "of PIL's, hybrid within the cuda backend's test bounds; False, or an nvjpeg without the option:\n"
              "replicated, up to ~70 off at colour edges. Made on `device`, the current device left\n"
              "as it was. One thread at a time: a second thread calling decode() meanwhile gets RuntimeError;\n"
              "make one decoder per thread.");

@@ -143,8 +143,8 @@ class ImagePipeline:
             if splits:
                 self.capacity += int(split.SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
             self._sized_for = (backend, splits)
-        return EncodedSamples(self.source, self.plan, gpu, progressive=backend in ("cuda", "hybrid"), capacity=self.capacity,
-                              share=share)
+        return EncodedSamples(self.source, self.plan, gpu, progressive=backend in ("cuda", "hybrid"),
+                              capacity=self.capacity, share=share)
 
     def collate_fn(self):
         return functools.partial(collate_encoded, capacity=self.capacity or 0)
