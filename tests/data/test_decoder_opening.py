@@ -115,7 +115,7 @@ def test_a_refusal_in_the_background_is_the_one_open_would_meet(tmp_path, slow_d
 @pytest.mark.parametrize("hybrid_opens", [True, False])
 def test_auto_without_engines_takes_the_next_backend(tmp_path, slow_decoder, monkeypatch, hybrid_opens):
     """auto where the hardware decoder is refused: AUTO_WITHOUT_ENGINES ("hybrid" here) where it opens,
-    else the workers, with every refusal in the stats."""
+    opened in the same background thread, else the workers, with every refusal in the stats."""
     monkeypatch.setattr(image_maker, "AUTO_WITHOUT_ENGINES", "hybrid")
     slow_decoder.refuse = _C.NvjpegError("nvjpegCreateEx: NVJPEG_STATUS_ARCH_MISMATCH (no hardware JPEG decoder)")
     slow_decoder.refuse_only = "hardware" if hybrid_opens else None
@@ -125,6 +125,7 @@ def test_auto_without_engines_takes_the_next_backend(tmp_path, slow_decoder, mon
         assert maker.open() == "hybrid"
         [decoder] = slow_decoder.made
         assert maker.decoder is decoder and decoder.backend == "hybrid"
+        assert decoder.thread == "hotloop-nvjpeg-open"  # the whole chain opens in the background
         assert maker.stats.decoder.startswith("nvjpeg hybrid (stand-in, 3 threads); no hardware decoder: nvjpegCreateEx")
     else:
         assert maker.open() == "cpu" and maker.decoder is None and not slow_decoder.made

@@ -20,7 +20,7 @@ import torch
 from ... import _C, cuda_queues
 from ..batch_maker import BatchMaker, spec_dict, spec_list
 from . import resize as image_resize
-from .decoder_opening import DecoderOpening, open_decoder
+from .decoder_opening import DecoderOpening, open_first
 from .gpu_decode import AUTO_WITHOUT_ENGINES, GPU_BACKENDS
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 from .split import SplitBalance
@@ -154,11 +154,15 @@ class ImageMaker(BatchMaker):
         for the CPU backend or once open() ran."""
         if self.backend is not None or self._opening is not None or self.pipeline.config.backend == "cpu":
             return
-        self._opening = DecoderOpening(device, self._gpu_backend(), self.pipeline.batch_size)
+        self._opening = DecoderOpening(device, self._gpu_backends(), self.pipeline.batch_size)
 
-    def _gpu_backend(self):
+    def _gpu_backends(self):
+        """The GPU decoders to try, in order: the one asked for; for auto the engines, then the next
+        (NOTE [ Decoding beside the training step ] in gpu_decode.py)."""
         wanted = self.pipeline.config.backend
-        return wanted if wanted in ("cuda", "hybrid") else "hardware"
+        if wanted != "auto":
+            return (wanted,)
+        return ("hardware",) if AUTO_WITHOUT_ENGINES == "cpu" else ("hardware", AUTO_WITHOUT_ENGINES)
 
     def open(self):
         if self.backend is not None:
@@ -171,26 +175,18 @@ class ImageMaker(BatchMaker):
                 raise ValueError(f"DataLoader: gpu_decode backend {wanted!r} needs device='cuda'")
             self.stats.decoder = self.description
             return self.backend
-        backend = self._gpu_backend()
         if opening is not None and opening.device == self.device:
-            self.decoder, refusal = opening.result()
+            self.decoder, backend, refusals = opening.result()
         else:
             if opening is not None:
                 opening.close()  # made for the device that was current then; the epoch runs on another
-            self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
-        if refusal is not None and wanted == "auto":
-            # no JPEG engines: NOTE [ Decoding beside the training step ] (gpu_decode.py)
-            self.reason = str(refusal)
-            backend = AUTO_WITHOUT_ENGINES
-            if backend != "cpu":
-                self.decoder, refusal = open_decoder(self.device, backend, self.pipeline.batch_size)
-                if refusal is not None:
-                    backend, self.reason = "cpu", f"{self.reason}; nvjpeg {AUTO_WITHOUT_ENGINES}: {refusal}"
-            self.backend = backend
-        elif refusal is not None:
-            raise refusal
-        else:
-            self.backend = backend
+            self.decoder, backend, refusals = open_first(self.device, self._gpu_backends(), self.pipeline.batch_size)
+        if self.decoder is None and wanted != "auto":
+            raise refusals[0][1]
+        if refusals:  # auto without JPEG engines: NOTE [ Decoding beside the training step ] (gpu_decode.py)
+            self.reason = "; ".join(str(refusal) if k == 0 else f"nvjpeg {name}: {refusal}"
+                                    for k, (name, refusal) in enumerate(refusals))
+        self.backend = backend if self.decoder is not None else "cpu"
         if self.backend != "cpu":
             cuda_queues.warn_if_narrow("gpu_decode")  # NOTE [ Hardware queues ] in cuda_queues.py
         self.stats.decoder = self.description
