@@ -12,8 +12,8 @@ from torchvision.datasets import ImageFolder
 import hotloop
 from hotloop import _C
 from hotloop.data import dataloader
+from hotloop.data.image import gpu_decode
 from hotloop.data.image.gpu_decode import ImagePipeline
-from hotloop.data.image import maker as image_maker
 from hotloop.data.image.maker import ImageMaker
 from hotloop.data.stats import LoaderStats
 
@@ -116,7 +116,7 @@ def test_a_refusal_in_the_background_is_the_one_open_would_meet(tmp_path, slow_d
 def test_auto_without_engines_takes_the_next_backend(tmp_path, slow_decoder, monkeypatch, hybrid_opens):
     """auto where the hardware decoder is refused: AUTO_WITHOUT_ENGINES ("hybrid" here) where it opens,
     opened in the same background thread, else the workers, with every refusal in the stats."""
-    monkeypatch.setattr(image_maker, "AUTO_WITHOUT_ENGINES", "hybrid")
+    monkeypatch.setattr(gpu_decode, "AUTO_WITHOUT_ENGINES", "hybrid")
     slow_decoder.refuse = _C.NvjpegError("nvjpegCreateEx: NVJPEG_STATUS_ARCH_MISMATCH (no hardware JPEG decoder)")
     slow_decoder.refuse_only = "hardware" if hybrid_opens else None
     maker = _maker(tmp_path)

@@ -218,28 +218,26 @@ class Doctor:
 
     def jpeg_decode(self, tag, device):
         """Which decoder hotloop.DataLoader(gpu_decode=True) takes on `device`: the JPEG engines where
-        nvjpeg's hardware decoder opens there, else AUTO_WITHOUT_ENGINES where it opens, else the
+        nvjpeg's hardware decoder opens there, else the next of auto's backends that opens, else the
         workers (NOTE [ Decoding beside the training step ] in data/image/gpu_decode.py)."""
-        from ..data.image.decoder_opening import open_decoder
-        from ..data.image.gpu_decode import AUTO_WITHOUT_ENGINES
+        from ..data.image.decoder_opening import open_first
+        from ..data.image.gpu_decode import auto_backends
 
-        decoder, refusal = open_decoder(device, "hardware", 1)
+        decoder, backend, refusals = open_first(device, auto_backends(), 1)
+        threads = getattr(decoder, "threads", None)
         if decoder is not None:
             decoder.close()
+        why = "; ".join(str(refusal) if k == 0 else f"nvjpeg {name}: {refusal}"
+                        for k, (name, refusal) in enumerate(refusals))
+        if backend == "hardware":
             self.add(f"{tag} JPEG decode", "PASS", "gpu_decode takes nvjpeg's JPEG engines (backend 'hardware')")
-            return
-        if AUTO_WITHOUT_ENGINES == "hybrid":
-            hybrid, why = open_decoder(device, "hybrid", 1)
-            if hybrid is not None:
-                threads = hybrid.threads
-                hybrid.close()
-                self.add(f"{tag} JPEG decode", "PASS", "gpu_decode takes backend 'hybrid': nvjpeg decodes Huffman "
-                         f"codes on {threads} threads of the main process, the rest on the GPU; no JPEG engines "
-                         f"here ({refusal})")
-                return
-            refusal = f"{refusal}; nvjpeg hybrid: {why}"
-        self.add(f"{tag} JPEG decode", "PASS", f"gpu_decode takes backend 'cpu': the workers decode with PIL, "
-                 f"the GPU crops, resizes and normalises; no JPEG engines here ({refusal})")
+        elif backend == "hybrid":
+            self.add(f"{tag} JPEG decode", "PASS", "gpu_decode takes backend 'hybrid': nvjpeg decodes Huffman "
+                     f"codes on {threads} threads of the main process, the rest on the GPU; no JPEG engines "
+                     f"here ({why})")
+        else:
+            self.add(f"{tag} JPEG decode", "PASS", f"gpu_decode takes backend 'cpu': the workers decode with PIL, "
+                     f"the GPU crops, resizes and normalises; no JPEG engines here ({why})")
 
     def power(self, tag, info):
         draw, limit, default = info["power_mw"], info["power_limit_mw"], info["power_default_limit_mw"]

@@ -72,25 +72,21 @@ def _nvjpeg() -> dict:
 
 
 def _jpeg_decoder(device) -> str:
-    """The backend gpu_decode's "auto" takes on this GPU: its hardware JPEG decoders, else
-    AUTO_WITHOUT_ENGINES where it opens, else the workers."""
-    from ..data.image.gpu_decode import AUTO_WITHOUT_ENGINES
+    """The backend gpu_decode's "auto" takes on this GPU: its hardware JPEG decoders, else the next of
+    auto's backends that opens, else the workers."""
+    from ..data.image.gpu_decode import auto_backends
     from ..data.image.nvjpeg import nvjpeg_library_candidates
 
-    try:
-        _C.JpegDecoder(nvjpeg_library_candidates(), device, "hardware", 1).close()
-    except RuntimeError as exc:
-        why = f"no hardware JPEG decoder: {str(exc).splitlines()[0]}"
-    else:
-        return "nvjpeg hardware"
-    if AUTO_WITHOUT_ENGINES != "cpu":
+    refusals = []
+    for backend in auto_backends():
         try:
-            _C.JpegDecoder(nvjpeg_library_candidates(), device, AUTO_WITHOUT_ENGINES, 1).close()
+            _C.JpegDecoder(nvjpeg_library_candidates(), device, backend, 1).close()
         except RuntimeError as exc:
-            why += f"; nvjpeg {AUTO_WITHOUT_ENGINES}: {str(exc).splitlines()[0]}"
-        else:
-            return f"nvjpeg {AUTO_WITHOUT_ENGINES} ({why})"
-    return f"workers ({why})"
+            refusals.append(f"nvjpeg {backend}: {str(exc).splitlines()[0]}" if refusals
+                            else f"no hardware JPEG decoder: {str(exc).splitlines()[0]}")
+            continue
+        return f"nvjpeg {backend}" + (f" ({'; '.join(refusals)})" if refusals else "")
+    return f"workers ({'; '.join(refusals)})"
 
 
 def cuda_version_text(version):

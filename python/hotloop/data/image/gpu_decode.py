@@ -29,6 +29,11 @@ GPU_BACKENDS = ("hardware", "cuda", "hybrid")  # nvjpeg's: JpegDecoder's backend
 # the step lost less to the hybrid's kernels than it gained from batches that came sooner. "cuda" is
 # there for whoever asks for it. Cited by GpuDecode's docstring and maker.ImageMaker.open.
 AUTO_WITHOUT_ENGINES = "hybrid"  # what "auto" takes where nvjpeg's hardware decoder does not open
+
+
+def auto_backends():
+    """The GPU decoders "auto" tries, in order; the workers decode where none opens."""
+    return ("hardware",) if AUTO_WITHOUT_ENGINES == "cpu" else ("hardware", AUTO_WITHOUT_ENGINES)
 _SIZE_SAMPLE = 64  # files whose sizes estimate a batch's bytes
 _SIZE_MARGIN = 1.5  # the first batch reserves at least this many times a mean batch's JPEG bytes in the ring
 _SIZE_SPREADS = 4.0  # ... and at least this many standard deviations of a batch's bytes above their mean

@@ -21,7 +21,7 @@ from ... import _C, cuda_queues
 from ..batch_maker import BatchMaker, spec_dict, spec_list
 from . import resize as image_resize
 from .decoder_opening import DecoderOpening, open_first
-from .gpu_decode import AUTO_WITHOUT_ENGINES, GPU_BACKENDS
+from .gpu_decode import GPU_BACKENDS, auto_backends
 from .source import COLUMNS, DONE, ENCODED, MARKER, PIXELS, column
 from .split import SplitBalance
 
@@ -160,9 +160,7 @@ class ImageMaker(BatchMaker):
         """The GPU decoders to try, in order: the one asked for; for auto the engines, then the next
         (NOTE [ Decoding beside the training step ] in gpu_decode.py)."""
         wanted = self.pipeline.config.backend
-        if wanted != "auto":
-            return (wanted,)
-        return ("hardware",) if AUTO_WITHOUT_ENGINES == "cpu" else ("hardware", AUTO_WITHOUT_ENGINES)
+        return (wanted,) if wanted != "auto" else auto_backends()
 
     def open(self):
         if self.backend is not None:
