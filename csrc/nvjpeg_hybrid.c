@@ -182,17 +182,22 @@ void hl_jpeg_lanes_decode(hl_jpeg_lanes *l, int device, const hl_jpeg_job *jobs,
         threads = HL_JPEG_MAX_LANES;
     if (threads < 1)
         threads = 1;
-    while (l->made < threads) { /* a lane half made is freed with the others at close */
+    while (l->made < threads) {
         const char *call = NULL;
         nvjpegStatus_t rc = lane_make(l, &l->lanes[l->made], cuda, &call);
-        l->made++;
         if (rc != NVJPEG_STATUS_SUCCESS || cuda->code != 0) {
+            /* a lane half made is freed now and made again by a later call: counted as made, its
+               missing objects would reach nvjpeg */
+            const char *ignored_call = NULL;
+            hl_cuda_status ignored = {0};
+            lane_free(l->lib, &l->lanes[l->made], &ignored, &ignored_call);
             for (int k = 0; k < count; k++) {
                 rcs[k] = rc != NVJPEG_STATUS_SUCCESS ? rc : NVJPEG_STATUS_EXECUTION_FAILED;
                 calls[k] = call != NULL ? call : "cuEventCreate";
             }
             return;
         }
+        l->made++;
     }
     lanes_call c = {.lanes = l, .device = device, .lane_count = threads, .jobs = jobs, .stream = stream,
                     .rcs = rcs, .calls = calls, .cuda = cuda};
