@@ -45,6 +45,8 @@ static void load_driver(void) {
         {SLOT(cuEventDestroy), {"cuEventDestroy_v2"}},
         {SLOT(cuStreamWaitEvent), {"cuStreamWaitEvent"}},
         {SLOT(cuStreamSynchronize), {"cuStreamSynchronize"}},
+        {SLOT(cuStreamCreate), {"cuStreamCreate"}},
+        {SLOT(cuStreamDestroy), {"cuStreamDestroy_v2"}},
         {SLOT(cuModuleLoadData), {"cuModuleLoadData"}},
         {SLOT(cuModuleGetFunction), {"cuModuleGetFunction"}},
         {SLOT(cuLaunchKernel), {"cuLaunchKernel"}},

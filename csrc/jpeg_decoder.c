@@ -220,12 +220,25 @@ static int set_threads(PyObject *self, PyObject *value, void *Py_UNUSED(closure)
     long threads = PyLong_AsLong(value);
     if (threads == -1 && PyErr_Occurred())
         return -1;
-    if (threads < 1 || threads > HL_JPEG_MAX_LANES) {
-        PyErr_Format(PyExc_ValueError, "JpegDecoder.threads: expected 1 to %d, got %ld", HL_JPEG_MAX_LANES, threads);
+    int least = ((hl_jpeg_decoder *)self)->engine.backend == HL_JPEG_HARDWARE ? 0 : 1; /* 0: the engines alone */
+    if (threads < least || threads > HL_JPEG_MAX_LANES) {
+        PyErr_Format(PyExc_ValueError, "JpegDecoder.threads: expected %d to %d, got %ld", least, HL_JPEG_MAX_LANES,
+                     threads);
         return -1;
     }
     ((hl_jpeg_decoder *)self)->engine.threads = (int)threads;
     return 0;
+}
+
+static PyObject *get_lane_share(PyObject *self, void *Py_UNUSED(closure)) {
+    const hl_jpeg_engine *e = &((hl_jpeg_decoder *)self)->engine;
+    if (e->beside.handle == NULL)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(e->beside.share);
+}
+
+static PyObject *get_lane_images(PyObject *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLongLong(((hl_jpeg_decoder *)self)->engine.beside.images);
 }
 
 /* the CPUs this process may run on, at most HL_JPEG_MAX_LANES: the hybrid backend's threads by default */
@@ -257,7 +270,13 @@ static PyGetSetDef decoder_getset[] = {
     {"size_order", get_size_order, set_size_order,
      "hand each batch's images to the decoder largest first (on by default for the hardware backend)", NULL},
     {"threads", get_threads, set_threads,
-     "hybrid backend: the most host threads a decode() decodes Huffman codes on, the caller's included", NULL},
+     "the most host threads a decode() decodes Huffman codes on, the caller's included; hardware backend: "
+     "beside the engines, 0 for none", NULL},
+    {"lane_share", get_lane_share, NULL,
+     "hardware backend with threads: the share of a batch's pixels the host threads take now (learnt from the "
+     "batches before); else None", NULL},
+    {"lane_images", get_lane_images, NULL, "hardware backend: images the host threads decoded beside the engines",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -287,8 +306,7 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         return NULL;
     }
     if (threads < 0 || threads > HL_JPEG_MAX_LANES) {
-        PyErr_Format(PyExc_ValueError, "JpegDecoder: threads: expected 1 to %d (0: the CPUs available), got %d",
-                     HL_JPEG_MAX_LANES, threads);
+        PyErr_Format(PyExc_ValueError, "JpegDecoder: threads: expected 0 to %d, got %d", HL_JPEG_MAX_LANES, threads);
         return NULL;
     }
     if (max_batch < 1 || max_batch > 65536) {
@@ -311,7 +329,7 @@ static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
         Py_DECREF(d);
         return PyErr_NoMemory();
     }
-    d->engine.threads = threads > 0 ? threads : available_cpus();
+    d->engine.threads = threads > 0 || backend != HL_JPEG_HYBRID ? threads : available_cpus();
     hl_jpeg_failure f = {0};
     Py_BEGIN_ALLOW_THREADS
     hl_jpeg_engine_open(&d->engine, &f);
@@ -347,7 +365,9 @@ PyDoc_STRVAR(decoder_doc,
              "hotloop.NvjpegError saying \"no hardware JPEG decoder\" on a GPU without them. backend \"cuda\":\n"
              "nvjpeg's GPU-hybrid batched decoder on the SMs, progressive JPEGs one by one with Huffman decoding\n"
              "on the CPU. backend \"hybrid\": nvjpeg's hybrid decoder, Huffman codes decoded on up to `threads`\n"
-             "host threads (0: one per CPU available), the rest on the SMs. interpolate: subsampled chroma\n"
+             "host threads (0: one per CPU available), the rest on the SMs. The hardware backend with `threads`\n"
+             "above 0 also decodes a share of each batch, learnt from the batches before, and the JPEGs the\n"
+             "engines refuse, on that many host threads with the hybrid decoder. interpolate: subsampled chroma\n"
              "upsampled by interpolation, as libjpeg-turbo (PIL) does: pixels within 1 (hardware) or 3 (cuda)\n"
              "of PIL's, hybrid within the cuda backend's test bounds; False, or an nvjpeg without the option:\n"
              "replicated, up to ~70 off at colour edges. Made on `device`, the current device left\n"

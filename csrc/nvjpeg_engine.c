@@ -5,6 +5,8 @@
 #include "nvjpeg_cuda.h"
 #include "nvjpeg_hybrid.h"
 
+#include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -36,6 +38,11 @@ static void release_all(hl_jpeg_engine *d, hl_jpeg_failure *f) {
     /* the last decode's work must be over before its buffers go (a targeted wait, not a device sync) */
     if (d->done_pending)
         HL_CUDA(&f->cuda, event_synchronize(d->done));
+    if (d->beside.handle != NULL) { /* its lanes with it */
+        const char *call = NULL;
+        if ((rc = hl_jpeg_beside_close(&d->beside, &d->lanes, n, &f->cuda, &call)) != 0 && f->call == NULL)
+            NVJPEG_FAILED(f, rc, call);
+    }
     if (d->lanes.lib != NULL) {
         const char *call = NULL;
         if ((rc = hl_jpeg_lanes_close(&d->lanes, &f->cuda, &call)) != 0 && f->call == NULL)
@@ -294,13 +301,13 @@ static int decode_batch(hl_jpeg_engine *d, hl_jpeg_batched *b, decode_call *c, c
 
 /* The images order[0..count) on the hybrid backend's lanes (NOTE [ Hybrid lanes ] in nvjpeg_hybrid.c).
    0, or -1 on a CUDA failure (kept in c->f). */
-static int decode_lanes(hl_jpeg_engine *d, decode_call *c, const int *order, int count) {
+static int decode_lanes(hl_jpeg_engine *d, decode_call *c, const int *order, int count, hl_stream_t stream) {
     for (int k = 0; k < count; k++) {
         d->jobs[k].data = source_of(c, order[k]);
         d->jobs[k].length = (size_t)c->src[2 * order[k] + 1];
         d->jobs[k].image = image_of(c, order[k]);
     }
-    hl_jpeg_lanes_decode(&d->lanes, d->device, d->jobs, count, c->stream, d->threads, d->rcs, d->calls, &c->f->cuda);
+    hl_jpeg_lanes_decode(&d->lanes, d->device, d->jobs, count, stream, d->threads, d->rcs, d->calls, &c->f->cuda);
     for (int k = 0; k < count; k++)
         c->status[order[k]] = d->rcs[k] == NVJPEG_STATUS_SUCCESS ? HL_JPEG_DECODED
                                                                  : leaf_status(c, d->rcs[k], d->calls[k]);
@@ -360,11 +367,113 @@ static void sort_largest_first(hl_jpeg_engine *d, int *order, int count) {
         order[k] = 65535 - (int)(d->keys[k] & 0x1ffff);
 }
 
+/* ---------------------------------------------------------------------------------------------
+   The hardware backend with lanes beside the engines (NOTE [ Lanes beside the engines ] in
+   nvjpeg_beside.c). */
+
+/* The engines' half of a call, on a thread of its own: a decode_call and a failure of its own, merged
+   into the caller's once the thread is joined. */
+typedef struct {
+    hl_jpeg_engine *d;
+    decode_call c;
+    hl_jpeg_failure f;
+    const int *order, *plain_order;
+    int batched, plain;
+} engines_part;
+
+static void engines_decode(engines_part *p) {
+    hl_jpeg_engine *d = p->d;
+    DEVICE_GUARD guard;
+    DEVICE_ENTER(&guard, d->device, &p->f.cuda);
+    if (p->f.cuda.code == 0 && (p->batched == 0 || decode_batch(d, &d->batched, &p->c, p->order, p->batched) == 0) &&
+        (p->plain == 0 || decode_batch(d, &d->plain, &p->c, p->plain_order, p->plain) == 0))
+        HL_CUDA(&p->f.cuda, event_record(d->beside.marks[1], p->c.stream));
+    DEVICE_LEAVE(&guard, &p->f.cuda);
+}
+
+static void *engines_thread(void *arg) {
+    engines_decode(arg);
+    return NULL;
+}
+
+static long long pixels_of(const hl_jpeg_engine *d, const int *order, int count) {
+    long long pixels = 0;
+    for (int k = 0; k < count; k++)
+        pixels += (long long)d->widths[order[k]] * d->heights[order[k]];
+    return pixels;
+}
+
+/* The engines' images (order[0..batched), plain_order[0..plain)) on a thread of their own while this
+   one decodes lane_order[0..lanes) on the lanes; both timed. 0, or -1 on a failure (kept in c->f). */
+static int decode_beside(hl_jpeg_engine *d, decode_call *c, const int *order, int batched, const int *plain_order,
+                         int plain, int lanes) {
+    hl_jpeg_beside *b = &d->beside;
+    hl_jpeg_failure *f = c->f;
+    engines_part p = {.d = d, .c = *c, .order = order, .plain_order = plain_order, .batched = batched,
+                      .plain = plain};
+    p.c.f = &p.f;
+    p.c.other_call = NULL;
+    HL_CUDA(&f->cuda, event_record(b->go, c->stream));
+    HL_CUDA(&f->cuda, stream_wait(b->stream, b->go));
+    HL_CUDA(&f->cuda, event_record(b->marks[0], c->stream));
+    HL_CUDA(&f->cuda, event_record(b->marks[2], b->stream));
+    if (f->cuda.code != 0)
+        return -1;
+    pthread_t thread;
+    int started = 0;
+    if (batched + plain > 0) {
+        sigset_t all, old; /* the thread blocks every signal: the main thread takes them, as without it */
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
+        started = pthread_create(&thread, NULL, engines_thread, &p) == 0;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (!started)
+            engines_decode(&p); /* one pool after the other: slower, never wrong */
+    }
+    if (decode_lanes(d, c, d->lane_order, lanes, b->stream) == 0)
+        HL_CUDA(&f->cuda, event_record(b->marks[3], b->stream));
+    if (started)
+        pthread_join(thread, NULL);
+    if (f->cuda.code == 0 && f->call == NULL && (p.f.cuda.code != 0 || p.f.call != NULL))
+        *f = p.f;
+    if (c->other_call == NULL && p.c.other_call != NULL) {
+        c->other = p.c.other;
+        c->other_call = p.c.other_call;
+    }
+    if (f->cuda.code != 0 || f->call != NULL)
+        return -1;
+    HL_CUDA(&f->cuda, stream_wait(c->stream, b->marks[3])); /* the batch is whole on the caller's stream */
+    if (f->cuda.code != 0)
+        return -1;
+    b->images += lanes;
+    b->pixels[0] = pixels_of(d, order, batched) + pixels_of(d, plain_order, plain);
+    b->pixels[1] = pixels_of(d, d->lane_order, lanes);
+    b->marks_pending = b->pixels[0] > 0 && b->pixels[1] > 0;
+    return 0;
+}
+
+/* the lanes' handle, stream and events, made at the first call that wants them; 0, or -1 with the
+   failure in f (and nothing of them left) */
+static int open_beside(hl_jpeg_engine *d, hl_jpeg_failure *f) {
+    const char *call = NULL;
+    nvjpegStatus_t rc = hl_jpeg_beside_open(&d->beside, &d->lanes, d->lib, d->interpolate, &f->cuda, &call);
+    if (rc == NVJPEG_STATUS_SUCCESS && f->cuda.code == 0)
+        return 0;
+    if (rc != NVJPEG_STATUS_SUCCESS)
+        NVJPEG_FAILED(f, rc, call);
+    hl_cuda_status ignored = {0}; /* the first failure is the one to report */
+    hl_jpeg_beside_close(&d->beside, &d->lanes, d->lib, &ignored, &call);
+    return -1;
+}
+
 static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
     const hl_nvjpeg *n = d->lib;
     hl_jpeg_failure *f = c->f;
     int batched = 0, singles = 0, plain = 0; /* order: batched from the front; singles or plain from the end */
     int *order = d->order;
+    int lanes_on = d->backend == HL_JPEG_HARDWARE && d->threads > 0, lanes = 0; /* lanes: d->lane_order */
+    if (lanes_on && d->beside.handle == NULL && open_beside(d, f) < 0)
+        return;
 
     /* 1. every image's header, read here before nvjpeg sees it; bad input stops the call before any work */
     for (int i = 0; i < count; i++) {
@@ -415,6 +524,8 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
             }
             if (rc != NVJPEG_STATUS_SUCCESS)
                 c->status[i] = leaf_status(c, rc, call);
+            else if (unsupported && lanes_on)
+                d->lane_order[lanes++] = i; /* the hybrid decoder takes what the engines do not */
             else if (unsupported)
                 c->status[i] = HL_JPEG_UNSUPPORTED;
             else if (d->plain.handle != NULL && !chroma_upsampled(&info))
@@ -448,7 +559,31 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
         if (f->cuda.code != 0)
             return;
     }
-    if (batched > 0 && d->backend == HL_JPEG_HYBRID && decode_lanes(d, c, order, batched) < 0)
+    if (lanes_on) { /* NOTE [ Lanes beside the engines ] (nvjpeg_beside.c) */
+        int *plain_order = order + count - plain, refused = lanes;
+        double refused_pixels = (double)pixels_of(d, d->lane_order, lanes), dealt[2] = {refused_pixels, refused_pixels};
+        hl_jpeg_beside_learn(&d->beside);
+        batched = hl_jpeg_beside_split(&d->beside, order, batched, d->widths, d->heights, d->lane_order, &lanes,
+                                       dealt);
+        int from_batched = lanes - refused;
+        plain = hl_jpeg_beside_split(&d->beside, plain_order, plain, d->widths, d->heights, d->lane_order, &lanes,
+                                     dealt);
+        /* a small batch at a share near either end could leave one pool nothing, and its rate unmeasured */
+        if (lanes == refused && batched > 1) {
+            d->lane_order[lanes++] = order[--batched]; /* the engines' smallest */
+        } else if (batched + plain == 0 && from_batched > 1) {
+            order[batched++] = d->lane_order[refused]; /* the lanes' largest the engines could take */
+            memmove(d->lane_order + refused, d->lane_order + refused + 1, sizeof(int) * (size_t)(--lanes - refused));
+        }
+        if (lanes > 0) {
+            if (d->size_order)
+                sort_largest_first(d, d->lane_order, lanes);
+            if (decode_beside(d, c, order, batched, plain_order, plain, lanes) < 0)
+                return;
+            batched = plain = 0; /* decoded; `lanes` has the done event below recorded */
+        }
+    }
+    if (batched > 0 && d->backend == HL_JPEG_HYBRID && decode_lanes(d, c, order, batched, c->stream) < 0)
         return;
     if (batched > 0 && d->backend != HL_JPEG_HYBRID && decode_batch(d, &d->batched, c, order, batched) < 0)
         return;
@@ -457,7 +592,7 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
     for (int s = 0; s < singles; s++)
         if (decode_one(d, c, order[count - 1 - s]) < 0)
             return;
-    if (batched + plain + singles > 0) {
+    if (batched + plain + singles + lanes > 0) {
         HL_CUDA(&f->cuda, event_record(d->done, c->stream));
         d->done_pending = f->cuda.code == 0;
         d->last_stream = c->stream;
@@ -494,11 +629,13 @@ int hl_jpeg_engine_init(hl_jpeg_engine *e, const hl_nvjpeg *lib, int device, int
     e->widths = calloc((size_t)max_batch, sizeof(*e->widths));
     e->heights = calloc((size_t)max_batch, sizeof(*e->heights));
     e->keys = calloc((size_t)max_batch, sizeof(*e->keys));
+    e->lane_order = calloc((size_t)max_batch, sizeof(*e->lane_order));
     e->jobs = calloc((size_t)max_batch, sizeof(*e->jobs));
     e->rcs = calloc((size_t)max_batch, sizeof(*e->rcs));
     e->calls = calloc((size_t)max_batch, sizeof(*e->calls));
     return e->data == NULL || e->lengths == NULL || e->images == NULL || e->order == NULL || e->widths == NULL ||
-                   e->heights == NULL || e->keys == NULL || e->jobs == NULL || e->rcs == NULL || e->calls == NULL
+                   e->heights == NULL || e->keys == NULL || e->lane_order == NULL || e->jobs == NULL ||
+                   e->rcs == NULL || e->calls == NULL
                ? -1
                : 0;
 }
@@ -511,6 +648,7 @@ void hl_jpeg_engine_free(hl_jpeg_engine *e) {
     free(e->widths);
     free(e->heights);
     free(e->keys);
+    free(e->lane_order);
     free(e->jobs);
     free(e->rcs);
     free(e->calls);
@@ -520,6 +658,7 @@ void hl_jpeg_engine_free(hl_jpeg_engine *e) {
     e->order = NULL;
     e->widths = e->heights = NULL;
     e->keys = NULL;
+    e->lane_order = NULL;
     e->jobs = NULL;
     e->rcs = NULL;
     e->calls = NULL;

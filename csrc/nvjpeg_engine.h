@@ -4,6 +4,7 @@
 
 #include "module.h"
 #include "nvjpeg.h"
+#include "nvjpeg_beside.h"
 #include "nvjpeg_hybrid.h"
 
 #include <stdint.h>
@@ -54,8 +55,9 @@ typedef struct {
     hl_stream_t last_stream;
     int done_pending;
 
-    hl_jpeg_lanes lanes; /* hybrid backend */
-    int threads;         /* hybrid backend: the most host threads a decode uses, the caller's included */
+    hl_jpeg_lanes lanes;   /* hybrid backend, or the hardware backend's lanes beside the engines */
+    int threads;           /* the most host threads the lanes use, the caller's included; hardware: 0, none */
+    hl_jpeg_beside beside; /* hardware backend with threads: NOTE [ Lanes beside the engines ] (nvjpeg_beside.c) */
 
     /* per-image scratch, max_batch long; malloc'd: used without the GIL */
     const unsigned char **data;
@@ -64,7 +66,8 @@ typedef struct {
     int *order;
     int *widths, *heights; /* each image's, from its header */
     long long *keys;       /* size_order's sort keys */
-    hl_jpeg_job *jobs;     /* hybrid: the images in decode order, and what nvjpeg said of each */
+    int *lane_order;       /* hardware with threads: the lanes' images */
+    hl_jpeg_job *jobs;     /* lanes: the images in decode order, and what nvjpeg said of each */
     nvjpegStatus_t *rcs;
     const char **calls;
 } hl_jpeg_engine;

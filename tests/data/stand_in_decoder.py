@@ -20,6 +20,7 @@ class GatedDecoder:
     started and wait for `release`; the `fail_at`-th raises `error`. It records the thread of each call."""
 
     library = "PIL, standing in for nvjpeg"
+    threads, lane_share, lane_images = 0, None, 0  # JpegDecoder's: no host threads beside the decoder
 
     def __init__(self):
         self.gate_from = None

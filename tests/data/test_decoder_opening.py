@@ -35,7 +35,7 @@ class SlowDecoder:
         if SlowDecoder.refuse is not None and SlowDecoder.refuse_only in (None, backend):
             raise SlowDecoder.refuse
         self.device, self.backend, self.max_batch = device, backend, max_batch
-        self.threads = 3
+        self.threads = 3 if backend == "hybrid" else 0  # JpegDecoder's defaults: the engines alone
         self.thread = threading.current_thread().name
         self.closed = False
         self.library = "stand-in"

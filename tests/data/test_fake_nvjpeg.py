@@ -124,7 +124,8 @@ DECODE_SCRIPT = """
                 status, error = None, failure(err)
             out["calls"].append(dict(misuses(), status=status, error=error,
                                      images=[fake.fake_nvjpeg_images(t) for t in range(1, 5)],
-                                     most_concurrent_host=fake.fake_nvjpeg_most_concurrent_host()))
+                                     most_concurrent_host=fake.fake_nvjpeg_most_concurrent_host(),
+                                     lane_share=decoder.lane_share, lane_images=decoder.lane_images))
             dests.update({f"{n}_{k}": b for k, b in enumerate(buffers)})
         np.savez(job["out"], **dests)
         fake.fake_nvjpeg_reset()
@@ -389,3 +390,67 @@ def test_the_fake_refuses_steps_out_of_order_and_sees_races(fake_nvjpeg, rng, mo
     assert fake.fake_nvjpeg_live_objects() == live
 
 
+
+def beside_paths(jpegs, images, dests):
+    """(status byte, tag) per image of a call on the engines with lanes beside them: the corrupt one found
+    corrupt and the progressive ones decoded by the lanes, whatever pool took it; any other by the pool
+    whose tag its first pixel holds, the engines or the lanes (check_call then checks every byte)."""
+    paths = []
+    for k, i in enumerate(images):
+        kind = jpegs[i].kind
+        if kind == "corrupt":
+            paths.append((_C.JPEG_CORRUPT, None))
+        elif kind == "progressive":
+            paths.append((_C.JPEG_DECODED, HYBRID_DECOUPLED))
+        else:
+            tag = int(dests[k][1, 0])
+            assert tag in (HARDWARE_BATCHED, HYBRID_DECOUPLED), f"image {k}: {jpegs[i]}: tag {tag}"
+            paths.append((_C.JPEG_DECODED, tag))
+    return paths
+
+
+@needs_cuda_build
+def test_threads_beside_the_engines_decode_each_image_once(libraries, tmp_path, rng):
+    """The hardware backend with two threads beside the engines (NOTE [ Lanes beside the engines ] in
+    csrc/nvjpeg_beside.c): in every call each image decoded once, by the engines or by the hybrid lanes,
+    both pools taking a part; the progressive JPEGs, which the engines refuse, by the lanes; the corrupt
+    one found by whichever pool took it. Then threads=0: the engines alone, as without lanes."""
+    jpegs = mixed_jpegs(rng)
+    everything = [int(i) for i in rng.permutation(len(jpegs))]
+    calls = [everything] * 4 + [(everything, 0)]
+    got, dests = decode(libraries, tmp_path, jpegs, "hardware", calls, rng, threads=2)
+    check_clean(got)
+    progressive = sum(j.kind == "progressive" for j in jpegs)
+    for n, (result, destinations) in enumerate(zip(got["calls"][:4], dests, strict=False)):
+        check_call(jpegs, everything, beside_paths(jpegs, everything, destinations), result, destinations)
+        engines, lanes = result["images"][HARDWARE_BATCHED - 1], result["images"][HYBRID_DECOUPLED - 1]
+        assert engines > 0 and lanes > progressive, (n, result["images"])
+        assert 0.02 <= result["lane_share"] <= 0.98
+    assert got["calls"][3]["lane_images"] >= 4 * (progressive + 1)
+    check_call(jpegs, everything, PATHS["hardware"], got["calls"][4], dests[4])
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("faster", ["engines", "lanes"])
+def test_the_lanes_share_follows_the_faster_pool(libraries, tmp_path, rng, faster):
+    """The share of each batch's pixels the lanes take is learnt from how long each pool took on the
+    batch before: with the engines (in the fake) many times faster per image than two lanes, it falls
+    from its first value toward what the lanes can match; with the lanes faster, it rises past a half.
+    Both pools keep a part of every batch, so both stay measured."""
+    jpegs = [Jpeg(rng, 48, 64, "420") for _ in range(24)]
+    everything = list(range(24))
+    # sleeps long enough that a loaded machine's late wake-ups do not change which pool is faster
+    env = ({"FAKE_NVJPEG_HARDWARE_US": "300", "FAKE_NVJPEG_HYBRID_US": "12000"} if faster == "engines" else
+           {"FAKE_NVJPEG_HARDWARE_US": "12000", "FAKE_NVJPEG_HYBRID_US": "300"})
+    got, dests = decode(libraries, tmp_path, jpegs, "hardware", [everything] * 10, rng, max_batch=24, env=env,
+                        threads=2)
+    check_clean(got)
+    shares = [result["lane_share"] for result in got["calls"]]
+    for result, destinations in zip(got["calls"], dests, strict=True):
+        check_call(jpegs, everything, beside_paths(jpegs, everything, destinations), result, destinations)
+        engines, lanes = result["images"][HARDWARE_BATCHED - 1], result["images"][HYBRID_DECOUPLED - 1]
+        assert engines > 0 and lanes > 0, (shares, result["images"])
+    if faster == "engines":
+        assert shares[-1] < 0.1, shares
+    else:
+        assert shares[-1] > 0.6, shares

@@ -246,6 +246,7 @@ class PilDecoder:
     nvjpeg refuses what it does not support, and those go to the maker's own fallback."""
 
     library = "PIL, standing in for nvjpeg"
+    threads, lane_share, lane_images = 0, None, 0  # JpegDecoder's: no host threads beside the decoder
 
     def __init__(self):
         self.decoded = self.refused = 0

@@ -6,11 +6,13 @@ pixels differ from PIL's by a few levels (tests/data/test_jpeg_decode.py measure
 antialiased resize averages them, an output value differs from the CPU pipeline's by at most
 DECODE_MAX_LEVELS levels of 255 and by DECODE_MEAN_LEVELS on average (asserted per batch)."""
 import gc
+import io
 import os
 import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -20,7 +22,7 @@ import hotloop
 from hotloop.data.image import maker as image_maker
 
 from ..seeding import current_seed
-from .image_folders import EVAL_V2, STD, TRAIN_V1, assert_batches_close, make_folder, seeded_batches
+from .image_folders import EVAL_V2, STD, TRAIN_V1, assert_batches_close, make_folder, make_photo, seeded_batches
 
 pytestmark = pytest.mark.gpu
 
@@ -45,16 +47,17 @@ def _assert_within_decode_bounds(ours, theirs):
     assert worst <= DECODE_MAX_LEVELS
 
 
-def _both_ways(ds, batch, backend):
+def _both_ways(ds, batch, backend, **options):
     """(hotloop's loader, its batches, torch's batches): the same shuffled epoch from a fresh seed,
-    hotloop decoding with `backend` (skips where the GPU has no hardware JPEG decoder)."""
+    hotloop decoding with `backend` and GpuDecode's other `options` (skips where the GPU has no hardware
+    JPEG decoder)."""
     seed = random.randrange(2**31)
     theirs = seeded_batches(TorchDataLoader(ds, batch_size=batch, shuffle=True, num_workers=2,
                                       generator=torch.Generator().manual_seed(seed)))
     try:
         loader = hotloop.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, device="cuda",
                                     generator=torch.Generator().manual_seed(seed),
-                                    gpu_decode=hotloop.GpuDecode(backend=backend))
+                                    gpu_decode=hotloop.GpuDecode(backend=backend, **options))
         return loader, seeded_batches(loader), theirs
     except RuntimeError as exc:
         if backend == "hardware" and "hardware" in str(exc):
@@ -79,6 +82,28 @@ def test_nvjpeg_batches_match_the_cpu_pipeline(tmp_path, backend, make):
     st = loader.stats
     assert st.decoder.startswith(f"nvjpeg {backend}")
     _each_image_decoded_once(st, len(ds))
+
+
+def test_threads_beside_the_engines_match_the_cpu_pipeline(tmp_path):
+    """GpuDecode(threads=) on the engines: a share of each batch and the progressive JPEGs, which the
+    engines refuse, decoded by host threads (NOTE [ Lanes beside the engines ] in csrc/nvjpeg_beside.c),
+    every image within the decoder's bounds and decoded once, none by the workers."""
+    rng = np.random.default_rng(current_seed())
+    progressive = []
+    for k in range(6):
+        out = io.BytesIO()
+        h, w = (int(v) for v in rng.integers(60, 400, size=2))
+        make_photo(rng, h, w).save(out, "JPEG", quality=90, progressive=True)
+        progressive.append((f"progressive{k}.jpg", out.getvalue()))
+    root = make_folder(str(tmp_path), n=48, sizes=(60, 400), extra=progressive)
+    ds = ImageFolder(root, transform=TRAIN_V1(64))
+    loader, ours, theirs = _both_ways(ds, 8, "hardware", threads=2)
+    _assert_within_decode_bounds(ours, theirs)
+    st = loader.stats
+    assert st.decoder.startswith("nvjpeg hardware") and "2 threads beside the engines" in st.decoder
+    _each_image_decoded_once(st, len(ds))
+    assert st.images_cpu_decoded == 0 and len(progressive) <= st.images_on_lanes < len(ds)
+    assert 0.02 <= st.image_lane_share <= 0.98
 
 
 @pytest.mark.parametrize("backend", ["hardware", "cuda", "hybrid"])

@@ -380,7 +380,7 @@ def test_decoder_arguments_checked_first():
     with pytest.raises(TypeError):
         _C.JpegDecoder(["x"], 0, "cuda", 8, True)  # interpolate is keyword-only
     for threads in (-1, 65):
-        with pytest.raises(ValueError, match="threads: expected 1 to 64"):
+        with pytest.raises(ValueError, match="threads: expected 0 to 64"):
             _C.JpegDecoder(["x"], 0, "hybrid", 8, threads=threads)
 
 
@@ -580,6 +580,41 @@ def test_hybrid_threads_change_no_pixel():
         assert within("hybrid", *differences(got, data), decoder.interpolate)
     with pytest.raises(ValueError, match="threads: expected 1 to 64"):
         decoder.threads = 0
+    decoder.close()
+
+
+@pytest.mark.gpu
+def test_threads_beside_the_engines():
+    """The hardware backend with host threads beside the engines (NOTE [ Lanes beside the engines ] in
+    nvjpeg_beside.c): every image of every kind decoded, progressive ones included, each in its own
+    output, within the hybrid backend's bounds (an image may go to either pool); the threads' share of
+    the pixels moves from its first value as it is learnt, and stays within its bounds."""
+    rng = np.random.default_rng(derived_seed())
+    kinds = [KINDS[i % len(KINDS)] for i in range(96)]
+    rng.shuffle(kinds)
+    blobs = [make_jpeg(rng, int(rng.integers(8, 900)), int(rng.integers(8, 900)), k) for k in kinds]
+    decoder = open_decoder("hardware", 96)
+    assert decoder.threads == 0 and decoder.lane_share is None and decoder.lane_images == 0
+    batch = Batch(blobs)
+    statuses, _, _, _ = batch.decode(decoder)
+    assert [s == _C.JPEG_DECODED for s in statuses] == [k != "progressive" for k in kinds]
+    decoder.threads = 3
+    shares = []
+    for _ in range(6):
+        statuses, images, _, _ = batch.decode(decoder)
+        assert statuses == [_C.JPEG_DECODED] * len(blobs)
+        shares.append(decoder.lane_share)
+    report("lanes beside the engines: share per batch", shares)
+    assert decoder.lane_images >= 6 * kinds.count("progressive")
+    assert all(0.02 <= share <= 0.98 for share in shares) and len(set(shares)) > 1
+    for kind, got, data in zip(kinds, images, blobs, strict=True):
+        assert within("hybrid", *differences(got, data), decoder.interpolate), kind
+    check_written(batch, decoder, images, statuses)
+    with pytest.raises(ValueError, match="threads: expected 0 to 64"):
+        decoder.threads = -1
+    decoder.threads = 0  # the engines alone again: the progressive ones refused
+    statuses, _, _, _ = batch.decode(decoder)
+    assert [s == _C.JPEG_DECODED for s in statuses] == [k != "progressive" for k in kinds]
     decoder.close()
 
 

@@ -5,12 +5,16 @@
    (cuInit's result, default 0) and FAKE_CUDA_FAIL=name:code (that entry point returns code).
    "Device" memory is host memory: a copy is a memcpy. A module accepts a cubin (ELF) or PTX text,
    and finds a function only if the image holds its name, so a test sees a kernel image that lacks
-   an entry point. The test reads what happened through the fake_cuda_* counters. */
+   an entry point. An event records the host's clock, so that the time between two is what the
+   synchronous work between their records took. The test reads what happened through the fake_cuda_*
+   counters. */
+#define _POSIX_C_SOURCE 200809L
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -22,7 +26,8 @@ static char fail_name[64];
 static int fail_code;
 static _Thread_local handle current_context;
 
-static _Atomic long modules_loaded, functions_found, kernels_launched, host_registered, events_live, copies;
+static _Atomic long modules_loaded, functions_found, kernels_launched, host_registered, events_live, streams_live,
+    copies;
 static char last_launch[128];
 
 EXPORT long fake_cuda_modules_loaded(void) { return modules_loaded; }
@@ -31,6 +36,7 @@ EXPORT long fake_cuda_kernels_launched(void) { return kernels_launched; }
 EXPORT long fake_cuda_host_registered(void) { return host_registered; }
 EXPORT long fake_cuda_events_live(void) { return events_live; }
 EXPORT long fake_cuda_copies(void) { return copies; }
+EXPORT long fake_cuda_streams_live(void) { return streams_live; }
 EXPORT const char *fake_cuda_last_launch(void) { return last_launch; }
 
 static int env_int(const char *name, int fallback) {
@@ -140,17 +146,37 @@ EXPORT CUresult cuEventCreate(handle *e, unsigned flags) {
     (void)flags;
     SCRIPTED();
     NEEDS_CONTEXT();
-    *e = malloc(8);
+    *e = calloc(1, sizeof(double));
     events_live++;
     return 0;
 }
-EXPORT CUresult cuEventRecord(handle e, handle s) { (void)e; (void)s; SCRIPTED(); NEEDS_CONTEXT(); return 0; }
+EXPORT CUresult cuEventRecord(handle e, handle s) {
+    (void)s;
+    SCRIPTED();
+    NEEDS_CONTEXT();
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    *(double *)e = (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+    return 0;
+}
 EXPORT CUresult cuEventQuery(handle e) { (void)e; SCRIPTED(); return 0; }
 EXPORT CUresult cuEventSynchronize(handle e) { (void)e; SCRIPTED(); return 0; }
-EXPORT CUresult cuEventElapsedTime(float *ms, handle a, handle b) { (void)a; (void)b; *ms = 1.5f; return 0; }
+EXPORT CUresult cuEventElapsedTime(float *ms, handle a, handle b) {
+    *ms = (float)(1e3 * (*(double *)b - *(double *)a));
+    return 0;
+}
 EXPORT CUresult cuEventDestroy_v2(handle e) { free(e); events_live--; return 0; }
 EXPORT CUresult cuStreamWaitEvent(handle s, handle e, unsigned f) { (void)s; (void)e; (void)f; NEEDS_CONTEXT(); return 0; }
 EXPORT CUresult cuStreamSynchronize(handle s) { (void)s; return 0; }
+EXPORT CUresult cuStreamCreate(handle *s, unsigned flags) {
+    (void)flags;
+    SCRIPTED();
+    NEEDS_CONTEXT();
+    *s = malloc(8);
+    streams_live++;
+    return 0;
+}
+EXPORT CUresult cuStreamDestroy_v2(handle s) { free(s); streams_live--; return 0; }
 
 /* a module remembers its image: an ELF's size is the end of its section headers */
 typedef struct {

@@ -10,6 +10,9 @@ one by one, in the user's loop (image_loop.plain_loop), alternated with torch's 
   SMs (NOTE [ Hybrid lanes ] in csrc/nvjpeg_hybrid.c). auto takes it where nvjpeg's hardware decoder
   cannot open.
 - torch's loader with torchvision's transform in (cores - 1, at most 15) workers.
+- backend "hybrid" with as many threads as the cores hotloop's workers leave (GpuDecode(threads=)),
+  against its default of one per CPU: whether fewer threads take less from the main thread that
+  feeds the step.
 - backend "hardware": the engines, as a reference for what the cards that have them reach.
 
 Rows: each loader alone (img/s and CPU ms per image of the process tree), then ResNet-18 fp32 and
@@ -17,6 +20,8 @@ ResNet-50 AMP fed by each of these backends and by torch's loader (steady img/s 
 speed on a resident batch, and epoch time).
 On a GPU without engines the hardware rows are left out. --quick: 2,048 files, one round.
 """
+import os
+
 import torch
 
 from .harness import Row
@@ -47,10 +52,20 @@ def rows(ctx):
     files, warmup, steady, rounds = epoch_settings(ctx)
     torch_workers, ours_workers = worker_counts()
     counts = f"hotloop {ours_workers} workers, torch {torch_workers}"
-    backends = BACKENDS + (("hardware",) if engines_present(device) else ())
+    lanes = max(1, (os.cpu_count() or 2) - ours_workers)
+    # (backend, GpuDecode's threads) by the name the rows give them: the engines-off ones, fed too
+    settings = {b: (b, None) for b in BACKENDS}
+    settings[f"hybrid {lanes} threads"] = ("hybrid", lanes)
+    alone_settings = dict(settings, **({"hardware": ("hardware", None)} if engines_present(device) else {}))
+    backends = tuple(alone_settings)
     with photo_folder(files) as (root, data):
         dataset = ImageFolder(root, transform=train_transform())
-        ways = {b: lambda dtype, b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in backends}
+
+        def way(b, dtype):
+            backend, threads = alone_settings[b]
+            return hotloop_way(dataset, ours_workers, device, dtype, backend, threads=threads)
+
+        ways = {b: lambda dtype, b=b: way(b, dtype) for b in backends}
         ways["torch"] = lambda dtype: TorchWay(dataset, torch_workers, device, dtype)
         runs = alternated(ways, lambda make: loader_alone(make(torch.float16), device, warmup, steady), rounds)
         ms_per_image = {name: median(r, "cpu_ms") for name, r in runs.items()}
@@ -63,14 +78,14 @@ def rows(ctx):
                       ms_per_image["torch"], "ms", note="user + system time of the main process and its workers "
                                                         "over the epoch")
         def fed_ways(dtype):
-            ways = {b: lambda b=b: hotloop_way(dataset, ours_workers, device, dtype, b) for b in BACKENDS}
+            ways = {b: lambda b=b: way(b, dtype) for b in settings}
             ways["torch"] = lambda: TorchWay(dataset, torch_workers, device, dtype)
             return ways
 
         for name, precision in FED_MODELS:
             resident, fed = model_fed(name, precision, dataset, device, warmup, steady, rounds, fed_ways)
             label = f"{name} {precision}"
-            for b in BACKENDS:
+            for b in settings:
                 yield Row(COMPONENT, f"{label} fed, backend {b}, steady, % of resident",
                           100 * median(fed[b], "rate") / resident, 100 * median(fed["torch"], "rate") / resident,
                           "%", note=f"resident {resident:.0f} img/s; {counts}; plain loop, wall clock")

@@ -38,6 +38,8 @@ class LoaderStats:
     images_cpu_pipeline: int = 0  # images the dataset's own transform made (a CenterCrop larger than the image)
     images_split: int = 0  # of images_cpu_decoded: JPEGs the GPU decoder takes, decoded by workers to share the work
     image_worker_share: float = 0.0  # the share of those JPEGs the workers decode now (image/split.py)
+    images_on_lanes: int = 0  # of images_gpu_decoded: by host threads beside the JPEG engines (GpuDecode(threads=))
+    image_lane_share: float = None  # the share of a batch's pixels those threads take now (None: engines alone)
     # gpu_decode: where the main process's time per batch goes, beside the training loop
     image_staging_seconds: float = 0.0  # a batch's host work before its decode: its decode and kernel tables built
     image_decode_seconds: float = 0.0  # inside the decoder's calls (nvjpeg's: the calling thread waits for them)

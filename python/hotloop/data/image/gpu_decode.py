@@ -28,6 +28,7 @@ GPU_BACKENDS = ("hardware", "cuda", "hybrid")  # nvjpeg's: JpegDecoder's backend
 # and of torch's loader alone and feeding ResNet-18 and ResNet-50, and the cuda backend behind both fed:
 # the step lost less to the hybrid's kernels than it gained from batches that came sooner. "cuda" is
 # there for whoever asks for it. Cited by GpuDecode's docstring and maker.ImageMaker.open.
+MOST_THREADS = 64  # JpegDecoder's most lanes (HL_JPEG_MAX_LANES in csrc/nvjpeg_hybrid.h)
 AUTO_WITHOUT_ENGINES = "hybrid"  # what "auto" takes where nvjpeg's hardware decoder does not open
 
 
@@ -60,9 +61,14 @@ class GpuDecode:
         balance chose lowered the loader's rate against the decoder alone (docs/gpu-decode.md). Off,
         the GPU decoder takes every JPEG it can; should it fail mid-epoch, the workers still take
         over, as with the split.
+    threads: host threads (1 to 64) that decode Huffman codes with nvjpeg's hybrid decoder. For
+        "hybrid", how many (None: one per CPU available). For "hardware" (and "auto" where it takes the
+        engines), threads beside the engines: a share of each batch's pixels, learnt from what both
+        pools delivered on the batches before, and the JPEGs the engines refuse (progressive ones);
+        None: the engines alone (NOTE [ Lanes beside the engines ] in csrc/nvjpeg_beside.c).
     """
 
-    def __init__(self, backend="auto", dtype=None, channels_last=False, worker_decode=False):
+    def __init__(self, backend="auto", dtype=None, channels_last=False, worker_decode=False, threads=None):
         if backend not in BACKENDS:
             raise ValueError(f"GpuDecode: expected backend in {BACKENDS}, got {backend!r}")
         if dtype not in (None, torch.float32, torch.float16, torch.bfloat16, torch.uint8):
@@ -71,12 +77,16 @@ class GpuDecode:
             raise TypeError(f"GpuDecode: expected channels_last to be a bool, got {type(channels_last).__name__}")
         if not isinstance(worker_decode, bool):
             raise TypeError(f"GpuDecode: expected worker_decode to be a bool, got {type(worker_decode).__name__}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+            raise TypeError(f"GpuDecode: expected threads to be None or an int, got {type(threads).__name__}")
+        if threads is not None and not 1 <= threads <= MOST_THREADS:
+            raise ValueError(f"GpuDecode: expected threads None or 1 to {MOST_THREADS}, got {threads}")
         self.backend, self.dtype, self.channels_last = backend, dtype, channels_last
-        self.worker_decode = worker_decode
+        self.worker_decode, self.threads = worker_decode, threads
 
     def __repr__(self):
         return (f"GpuDecode(backend={self.backend!r}, dtype={self.dtype}, channels_last={self.channels_last}, "
-                f"worker_decode={self.worker_decode})")
+                f"worker_decode={self.worker_decode}, threads={self.threads})")
 
     @classmethod
     def from_argument(cls, value):
@@ -148,7 +158,9 @@ class ImagePipeline:
             if splits:
                 self.capacity += int(split.SPLIT_CAP * _batch_bytes_estimate(self.source, self.batch_size, self.plan))
             self._sized_for = (backend, splits)
-        return EncodedSamples(self.source, self.plan, gpu, progressive=backend in ("cuda", "hybrid"),
+        beside_engines = backend == "hardware" and self.config.threads is not None  # they take progressive JPEGs
+        return EncodedSamples(self.source, self.plan, gpu,
+                              progressive=backend in ("cuda", "hybrid") or beside_engines,
                               capacity=self.capacity, share=share)
 
     def collate_fn(self):

@@ -185,6 +185,8 @@ class ImageMaker(BatchMaker):
             self.reason = "; ".join(str(refusal) if k == 0 else f"nvjpeg {name}: {refusal}"
                                     for k, (name, refusal) in enumerate(refusals))
         self.backend = backend if self.decoder is not None else "cpu"
+        if self.decoder is not None and self.pipeline.config.threads is not None and backend != "cuda":
+            self.decoder.threads = self.pipeline.config.threads
         if self.backend != "cpu":
             cuda_queues.warn_if_narrow("gpu_decode")  # NOTE [ Hardware queues ] in cuda_queues.py
         self.stats.decoder = self.description
@@ -254,7 +256,11 @@ class ImageMaker(BatchMaker):
             reason = f"; no hardware decoder: {self.reason}" if self.reason else ""
             return f"cpu (workers decode with PIL){since}{reason}"
         library = self.decoder.library if self.decoder is not None else "?"
-        threads = f", {self.decoder.threads} threads" if self.backend == "hybrid" and self.decoder is not None else ""
+        threads = ""
+        if self.decoder is not None and self.backend == "hybrid":
+            threads = f", {self.decoder.threads} threads"
+        if self.decoder is not None and self.backend == "hardware" and self.decoder.threads:
+            threads = f", {self.decoder.threads} threads beside the engines"
         reason = f"; no hardware decoder: {self.reason}" if self.reason else ""
         return f"nvjpeg {self.backend} ({library}{threads}){reason}"
 
@@ -368,6 +374,9 @@ class ImageMaker(BatchMaker):
         statuses = self._decoder_call(t, stream)
         seconds = time.perf_counter() - started
         self.stats.image_decode_seconds += seconds
+        if self.decoder_failure is None and self.decoder.lane_share is not None:
+            self.stats.image_lane_share = self.decoder.lane_share
+            self.stats.images_on_lanes = self.decoder.lane_images
         for k, status in zip(t.encoded, statuses, strict=True):
             if status == 0:
                 self.stats.images_gpu_decoded += 1

@@ -1,0 +1,45 @@
+/* Hybrid lanes beside the JPEG engines (nvjpeg_beside.c): the hardware backend's batch shared with the
+   host's threads, in proportion to what each delivered on the batches before. */
+#ifndef HOTLOOP_NVJPEG_BESIDE_H
+#define HOTLOOP_NVJPEG_BESIDE_H
+
+#include "module.h"
+#include "nvjpeg.h"
+#include "nvjpeg_hybrid.h"
+
+/* the lanes' share of a batch's pixels never leaves [SHARE_LEAST, 1 - SHARE_LEAST], so that neither
+   pool's rate goes unmeasured */
+#define HL_BESIDE_SHARE_LEAST 0.02
+
+typedef struct {
+    nvjpegHandle_t handle; /* hybrid, of the lanes' own; NULL: not opened yet */
+    hl_stream_t stream;    /* the lanes queue their GPU halves here, beside the engines' stream */
+    void *go;              /* recorded on the caller's stream before the batch; the lanes' stream waits for it */
+    void *marks[4];        /* timed: the engines' start and end on the caller's stream, the lanes' on theirs */
+    int marks_pending;     /* the last call recorded all four, not yet read */
+    long long pixels[2];   /* what the last timed call gave the engines and the lanes */
+    double share;          /* the lanes' share of a batch's pixels now */
+    long long images;      /* images the lanes decoded, since the decoder opened */
+} hl_jpeg_beside;
+
+/* The lanes' handle (with the engines' interpolation flag), stream and events, and `lanes` opened on
+   that handle; the device current. 0, or nvjpeg's failed status with *call set; CUDA's in `cuda`. */
+nvjpegStatus_t hl_jpeg_beside_open(hl_jpeg_beside *b, hl_jpeg_lanes *lanes, const hl_nvjpeg *n, int interpolate,
+                                   hl_cuda_status *cuda, const char **call);
+
+/* Free what hl_jpeg_beside_open made, `lanes` first (its copies waited for); the first failure is kept. */
+nvjpegStatus_t hl_jpeg_beside_close(hl_jpeg_beside *b, hl_jpeg_lanes *lanes, const hl_nvjpeg *n,
+                                    hl_cuda_status *cuda, const char **call);
+
+/* Move the share toward the one at which the engines and the lanes would have finished the last timed
+   call together; call once that call's work is over (the caller's stream synchronised). */
+void hl_jpeg_beside_learn(hl_jpeg_beside *b);
+
+/* Of order[0..count), largest first, move images to lane_order (appended at *lane_count) until the
+   lanes hold their share of the pixels dealt (dealt[0]: the batch's pixels dealt so far, these
+   included; dealt[1]: the lanes' of them, those they take whatever the share included), and keep the
+   engines' ones in order[0..returned), in their order. */
+int hl_jpeg_beside_split(const hl_jpeg_beside *b, int *order, int count, const int *widths, const int *heights,
+                         int *lane_order, int *lane_count, double dealt[2]);
+
+#endif
