@@ -237,6 +237,14 @@ static PyObject *get_lane_share(PyObject *self, void *Py_UNUSED(closure)) {
     return PyFloat_FromDouble(e->beside.share);
 }
 
+static PyObject *get_lane_failure(PyObject *self, void *Py_UNUSED(closure)) {
+    const hl_jpeg_beside *b = &((hl_jpeg_decoder *)self)->engine.beside;
+    if (b->failed_call == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat("%s failed with %s (%d)", b->failed_call, hl_nvjpeg_status_name(b->failed_status),
+                                (int)b->failed_status);
+}
+
 static PyObject *get_lane_images(PyObject *self, void *Py_UNUSED(closure)) {
     return PyLong_FromLongLong(((hl_jpeg_decoder *)self)->engine.beside.images);
 }
@@ -277,6 +285,9 @@ static PyGetSetDef decoder_getset[] = {
      "batches before); else None", NULL},
     {"lane_images", get_lane_images, NULL, "hardware backend: images the host threads decoded beside the engines",
      NULL},
+    {"lane_failure", get_lane_failure, NULL,
+     "hardware backend: the nvjpeg call that failed every image of the host threads' share, after which the "
+     "engines decode alone; else None", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -22,7 +22,12 @@
    other threads, took from either pool, which is what the split should answer to.
 
    Images the engines refuse (progressive ones, most often) go to the lanes as well, instead of back
-   to the workers. */
+   to the workers.
+
+   Should the lanes decode none of their part of a call, nvjpeg failing some of it for a reason that is
+   not the images' (an execution failure, say), while the engines decoded theirs, the lanes stop for
+   good: those images come back refused (the caller decodes them another way, as any image nvjpeg
+   refuses), JpegDecoder.lane_failure names the call, and the engines decode alone from then on. */
 
 #define SHARE_FIRST 0.25 /* before anything is measured: the engines take most */
 

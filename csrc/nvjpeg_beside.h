@@ -20,6 +20,8 @@ typedef struct {
     long long pixels[2];   /* what the last timed call gave the engines and the lanes */
     double share;          /* the lanes' share of a batch's pixels now */
     long long images;      /* images the lanes decoded, since the decoder opened */
+    const char *failed_call; /* the call that failed the lanes' part of a call: they stop (NOTE in nvjpeg_beside.c) */
+    nvjpegStatus_t failed_status;
 } hl_jpeg_beside;
 
 /* The lanes' handle (with the engines' interpolation flag), stream and events, and `lanes` opened on

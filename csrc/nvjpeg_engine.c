@@ -182,6 +182,13 @@ static nvjpegImage_t image_of(const decode_call *c, int i) {
     return image;
 }
 
+/* whether nvjpeg's status says an image failed for what it is (corrupt, or a kind it does not take) */
+static int image_fault(nvjpegStatus_t rc) {
+    return rc == NVJPEG_STATUS_SUCCESS || rc == NVJPEG_STATUS_BAD_JPEG || rc == NVJPEG_STATUS_INCOMPLETE_BITSTREAM ||
+           rc == NVJPEG_STATUS_JPEG_NOT_SUPPORTED || rc == NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED ||
+           rc == NVJPEG_STATUS_ALLOCATOR_FAILURE;
+}
+
 /* What a failure decoding one image alone says about it; `other` for failures that are not the
    image's (they raise if no image of the call decoded). */
 static unsigned char leaf_status(decode_call *c, nvjpegStatus_t rc, const char *call) {
@@ -419,6 +426,8 @@ static int decode_beside(hl_jpeg_engine *d, decode_call *c, const int *order, in
     HL_CUDA(&f->cuda, event_record(b->marks[2], b->stream));
     if (f->cuda.code != 0)
         return -1;
+    const char *other_call = c->other_call; /* the header pass's, kept should the lanes fail for good */
+    nvjpegStatus_t other = c->other;
     pthread_t thread;
     int started = 0;
     if (batched + plain > 0) {
@@ -434,6 +443,26 @@ static int decode_beside(hl_jpeg_engine *d, decode_call *c, const int *order, in
         HL_CUDA(&f->cuda, event_record(b->marks[3], b->stream));
     if (started)
         pthread_join(thread, NULL);
+    int lanes_failed = 0, lanes_decoded = 0, engines_decoded = 0; /* failed: for no fault of the image */
+    for (int k = 0; k < lanes; k++) {
+        lanes_failed += !image_fault(d->rcs[k]);
+        lanes_decoded += d->rcs[k] == NVJPEG_STATUS_SUCCESS;
+    }
+    for (int k = 0; k < batched; k++)
+        engines_decoded += c->status[order[k]] == HL_JPEG_DECODED;
+    for (int k = 0; k < plain; k++)
+        engines_decoded += c->status[plain_order[k]] == HL_JPEG_DECODED;
+    if (lanes_failed > 0 && lanes_decoded == 0 && engines_decoded > 0) { /* NOTE [ Lanes beside the engines ] */
+        for (int k = 0; k < lanes; k++) {
+            if (image_fault(d->rcs[k]))
+                continue; /* a corrupt image stays corrupt */
+            b->failed_call = d->calls[k];
+            b->failed_status = d->rcs[k];
+            c->status[d->lane_order[k]] = HL_JPEG_UNSUPPORTED;
+        }
+        c->other_call = other_call; /* the lanes' failure is said by lane_failure, not raised */
+        c->other = other;
+    }
     if (f->cuda.code == 0 && f->call == NULL && (p.f.cuda.code != 0 || p.f.call != NULL))
         *f = p.f;
     if (c->other_call == NULL && p.c.other_call != NULL) {
@@ -445,7 +474,8 @@ static int decode_beside(hl_jpeg_engine *d, decode_call *c, const int *order, in
     HL_CUDA(&f->cuda, stream_wait(c->stream, b->marks[3])); /* the batch is whole on the caller's stream */
     if (f->cuda.code != 0)
         return -1;
-    b->images += lanes;
+    for (int k = 0; k < lanes; k++)
+        b->images += d->rcs[k] == NVJPEG_STATUS_SUCCESS;
     b->pixels[0] = pixels_of(d, order, batched) + pixels_of(d, plain_order, plain);
     b->pixels[1] = pixels_of(d, d->lane_order, lanes);
     b->marks_pending = b->pixels[0] > 0 && b->pixels[1] > 0;
@@ -471,7 +501,8 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
     hl_jpeg_failure *f = c->f;
     int batched = 0, singles = 0, plain = 0; /* order: batched from the front; singles or plain from the end */
     int *order = d->order;
-    int lanes_on = d->backend == HL_JPEG_HARDWARE && d->threads > 0, lanes = 0; /* lanes: d->lane_order */
+    int lanes_on = d->backend == HL_JPEG_HARDWARE && d->threads > 0 && d->beside.failed_call == NULL;
+    int lanes = 0; /* in d->lane_order */
     if (lanes_on && d->beside.handle == NULL && open_beside(d, f) < 0)
         return;
 

@@ -125,7 +125,8 @@ DECODE_SCRIPT = """
             out["calls"].append(dict(misuses(), status=status, error=error,
                                      images=[fake.fake_nvjpeg_images(t) for t in range(1, 5)],
                                      most_concurrent_host=fake.fake_nvjpeg_most_concurrent_host(),
-                                     lane_share=decoder.lane_share, lane_images=decoder.lane_images))
+                                     lane_share=decoder.lane_share, lane_images=decoder.lane_images,
+                                     lane_failure=decoder.lane_failure))
             dests.update({f"{n}_{k}": b for k, b in enumerate(buffers)})
         np.savez(job["out"], **dests)
         fake.fake_nvjpeg_reset()
@@ -454,3 +455,26 @@ def test_the_lanes_share_follows_the_faster_pool(libraries, tmp_path, rng, faste
         assert shares[-1] < 0.1, shares
     else:
         assert shares[-1] > 0.6, shares
+
+
+@needs_cuda_build
+def test_lanes_that_fail_stop_and_the_engines_go_on(libraries, tmp_path, rng):
+    """nvjpeg failing the lanes' every image (NVJPEG_STATUS_EXECUTION_FAILED, no fault of the images): no
+    exception, the engines' images decoded, the lanes' ones refused with nothing written (the caller
+    decodes refused images itself), lane_failure naming the call; the next call on the engines alone."""
+    kinds = ["420", "444", "grey", "progressive"]
+    jpegs = [Jpeg(rng, int(rng.integers(8, 64)), int(rng.integers(8, 64)), kinds[k % 4]) for k in range(16)]
+    everything = list(range(16))
+    got, dests = decode(libraries, tmp_path, jpegs, "hardware", [everything, everything], rng,
+                        env={"FAKE_NVJPEG_FAIL": "nvjpegDecodeJpegDevice:6"}, threads=2)
+    check_clean(got)
+    first, second = got["calls"]
+    paths = [(_C.JPEG_DECODED, HARDWARE_BATCHED) if status == _C.JPEG_DECODED else (_C.JPEG_UNSUPPORTED, None)
+             for status in first["status"]]
+    check_call(jpegs, everything, paths, first, dests[0])
+    progressive = sum(j.kind == "progressive" for j in jpegs)  # the lanes' whatever the share, and one more
+    assert first["status"].count(_C.JPEG_UNSUPPORTED) > progressive and first["images"][HARDWARE_BATCHED - 1] > 0
+    assert first["lane_failure"] == "nvjpegDecodeJpegDevice failed with NVJPEG_STATUS_EXECUTION_FAILED (6)"
+    assert first["lane_images"] == 0
+    check_call(jpegs, everything, PATHS["hardware"], second, dests[1])
+    assert second["lane_failure"] == first["lane_failure"]

@@ -312,6 +312,50 @@ class PausingDecoder(PilDecoder):
         return super().decode(sources, dests, count, stream)
 
 
+class LanesDecoder(PilDecoder):
+    """PilDecoder with host threads beside it, as JpegDecoder's hardware backend with threads: a share
+    and an image count that move with each call, and from the `fail_from`-th call on the lanes' failure
+    said (lane_failure), as the engine says it once they stop."""
+
+    threads = 2
+    FAILURE = "nvjpegDecodeJpegDevice failed with NVJPEG_STATUS_EXECUTION_FAILED (6)"
+
+    def __init__(self, fail_from):
+        super().__init__()
+        self.calls, self.fail_from = 0, fail_from
+        self.lane_share, self.lane_failure = 0.25, None
+
+    def decode(self, sources, dests, count, stream):
+        self.calls += 1
+        if self.calls == self.fail_from:
+            self.lane_failure = self.FAILURE
+        if self.lane_failure is None:
+            self.lane_images += 1
+            self.lane_share += 0.125
+        return super().decode(sources, dests, count, stream)
+
+
+def test_stats_follow_the_lanes_and_their_failure_warns_once(tmp_path, monkeypatch):
+    """loader.stats gives the lanes' share and images after each batch; their failure warns once, the
+    decoder named as decoding alone since, and the epoch's batches are the CPU pipeline's."""
+    decoder = LanesDecoder(fail_from=2)
+    open_with(monkeypatch, decoder)
+    root = make_folder(str(tmp_path), n=16)
+    ds = ImageFolder(root, transform=TRAIN_V2(28))
+    seed = random.randrange(2**31)
+    theirs = seeded_batches(TorchDataLoader(ds, batch_size=4, shuffle=True,
+                                            generator=torch.Generator().manual_seed(seed)))
+    loader = hotloop.DataLoader(ds, batch_size=4, shuffle=True, gpu_decode=True,
+                                generator=torch.Generator().manual_seed(seed))
+    with pytest.warns(RuntimeWarning, match="host threads beside the JPEG engines failed") as caught:
+        ours = seeded_batches(loader)
+    assert_batches_close(ours, theirs, levels=2)
+    assert sum("beside the JPEG engines" in str(w.message) for w in caught) == 1 and decoder.calls == 4
+    st = loader.stats
+    assert st.image_lane_share == 0.375 and st.images_on_lanes == 1
+    assert st.decoder.endswith(f"2 threads beside the engines until {LanesDecoder.FAILURE})")
+
+
 def test_stats_say_how_long_the_decoder_and_the_staging_took(tmp_path, monkeypatch):
     decoder = PausingDecoder()
     open_with(monkeypatch, decoder)

@@ -147,6 +147,7 @@ class ImageMaker(BatchMaker):
         self._decoding = None  # the _DecodeStream, made with the first batch on the device
         self.balance = None  # split.SplitBalance: the workers' share of the JPEGs, while both pools decode
         self.decoder_failure = None  # what the GPU decoder's failure said: the workers decode since (backend "cpu")
+        self.lanes_failure = None  # the host threads beside the engines failed for good: the call that said so
 
     def open_early(self, device):
         """Start opening the GPU decoder on `device` (where the first iter() is expected to run) in
@@ -261,6 +262,8 @@ class ImageMaker(BatchMaker):
             threads = f", {self.decoder.threads} threads"
         if self.decoder is not None and self.backend == "hardware" and self.decoder.threads:
             threads = f", {self.decoder.threads} threads beside the engines"
+            if self.lanes_failure is not None:
+                threads += f" until {self.lanes_failure}"
         reason = f"; no hardware decoder: {self.reason}" if self.reason else ""
         return f"nvjpeg {self.backend} ({library}{threads}){reason}"
 
@@ -375,8 +378,7 @@ class ImageMaker(BatchMaker):
         seconds = time.perf_counter() - started
         self.stats.image_decode_seconds += seconds
         if self.decoder_failure is None and self.decoder.lane_share is not None:
-            self.stats.image_lane_share = self.decoder.lane_share
-            self.stats.images_on_lanes = self.decoder.lane_images
+            self._lanes_seen()
         for k, status in zip(t.encoded, statuses, strict=True):
             if status == 0:
                 self.stats.images_gpu_decoded += 1
@@ -391,6 +393,19 @@ class ImageMaker(BatchMaker):
                                    f"JPEG header says {(r[_SRC_H], r[_SRC_W])}")
             self._upload(p.buf, p.places[k], torch.from_numpy(pixels).view(-1), stream)
         return seconds if self.decoder_failure is None else None
+
+    def _lanes_seen(self):
+        """The host threads beside the engines (GpuDecode(threads=)): their share and images into the
+        stats; should they have failed for good, one warning (the engines decode alone from then on, and
+        the images they failed were decoded here as refused ones)."""
+        self.stats.image_lane_share = self.decoder.lane_share
+        self.stats.images_on_lanes = self.decoder.lane_images
+        failure = self.decoder.lane_failure
+        if failure is not None and self.lanes_failure is None:
+            self.lanes_failure = failure
+            warnings.warn(f"hotloop.DataLoader: gpu_decode's host threads beside the JPEG engines failed ({failure}); "
+                          "the engines decode alone from now on", RuntimeWarning, stacklevel=3)
+            self.stats.decoder = self.description
 
     def _decoder_call(self, t, stream):
         """The GPU decoder's statuses for the batch's JPEGs; all refused (decoded by PIL here) once it
