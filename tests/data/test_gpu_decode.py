@@ -238,6 +238,14 @@ def test_bad_options():
         hotloop.GpuDecode(dtype=torch.int32)
     with pytest.raises(TypeError, match="gpu_decode"):
         hotloop.DataLoader(list(range(4)), gpu_decode=3)
+    for threads in (0, 65):
+        with pytest.raises(ValueError, match="threads None or 1 to 64"):
+            hotloop.GpuDecode(threads=threads)
+    with pytest.raises(TypeError, match="threads to be None or an int"):
+        hotloop.GpuDecode(threads=True)
+    with pytest.raises(ValueError, match="backend 'cuda' has none"):
+        hotloop.GpuDecode(backend="cuda", threads=4)
+    assert hotloop.GpuDecode(backend="hardware", threads=4).threads == 4
 
 
 class PilDecoder:

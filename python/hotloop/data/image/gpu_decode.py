@@ -81,6 +81,9 @@ class GpuDecode:
             raise TypeError(f"GpuDecode: expected threads to be None or an int, got {type(threads).__name__}")
         if threads is not None and not 1 <= threads <= MOST_THREADS:
             raise ValueError(f"GpuDecode: expected threads None or 1 to {MOST_THREADS}, got {threads}")
+        if threads is not None and backend in ("cuda", "cpu"):
+            raise ValueError(f"GpuDecode: threads is for the backends that decode on host threads (\"auto\", "
+                             f"\"hardware\", \"hybrid\"); backend {backend!r} has none")
         self.backend, self.dtype, self.channels_last = backend, dtype, channels_last
         self.worker_decode, self.threads = worker_decode, threads
 
