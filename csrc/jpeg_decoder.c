@@ -405,6 +405,7 @@ static const hl_int_constant jpeg_decoder_constants[] = {
     {"JPEG_DECODED", HL_JPEG_DECODED},
     {"JPEG_UNSUPPORTED", HL_JPEG_UNSUPPORTED},
     {"JPEG_CORRUPT", HL_JPEG_CORRUPT_DATA},
+    {"JPEG_MAX_THREADS", HL_JPEG_MAX_LANES}, /* JpegDecoder.threads' most */
     {NULL, 0},
 };
 

@@ -35,12 +35,9 @@ nvjpegStatus_t hl_jpeg_beside_open(hl_jpeg_beside *b, hl_jpeg_lanes *lanes, cons
                                    hl_cuda_status *cuda, const char **call) {
     memset(b, 0, sizeof(*b));
     b->share = SHARE_FIRST;
-    nvjpegStatus_t rc = NVJPEG_STATUS_INVALID_PARAMETER;
-    *call = "nvjpegCreateEx";
-    if (interpolate)
-        rc = n->create_ex(NVJPEG_BACKEND_HYBRID, NULL, NULL, NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, &b->handle);
-    else
-        rc = n->create_ex(NVJPEG_BACKEND_HYBRID, NULL, NULL, NVJPEG_FLAGS_DEFAULT, &b->handle);
+    *call = "nvjpegCreateEx"; /* the engines' interpolation: the engine found whether this nvjpeg has it */
+    unsigned int flags = interpolate ? NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION : NVJPEG_FLAGS_DEFAULT;
+    nvjpegStatus_t rc = n->create_ex(NVJPEG_BACKEND_HYBRID, NULL, NULL, flags, &b->handle);
     if (rc != NVJPEG_STATUS_SUCCESS) {
         b->handle = NULL;
         return rc;
@@ -103,21 +100,43 @@ void hl_jpeg_beside_learn(hl_jpeg_beside *b) {
     b->share = share;
 }
 
-int hl_jpeg_beside_split(const hl_jpeg_beside *b, int *order, int count, const int *widths, const int *heights,
-                         int *lane_order, int *lane_count, double dealt[2]) {
-    /* each image, largest first, goes where the lanes' pixels stay closest to their share of those
-       dealt so far: both pools get large and small ones, each still largest first */
+static double pixels_of(const int *widths, const int *heights, int i) { return (double)widths[i] * heights[i]; }
+
+/* order[0..count), largest first: each image goes where the lanes' pixels stay closest to their share
+   of those dealt so far (dealt[0]: all, dealt[1]: the lanes'), so that both pools get large and small
+   ones, each still largest first. The engines' images stay in order[0..returned). */
+static int deal(const hl_jpeg_beside *b, const int *widths, const int *heights, int *order, int count,
+                int *lane_order, int *lanes, double dealt[2]) {
     int kept = 0;
     for (int k = 0; k < count; k++) {
         int i = order[k];
-        double pixels = (double)widths[i] * heights[i];
+        double pixels = pixels_of(widths, heights, i);
         dealt[0] += pixels;
         if (dealt[1] + 0.5 * pixels <= b->share * dealt[0]) {
             dealt[1] += pixels;
-            lane_order[(*lane_count)++] = i;
+            lane_order[(*lanes)++] = i;
         } else {
             order[kept++] = i;
         }
     }
     return kept;
+}
+
+void hl_jpeg_beside_split(const hl_jpeg_beside *b, const int *widths, const int *heights, int *order, int *batched,
+                          int *plain_order, int *plain, int *lane_order, int *lanes) {
+    const int refused = *lanes; /* the lanes take these whatever the share: they count as dealt to them */
+    double dealt[2] = {0, 0};
+    for (int k = 0; k < refused; k++)
+        dealt[0] += pixels_of(widths, heights, lane_order[k]);
+    dealt[1] = dealt[0];
+    *batched = deal(b, widths, heights, order, *batched, lane_order, lanes, dealt);
+    const int from_batched = *lanes - refused;
+    *plain = deal(b, widths, heights, plain_order, *plain, lane_order, lanes, dealt);
+    /* a small batch at a share near either end could leave one pool nothing */
+    if (*lanes == refused && *batched > 1) {
+        lane_order[(*lanes)++] = order[--*batched]; /* the engines' smallest */
+    } else if (*batched + *plain == 0 && from_batched > 1) {
+        order[(*batched)++] = lane_order[refused]; /* the largest the lanes took that the engines could */
+        memmove(lane_order + refused, lane_order + refused + 1, sizeof(int) * (size_t)(--*lanes - refused));
+    }
 }

@@ -37,11 +37,12 @@ nvjpegStatus_t hl_jpeg_beside_close(hl_jpeg_beside *b, hl_jpeg_lanes *lanes, con
    call together; call once that call's work is over (the caller's stream synchronised). */
 void hl_jpeg_beside_learn(hl_jpeg_beside *b);
 
-/* Of order[0..count), largest first, move images to lane_order (appended at *lane_count) until the
-   lanes hold their share of the pixels dealt (dealt[0]: the batch's pixels dealt so far, these
-   included; dealt[1]: the lanes' of them, those they take whatever the share included), and keep the
-   engines' ones in order[0..returned), in their order. */
-int hl_jpeg_beside_split(const hl_jpeg_beside *b, int *order, int count, const int *widths, const int *heights,
-                         int *lane_order, int *lane_count, double dealt[2]);
+/* Split a batch between the pools: of order[0..*batched) and plain_order[0..*plain) (each largest
+   first, the engines' two handles), move images to lane_order (which holds *lanes images already, those
+   the engines refuse) until the lanes hold their share of the pixels, each pool keeping at least one
+   image where the batch allows (so that both rates stay measured); the engines' images stay in order
+   at the front of each list, whose counts shrink. */
+void hl_jpeg_beside_split(const hl_jpeg_beside *b, const int *widths, const int *heights, int *order, int *batched,
+                          int *plain_order, int *plain, int *lane_order, int *lanes);
 
 #endif

@@ -182,31 +182,34 @@ static nvjpegImage_t image_of(const decode_call *c, int i) {
     return image;
 }
 
-/* whether nvjpeg's status says an image failed for what it is (corrupt, or a kind it does not take) */
+/* whether nvjpeg's status is the image's own doing: decoded, corrupt, or a kind (or size) this
+   backend does not take */
 static int image_fault(nvjpegStatus_t rc) {
-    return rc == NVJPEG_STATUS_SUCCESS || rc == NVJPEG_STATUS_BAD_JPEG || rc == NVJPEG_STATUS_INCOMPLETE_BITSTREAM ||
-           rc == NVJPEG_STATUS_JPEG_NOT_SUPPORTED || rc == NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED ||
-           rc == NVJPEG_STATUS_ALLOCATOR_FAILURE;
+    switch (rc) {
+    case NVJPEG_STATUS_SUCCESS:
+    case NVJPEG_STATUS_BAD_JPEG:
+    case NVJPEG_STATUS_INCOMPLETE_BITSTREAM:
+    case NVJPEG_STATUS_JPEG_NOT_SUPPORTED:
+    case NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED:
+    case NVJPEG_STATUS_ALLOCATOR_FAILURE: /* too large for this backend's buffers; the CPU may manage */
+        return 1;
+    default:
+        return 0;
+    }
 }
 
 /* What a failure decoding one image alone says about it; `other` for failures that are not the
    image's (they raise if no image of the call decoded). */
 static unsigned char leaf_status(decode_call *c, nvjpegStatus_t rc, const char *call) {
-    switch (rc) {
-    case NVJPEG_STATUS_BAD_JPEG:
-    case NVJPEG_STATUS_INCOMPLETE_BITSTREAM:
-        return HL_JPEG_CORRUPT_DATA;
-    case NVJPEG_STATUS_JPEG_NOT_SUPPORTED:
-    case NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED:
-    case NVJPEG_STATUS_ALLOCATOR_FAILURE: /* too large for this backend's buffers; the CPU may manage */
-        return HL_JPEG_UNSUPPORTED;
-    default:
+    if (!image_fault(rc)) {
         if (c->other_call == NULL) {
             c->other = rc;
             c->other_call = call;
         }
         return HL_JPEG_CORRUPT_DATA;
     }
+    return rc == NVJPEG_STATUS_BAD_JPEG || rc == NVJPEG_STATUS_INCOMPLETE_BITSTREAM ? HL_JPEG_CORRUPT_DATA
+                                                                                    : HL_JPEG_UNSUPPORTED;
 }
 
 /* One image through the decoupled API (cuda backend). 0 with status set, -1 on a failure that
@@ -410,6 +413,31 @@ static long long pixels_of(const hl_jpeg_engine *d, const int *order, int count)
     return pixels;
 }
 
+/* NOTE [ Lanes beside the engines ]: lanes that decoded none of their images, some for a failure not
+   the images' own, while the engines decoded theirs, stop for good; those images come back refused.
+   Whether they stopped. */
+static int stop_failed_lanes(hl_jpeg_engine *d, decode_call *c, const int *order, int batched,
+                             const int *plain_order, int plain, int lanes) {
+    int failed = 0, decoded = 0, engines_decoded = 0;
+    for (int k = 0; k < lanes; k++) {
+        failed += !image_fault(d->rcs[k]);
+        decoded += d->rcs[k] == NVJPEG_STATUS_SUCCESS;
+    }
+    for (int k = 0; k < batched; k++)
+        engines_decoded += c->status[order[k]] == HL_JPEG_DECODED;
+    for (int k = 0; k < plain; k++)
+        engines_decoded += c->status[plain_order[k]] == HL_JPEG_DECODED;
+    if (failed == 0 || decoded > 0 || engines_decoded == 0)
+        return 0;
+    for (int k = 0; k < lanes; k++)
+        if (!image_fault(d->rcs[k])) { /* a corrupt image stays corrupt */
+            d->beside.failed_call = d->calls[k];
+            d->beside.failed_status = d->rcs[k];
+            c->status[d->lane_order[k]] = HL_JPEG_UNSUPPORTED;
+        }
+    return 1;
+}
+
 /* The engines' images (order[0..batched), plain_order[0..plain)) on a thread of their own while this
    one decodes lane_order[0..lanes) on the lanes; both timed. 0, or -1 on a failure (kept in c->f). */
 static int decode_beside(hl_jpeg_engine *d, decode_call *c, const int *order, int batched, const int *plain_order,
@@ -443,23 +471,7 @@ static int decode_beside(hl_jpeg_engine *d, decode_call *c, const int *order, in
         HL_CUDA(&f->cuda, event_record(b->marks[3], b->stream));
     if (started)
         pthread_join(thread, NULL);
-    int lanes_failed = 0, lanes_decoded = 0, engines_decoded = 0; /* failed: for no fault of the image */
-    for (int k = 0; k < lanes; k++) {
-        lanes_failed += !image_fault(d->rcs[k]);
-        lanes_decoded += d->rcs[k] == NVJPEG_STATUS_SUCCESS;
-    }
-    for (int k = 0; k < batched; k++)
-        engines_decoded += c->status[order[k]] == HL_JPEG_DECODED;
-    for (int k = 0; k < plain; k++)
-        engines_decoded += c->status[plain_order[k]] == HL_JPEG_DECODED;
-    if (lanes_failed > 0 && lanes_decoded == 0 && engines_decoded > 0) { /* NOTE [ Lanes beside the engines ] */
-        for (int k = 0; k < lanes; k++) {
-            if (image_fault(d->rcs[k]))
-                continue; /* a corrupt image stays corrupt */
-            b->failed_call = d->calls[k];
-            b->failed_status = d->rcs[k];
-            c->status[d->lane_order[k]] = HL_JPEG_UNSUPPORTED;
-        }
+    if (stop_failed_lanes(d, c, order, batched, plain_order, plain, lanes)) {
         c->other_call = other_call; /* the lanes' failure is said by lane_failure, not raised */
         c->other = other;
     }
@@ -591,21 +603,10 @@ static void run_decode(hl_jpeg_engine *d, decode_call *c, int count) {
             return;
     }
     if (lanes_on) { /* NOTE [ Lanes beside the engines ] (nvjpeg_beside.c) */
-        int *plain_order = order + count - plain, refused = lanes;
-        double refused_pixels = (double)pixels_of(d, d->lane_order, lanes), dealt[2] = {refused_pixels, refused_pixels};
+        int *plain_order = order + count - plain;
         hl_jpeg_beside_learn(&d->beside);
-        batched = hl_jpeg_beside_split(&d->beside, order, batched, d->widths, d->heights, d->lane_order, &lanes,
-                                       dealt);
-        int from_batched = lanes - refused;
-        plain = hl_jpeg_beside_split(&d->beside, plain_order, plain, d->widths, d->heights, d->lane_order, &lanes,
-                                     dealt);
-        /* a small batch at a share near either end could leave one pool nothing, and its rate unmeasured */
-        if (lanes == refused && batched > 1) {
-            d->lane_order[lanes++] = order[--batched]; /* the engines' smallest */
-        } else if (batched + plain == 0 && from_batched > 1) {
-            order[batched++] = d->lane_order[refused]; /* the lanes' largest the engines could take */
-            memmove(d->lane_order + refused, d->lane_order + refused + 1, sizeof(int) * (size_t)(--lanes - refused));
-        }
+        hl_jpeg_beside_split(&d->beside, d->widths, d->heights, order, &batched, plain_order, &plain, d->lane_order,
+                             &lanes);
         if (lanes > 0) {
             if (d->size_order)
                 sort_largest_first(d, d->lane_order, lanes);

@@ -424,8 +424,8 @@ def test_threads_beside_the_engines_decode_each_image_once(libraries, tmp_path, 
     progressive = sum(j.kind == "progressive" for j in jpegs)
     for n, (result, destinations) in enumerate(zip(got["calls"][:4], dests, strict=False)):
         check_call(jpegs, everything, beside_paths(jpegs, everything, destinations), result, destinations)
-        engines, lanes = result["images"][HARDWARE_BATCHED - 1], result["images"][HYBRID_DECOUPLED - 1]
-        assert engines > 0 and lanes > progressive, (n, result["images"])
+        by_engines, by_lanes = result["images"][HARDWARE_BATCHED - 1], result["images"][HYBRID_DECOUPLED - 1]
+        assert by_engines > 0 and by_lanes > progressive, (n, result["images"])
         assert 0.02 <= result["lane_share"] <= 0.98
     assert got["calls"][3]["lane_images"] >= 4 * (progressive + 1)
     check_call(jpegs, everything, PATHS["hardware"], got["calls"][4], dests[4])
@@ -449,8 +449,8 @@ def test_the_lanes_share_follows_the_faster_pool(libraries, tmp_path, rng, faste
     shares = [result["lane_share"] for result in got["calls"]]
     for result, destinations in zip(got["calls"], dests, strict=True):
         check_call(jpegs, everything, beside_paths(jpegs, everything, destinations), result, destinations)
-        engines, lanes = result["images"][HARDWARE_BATCHED - 1], result["images"][HYBRID_DECOUPLED - 1]
-        assert engines > 0 and lanes > 0, (shares, result["images"])
+        by_engines, by_lanes = result["images"][HARDWARE_BATCHED - 1], result["images"][HYBRID_DECOUPLED - 1]
+        assert by_engines > 0 and by_lanes > 0, (shares, result["images"])
     if faster == "engines":
         assert shares[-1] < 0.1, shares
     else:

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from ... import _C
 from ..._torch_compat import default_collate
 from .plan import ImagePlan
 from .source import EncodedSamples, ImageSource, collate_encoded, shipped_pixel_bytes
@@ -28,7 +29,6 @@ GPU_BACKENDS = ("hardware", "cuda", "hybrid")  # nvjpeg's: JpegDecoder's backend
 # and of torch's loader alone and feeding ResNet-18 and ResNet-50, and the cuda backend behind both fed:
 # the step lost less to the hybrid's kernels than it gained from batches that came sooner. "cuda" is
 # there for whoever asks for it. Cited by GpuDecode's docstring and maker.ImageMaker.open.
-MOST_THREADS = 64  # JpegDecoder's most lanes (HL_JPEG_MAX_LANES in csrc/nvjpeg_hybrid.h)
 AUTO_WITHOUT_ENGINES = "hybrid"  # what "auto" takes where nvjpeg's hardware decoder does not open
 
 
@@ -79,8 +79,8 @@ class GpuDecode:
             raise TypeError(f"GpuDecode: expected worker_decode to be a bool, got {type(worker_decode).__name__}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
             raise TypeError(f"GpuDecode: expected threads to be None or an int, got {type(threads).__name__}")
-        if threads is not None and not 1 <= threads <= MOST_THREADS:
-            raise ValueError(f"GpuDecode: expected threads None or 1 to {MOST_THREADS}, got {threads}")
+        if threads is not None and not 1 <= threads <= _C.JPEG_MAX_THREADS:
+            raise ValueError(f"GpuDecode: expected threads None or 1 to {_C.JPEG_MAX_THREADS}, got {threads}")
         if threads is not None and backend in ("cuda", "cpu"):
             raise ValueError(f"GpuDecode: threads is for the backends that decode on host threads (\"auto\", "
                              f"\"hardware\", \"hybrid\"); backend {backend!r} has none")
